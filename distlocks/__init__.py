@@ -1,0 +1,21 @@
+"""distlocks: distributed locks with fencing tokens for Django."""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from distlocks.backends.base import BaseBackend
+from distlocks.handler import backends
+from distlocks.locks import Lock, lock, lock_many
+
+try:
+    __version__ = version("distlocks")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0+unknown"
+
+__all__ = ["Lock", "get_backend", "lock", "lock_many"]
+
+
+def get_backend(alias: str = "default") -> BaseBackend:
+    """The backend instance configured as ``alias`` in ``DISTLOCKS_BACKENDS``."""
+    return backends[alias]

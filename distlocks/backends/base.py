@@ -1,0 +1,139 @@
+"""The contract every lock backend fulfils.
+
+A backend is a thin, stateless-per-call adapter over one lock server. All the
+lease bookkeeping (deadlines, loss detection, signals) lives in
+:mod:`distlocks.lease`; a backend only has to make each operation below one
+atomic step on its server.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who is asking for a lock, recorded next to it for inspection."""
+
+    host: str
+    pid: int
+    thread: str
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AcquireResult:
+    """What one acquisition attempt returned."""
+
+    acquired: bool
+    #: The fencing token of the new lease (0 when not acquired).
+    fencing_token: int = 0
+    #: Seconds the lease (or, when not acquired, the current holder's lease) has left;
+    #: ``None`` when the backend has no expiry.
+    remaining: float | None = None
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """A live lock as seen by the server, for the admin page and the CLI."""
+
+    name: str
+    backend: str
+    owner: str
+    fencing_token: int
+    host: str = ""
+    pid: int | None = None
+    thread: str = ""
+    acquired_at: dt.datetime | None = None
+    expires_at: dt.datetime | None = None
+    ttl: float | None = None
+    renewals: int = 0
+    waiters: int | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def held_for(self) -> dt.timedelta | None:
+        if self.acquired_at is None:
+            return None
+        return dt.datetime.now(dt.UTC) - self.acquired_at
+
+    @property
+    def expires_in(self) -> dt.timedelta | None:
+        if self.expires_at is None:
+            return None
+        return self.expires_at - dt.datetime.now(dt.UTC)
+
+
+class BaseBackend(ABC):
+    """Base class of lock backends.
+
+    Subclasses are created by :mod:`distlocks.handler` from one entry of
+    ``DISTLOCKS_BACKENDS``; ``config`` is that entry as written in settings.
+    """
+
+    #: False for backends whose locks have no expiry (held until released).
+    supports_expiry: ClassVar[bool] = True
+    #: Config keys this backend understands, besides ``BACKEND``.
+    config_keys: ClassVar[frozenset[str]] = frozenset({"OPTIONS"})
+
+    def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
+        self.alias = alias
+        self.config = config
+        self.options: Mapping[str, Any] = config.get("OPTIONS") or {}
+
+    @classmethod
+    def validate_config(cls, alias: str, config: Mapping[str, Any]) -> list[str]:
+        """Return problems with ``config`` (no I/O); an empty list means it is usable."""
+        problems = []
+        unknown = set(config) - cls.config_keys - {"BACKEND"}
+        if unknown:
+            problems.append(
+                f"unknown key(s) {', '.join(sorted(unknown))}; "
+                f"{cls.__name__} accepts {', '.join(sorted(cls.config_keys | {'BACKEND'}))}"
+            )
+        options = config.get("OPTIONS", {})
+        if not isinstance(options, Mapping):
+            problems.append(f"OPTIONS must be a dict, not {type(options).__name__}")
+        return problems
+
+    @abstractmethod
+    def acquire(self, name: str, owner: str, ttl: float, holder: Holder) -> AcquireResult:
+        """Take ``name`` for ``owner`` only if it is free, in one atomic step, minting a
+        fencing token greater than every token issued for ``name`` before.
+        Acquiring again with the same ``owner`` returns the same token (retry-safe)."""
+
+    @abstractmethod
+    def release(self, name: str, owner: str) -> bool:
+        """Free ``name`` only if ``owner`` still holds it; True if this call freed it."""
+
+    @abstractmethod
+    def extend(self, name: str, owner: str, ttl: float) -> bool:
+        """Reset the lease of ``owner`` on ``name`` to ``ttl`` seconds; False if not held."""
+
+    @abstractmethod
+    def inspect(self, name: str) -> LockInfo | None:
+        """Describe the current holder of ``name``, or None when it is free."""
+
+    @abstractmethod
+    def iter_locks(self) -> Iterator[LockInfo]:
+        """Yield every live lock on this backend."""
+
+    @abstractmethod
+    def force_release(self, name: str) -> bool:
+        """Free ``name`` whoever holds it, and advance its fencing counter so the
+        evicted holder's fenced writes are rejected; True if it was held."""
+
+    def wait(self, name: str, timeout: float) -> None:
+        """Block up to ``timeout`` seconds, or less when ``name`` may have been freed.
+
+        The default sleeps; backends that can be told about releases wake early.
+        """
+        time.sleep(max(0.0, timeout))
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release client resources (connection pools); the backend is not used again."""

@@ -1,0 +1,163 @@
+"""In-process backend: locks visible only inside one Python process.
+
+For tests and development. It gives the full contract (expiry, fencing,
+ownership checks, wake-ups on release) but no other process sees its locks,
+so it must never guard anything shared between processes; the ``distlocks.W001``
+check warns when it is configured with ``DEBUG = False``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
+
+
+@dataclass
+class _Entry:
+    owner: str
+    token: int
+    ttl: float
+    valid_until: float
+    holder: Holder
+    acquired_at: dt.datetime
+    renewals: int = 0
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.locks: dict[str, _Entry] = {}
+        self.counters: dict[str, int] = {}
+
+    def live(self, name: str) -> _Entry | None:
+        entry = self.locks.get(name)
+        if entry is not None and time.monotonic() >= entry.valid_until:
+            del self.locks[name]
+            return None
+        return entry
+
+
+_stores: dict[str, _Store] = {}
+_stores_lock = threading.Lock()
+
+
+class LocMemBackend(BaseBackend):
+    """Locks in this process's memory, shared by backends with the same ``LOCATION``."""
+
+    config_keys: ClassVar[frozenset[str]] = frozenset({"OPTIONS", "LOCATION"})
+
+    def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
+        super().__init__(alias, config)
+        location = config.get("LOCATION", "")
+        with _stores_lock:
+            self._store = _stores.setdefault(location, _Store())
+
+    @classmethod
+    def validate_config(cls, alias: str, config: Mapping[str, Any]) -> list[str]:
+        problems = super().validate_config(alias, config)
+        if not isinstance(config.get("LOCATION", ""), str):
+            problems.append("LOCATION must be a str naming the in-memory store")
+        return problems
+
+    def acquire(self, name: str, owner: str, ttl: float, holder: Holder) -> AcquireResult:
+        store = self._store
+        with store.cond:
+            entry = store.live(name)
+            now = time.monotonic()
+            if entry is not None:
+                if entry.owner == owner:
+                    entry.valid_until = now + ttl
+                    return AcquireResult(True, entry.token, ttl)
+                return AcquireResult(False, 0, entry.valid_until - now)
+            token = store.counters.get(name, 0) + 1
+            store.counters[name] = token
+            store.locks[name] = _Entry(
+                owner=owner,
+                token=token,
+                ttl=ttl,
+                valid_until=now + ttl,
+                holder=holder,
+                acquired_at=dt.datetime.now(dt.UTC),
+            )
+            return AcquireResult(True, token, ttl)
+
+    def release(self, name: str, owner: str) -> bool:
+        store = self._store
+        with store.cond:
+            entry = store.live(name)
+            if entry is None or entry.owner != owner:
+                return False
+            del store.locks[name]
+            store.cond.notify_all()
+            return True
+
+    def extend(self, name: str, owner: str, ttl: float) -> bool:
+        with self._store.cond:
+            entry = self._store.live(name)
+            if entry is None or entry.owner != owner:
+                return False
+            entry.valid_until = time.monotonic() + ttl
+            entry.ttl = ttl
+            entry.renewals += 1
+            return True
+
+    def force_release(self, name: str) -> bool:
+        store = self._store
+        with store.cond:
+            entry = store.live(name)
+            # Advance the counter so the evicted holder's token is outdated at once.
+            store.counters[name] = store.counters.get(name, 0) + 1
+            if entry is None:
+                return False
+            del store.locks[name]
+            store.cond.notify_all()
+            return True
+
+    def wait(self, name: str, timeout: float) -> None:
+        with self._store.cond:
+            if self._store.live(name) is not None:
+                self._store.cond.wait(timeout)
+
+    def _info(self, name: str, entry: _Entry) -> LockInfo:
+        remaining = max(0.0, entry.valid_until - time.monotonic())
+        return LockInfo(
+            name=name,
+            backend=self.alias,
+            owner=entry.owner,
+            fencing_token=entry.token,
+            host=entry.holder.host,
+            pid=entry.holder.pid,
+            thread=entry.holder.thread,
+            acquired_at=entry.acquired_at,
+            expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=remaining),
+            ttl=entry.ttl,
+            renewals=entry.renewals,
+            extra=dict(entry.holder.extra),
+        )
+
+    def inspect(self, name: str) -> LockInfo | None:
+        with self._store.cond:
+            entry = self._store.live(name)
+            return None if entry is None else self._info(name, entry)
+
+    def iter_locks(self) -> Iterator[LockInfo]:
+        with self._store.cond:
+            names = list(self._store.locks)
+            infos = [
+                self._info(name, entry)
+                for name in names
+                if (entry := self._store.live(name)) is not None
+            ]
+        yield from infos
+
+    def clear(self) -> None:
+        """Drop every lock; fencing counters are kept, so tokens never go backwards."""
+        with self._store.cond:
+            self._store.locks.clear()
+            self._store.cond.notify_all()

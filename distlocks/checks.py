@@ -1,0 +1,102 @@
+"""System checks for distlocks settings. Settings only: no check opens a connection."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.exceptions import ImproperlyConfigured
+
+from distlocks.conf import conf
+from distlocks.handler import backend_class
+
+# Every message distlocks can emit, kept together so the IDs are easy to audit.
+E001 = "DISTLOCKS_BACKENDS must be a dict of alias -> backend config with a 'default' alias."
+E002 = "A DISTLOCKS_BACKENDS entry must be a dict with a 'BACKEND' dotted path."
+E003 = "A DISTLOCKS_BACKENDS 'BACKEND' must import as a BaseBackend subclass."
+E004 = "A DISTLOCKS_BACKENDS entry is not valid for its backend class."
+E005 = "DISTLOCKS_DEFAULT_TTL must be a number of seconds > 0."
+E006 = "DISTLOCKS_DEFAULT_TIMEOUT must be None or a number of seconds >= 0."
+E007 = "DISTLOCKS_KEY_PREFIX must be a non-empty str without braces."
+W001 = "LocMemBackend only locks within one process."
+
+
+def _is_number(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and not math.isnan(value)
+        and not math.isinf(value)
+    )
+
+
+@register(Tags.compatibility, "distlocks")
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    errors: list[CheckMessage] = []
+    errors.extend(_check_backends())
+    ttl = conf.DEFAULT_TTL
+    if not _is_number(ttl) or ttl <= 0:
+        errors.append(Error(E005, hint=f"It is {ttl!r}; set it to e.g. 30.", id="distlocks.E005"))
+    timeout = conf.DEFAULT_TIMEOUT
+    if timeout is not None and (not _is_number(timeout) or timeout < 0):
+        errors.append(
+            Error(
+                E006,
+                hint=f"It is {timeout!r}; use None to wait forever, 0 to try once, "
+                "or a number of seconds.",
+                id="distlocks.E006",
+            )
+        )
+    prefix = conf.KEY_PREFIX
+    if not isinstance(prefix, str) or not prefix or set("{}") & set(prefix):
+        errors.append(Error(E007, hint=f"It is {prefix!r}; e.g. 'distlocks'.", id="distlocks.E007"))
+    return errors
+
+
+def _check_backends() -> list[CheckMessage]:
+    value = conf.BACKENDS
+    if not isinstance(value, Mapping) or "default" not in value:
+        got = "not set" if value is None else f"{value!r}"[:80]
+        return [
+            Error(
+                E001,
+                hint=f"It is {got}. Example: DISTLOCKS_BACKENDS = {{'default': {{'BACKEND': "
+                "'distlocks.backends.redis.RedisBackend', 'LOCATION': "
+                "'redis://127.0.0.1:6379/0'}}}}.",
+                id="distlocks.E001",
+            )
+        ]
+    errors: list[CheckMessage] = []
+    for alias, config in value.items():
+        if not isinstance(config, Mapping) or not isinstance(config.get("BACKEND"), str):
+            errors.append(
+                Error(E002, hint=f"Fix DISTLOCKS_BACKENDS[{alias!r}].", id="distlocks.E002")
+            )
+            continue
+        try:
+            cls = backend_class(alias, config)
+        except ImproperlyConfigured as exc:
+            errors.append(Error(E003, hint=str(exc), id="distlocks.E003"))
+            continue
+        for problem in cls.validate_config(alias, config):
+            errors.append(
+                Error(
+                    E004,
+                    hint=f"DISTLOCKS_BACKENDS[{alias!r}]: {problem}.",
+                    id="distlocks.E004",
+                )
+            )
+        if config["BACKEND"].endswith(".LocMemBackend") and not settings.DEBUG:
+            errors.append(
+                Warning(
+                    W001,
+                    hint=f"DISTLOCKS_BACKENDS[{alias!r}] uses LocMemBackend with DEBUG=False: "
+                    "other processes and servers do not see its locks. Use RedisBackend or "
+                    "PostgresBackend in production.",
+                    id="distlocks.W001",
+                )
+            )
+    return errors

@@ -1,0 +1,73 @@
+"""The exceptions distlocks raises, all under :class:`LockError`.
+
+Driver errors (redis-py, psycopg) never escape raw: they are wrapped where they
+occur and chained as ``__cause__``, so ``except LockError`` is enough.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from distlocks.lease import Lease
+
+
+class LockError(Exception):
+    """Base class of every distlocks error."""
+
+
+class LockNotAcquired(LockError):
+    """The lock was held by someone else until the timeout ran out."""
+
+    def __init__(self, name: str, backend: str, timeout: float | None) -> None:
+        self.name = name
+        self.backend = backend
+        self.timeout = timeout
+        if timeout == 0:
+            detail = "it is held by another owner (timeout=0: tried once)"
+        else:
+            detail = f"it was still held by another owner after waiting {timeout:g}s"
+        super().__init__(f"Could not acquire lock {name!r} on backend {backend!r}: {detail}.")
+
+
+class LockLost(LockError):
+    """The lease ended before its holder released it (expired, deleted, or force-released)."""
+
+    def __init__(self, lease: Lease | None = None, reason: str = "") -> None:
+        self.lease = lease
+        self.reason = reason
+        if lease is not None:
+            msg = (
+                f"Lock {lease.name!r} on backend {lease.backend!r} "
+                f"(fencing token {lease.fencing_token}) was lost"
+            )
+        else:
+            msg = "The lock was lost"
+        super().__init__(f"{msg}: {reason}" if reason else f"{msg}.")
+
+
+class StaleFencingToken(LockError):
+    """A write carried a fencing token lower than one the storage already accepted."""
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        model: Any = None,
+        pk: Any = None,
+        offered: int | None = None,
+        stored: int | None = None,
+    ) -> None:
+        self.model = model
+        self.pk = pk
+        self.offered = offered
+        self.stored = stored
+        super().__init__(message or f"Stale fencing token {offered} (stored {stored}).")
+
+
+class LockBackendUnavailable(LockError):
+    """The lock server could not be reached, or did not answer in time."""
+
+    def __init__(self, backend: str, message: str) -> None:
+        self.backend = backend
+        super().__init__(f"Lock backend {backend!r} is unavailable: {message}")

@@ -1,0 +1,95 @@
+"""Settings for the test suite.
+
+Importing this module starts throwaway Redis and PostgreSQL servers unless
+DISTLOCKS_TEST_REDIS_URL / DISTLOCKS_TEST_DATABASE_URL name existing ones; the
+URLs are exported, so the worker processes that tests start reuse the servers.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import unquote, urlsplit
+
+from distlocks.testing.servers import ensure_test_servers
+
+REDIS_URL, DATABASE_URL = ensure_test_servers()
+
+
+def _database(url: str) -> dict[str, object]:
+    parts = urlsplit(url)
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": "distlocks",
+        "USER": unquote(parts.username or "postgres"),
+        "PASSWORD": unquote(parts.password or ""),
+        "HOST": parts.hostname or "127.0.0.1",
+        "PORT": parts.port or 5432,
+        "TEST": {"NAME": "test_distlocks"},
+    }
+
+
+SECRET_KEY = "distlocks-tests-not-secret"
+DEBUG = False
+USE_TZ = True
+TIME_ZONE = "UTC"
+ALLOWED_HOSTS = ["*"]
+ROOT_URLCONF = "tests.urls"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "distlocks",
+    "tests.testapp",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+DATABASES = {"default": _database(DATABASE_URL)}
+
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "redis": {
+        "BACKEND": "django_redis.cache.RedisCache",
+        "LOCATION": REDIS_URL,
+        "OPTIONS": {"CLIENT_CLASS": "django_redis.client.DefaultClient"},
+    },
+}
+
+DISTLOCKS_BACKENDS = {
+    "default": {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": REDIS_URL},
+    "redis": {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": REDIS_URL},
+    "locmem": {"BACKEND": "distlocks.backends.locmem.LocMemBackend"},
+}
+DISTLOCKS_KEY_PREFIX = "distlocks-test"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"null": {"class": "logging.NullHandler"}},
+    "root": {"handlers": ["null"], "level": "WARNING"},
+}
