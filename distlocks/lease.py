@@ -1,24 +1,30 @@
-"""A held lock: :class:`Lease`.
+"""A held lock: :class:`Lease` (threads) and :class:`AsyncLease` (asyncio).
 
 A lease is the holder's side of a lock. It knows, without asking the server,
 until when it is certainly valid (a monotonic deadline taken *before* the
-acquire request was sent, so it errs on the safe side), and it remembers loudly
+acquire request was sent, so it errs on the safe side), and it reports loudly
 when it has been lost: ``held()`` turns False, ``ensure_held()`` raises
 :class:`~distlocks.exceptions.LockLost`, the ``lock_lost`` signal fires and the
 ``on_lost`` callback runs, exactly once.
+
+With ``auto_renew`` the lease is extended at about a third of its ttl, by the
+process-wide :mod:`distlocks.renewal` thread for :class:`Lease` and by one
+asyncio task per lease for :class:`AsyncLease`. A renewal that finds the lease
+gone, or that cannot reach the server before the lease runs out, marks it lost.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from distlocks import signals
-from distlocks.exceptions import LockLost
+from distlocks.exceptions import LockError, LockLost
 from distlocks.validation import validate_ttl
 
 if TYPE_CHECKING:
@@ -30,9 +36,12 @@ HELD = "held"
 RELEASED = "released"
 LOST = "lost"
 
+#: Renew when this fraction of the ttl has passed.
+RENEW_FRACTION = 1 / 3
 
-class Lease:
-    """One acquisition of one lock, by one owner."""
+
+class BaseLease:
+    """State shared by the sync and async leases: validity, loss, reentrancy depth."""
 
     def __init__(
         self,
@@ -44,7 +53,9 @@ class Lease:
         ttl: float,
         started: float,
         remaining: float | None,
-        on_lost: Callable[[Lease], object] | None = None,
+        on_lost: Callable[[Any], object] | None = None,
+        auto_renew: bool = True,
+        max_hold: float | None = None,
     ) -> None:
         self._backend = backend
         #: The lock name.
@@ -63,17 +74,24 @@ class Lease:
         #: Wall-clock end of the lease, or None where the backend has no expiry.
         self.expires_at = None if remaining is None else now + dt.timedelta(seconds=remaining)
         self.on_lost = on_lost
+        self.auto_renew = auto_renew
+        #: Stop renewing once the lease has been held this long (seconds), if set.
+        self.max_hold = max_hold
+        #: Successful extensions so far (by the watchdog or by ``extend()``).
         self.renewals = 0
+        self._started = started
         self._valid_until = None if remaining is None else started + remaining
         self._state = HELD
         self._lost_reason = ""
+        self._last_renew_error = ""
         self._release_requested = False
+        self._depth = 1
         self._mutex = threading.RLock()
 
     def __repr__(self) -> str:
         return (
-            f"<Lease {self.name!r} backend={self.backend!r} token={self.fencing_token} "
-            f"state={self.state}>"
+            f"<{type(self).__name__} {self.name!r} backend={self.backend!r} "
+            f"token={self.fencing_token} state={self.state}>"
         )
 
     @property
@@ -97,7 +115,10 @@ class Lease:
         if self._state != HELD:
             return False
         if self._valid_until is not None and time.monotonic() >= self._valid_until:
-            self._mark_lost(f"its {self.ttl:g}s lease ran out without being renewed")
+            reason = f"its {self.ttl:g}s lease ran out without being renewed"
+            if self._last_renew_error:
+                reason += f" (last renewal error: {self._last_renew_error})"
+            self._mark_lost(reason)
             return False
         return True
 
@@ -105,8 +126,77 @@ class Lease:
         """Raise :class:`LockLost` if the lease is known to be lost (or was released)."""
         if not self.held():
             if self._state == RELEASED:
-                raise LockLost(self, "it was already released")
-            raise LockLost(self, self._lost_reason)
+                raise LockLost(self, "it was already released")  # type: ignore[arg-type]
+            raise LockLost(self, self._lost_reason)  # type: ignore[arg-type]
+
+    def _mark_lost(self, reason: str) -> None:
+        """Record the loss once: log, signal, callback. Never raises."""
+        with self._mutex:
+            if self._state != HELD:
+                return
+            self._state = LOST
+            self._lost_reason = reason
+        logger.warning(
+            "Lost lock %r on backend %r (fencing token %s): %s",
+            self.name, self.backend, self.fencing_token, reason,
+        )  # fmt: skip
+        self._on_finished()
+        signals.lock_lost.send_robust(sender=type(self), lease=self, reason=reason)
+        if self.on_lost is not None:
+            try:
+                self.on_lost(self)
+            except Exception:
+                logger.exception("on_lost callback for lock %r raised", self.name)
+
+    def _on_finished(self) -> None:
+        """Hook run once when the lease ends (released or lost)."""
+        from distlocks.reentrancy import forget
+
+        forget(self)
+
+    # -- renewal bookkeeping, shared by both flavours ---------------------------
+
+    def _renewal_due(self) -> float | None:
+        """Monotonic time of the next renewal, or None when it should stop."""
+        if not self.auto_renew or self._valid_until is None:
+            return None
+        return time.monotonic() + self.ttl * RENEW_FRACTION
+
+    def _renewal_allowed(self) -> bool:
+        if self._state != HELD or self._release_requested or not self.held():
+            return False
+        if self.max_hold is not None and time.monotonic() - self._started >= self.max_hold:
+            if not self._last_renew_error:
+                self._last_renew_error = f"renewal stopped: max_hold={self.max_hold:g}s reached"
+                logger.warning(
+                    "Lock %r reached max_hold=%ss; it is no longer renewed and will expire",
+                    self.name, self.max_hold,
+                )  # fmt: skip
+            return False
+        return True
+
+    def _renewal_failed(self, exc: Exception) -> float | None:
+        """A renewal could not reach the server: retry soon, while the lease lasts."""
+        self._last_renew_error = f"{type(exc).__name__}: {exc}"
+        logger.warning("Could not renew lock %r: %s", self.name, self._last_renew_error)
+        remaining = self.remaining()
+        if remaining is None or remaining <= 0:
+            self.held()  # marks it lost, with the error as the reason
+            return None
+        # Retry quickly, and wake once more right at the deadline to report the loss.
+        return time.monotonic() + min(max(0.05, self.ttl / 10), remaining)
+
+    def _renewed(self, started: float, ttl: float) -> None:
+        self.ttl = ttl
+        self.renewals += 1
+        self._last_renew_error = ""
+        if self._backend.supports_expiry:
+            self._valid_until = started + ttl
+            self.expires_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=ttl)
+
+
+class Lease(BaseLease):
+    """One acquisition of one lock, by one owner (blocking API)."""
 
     def extend(self, ttl: float | None = None) -> None:
         """Reset the lease to ``ttl`` seconds from now (default: the current ttl).
@@ -120,22 +210,22 @@ class Lease:
             if not self._backend.extend(self.name, self.owner, ttl):
                 self._mark_lost("the server no longer had it when it was extended")
                 raise LockLost(self, self._lost_reason)
-            self.ttl = ttl
-            self.renewals += 1
-            if self._backend.supports_expiry:
-                self._valid_until = started + ttl
-                self.expires_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=ttl)
+            self._renewed(started, ttl)
 
     def release(self) -> bool:
         """Free the lock if this lease still holds it.
 
         Idempotent: returns True when this call freed the lock, False when the lease
-        had already been released or lost (a loss found here is reported as lost).
+        had already been released or lost (a loss found here is reported as lost),
+        or, for a reentrant lease, when an outer holder still holds it.
         Raises :class:`~distlocks.exceptions.LockBackendUnavailable` if the server
         cannot be reached; the lease then ends by expiry.
         """
         with self._mutex:
             if self._state != HELD:
+                return False
+            if self._depth > 1:
+                self._depth -= 1
                 return False
             self._release_requested = True
             freed = self._backend.release(self.name, self.owner)
@@ -143,23 +233,119 @@ class Lease:
                 self._mark_lost("the server no longer had it at release")
                 return False
             self._state = RELEASED
+        self._on_finished()
         signals.lock_released.send(sender=Lease, lease=self)
         return True
 
-    def _mark_lost(self, reason: str) -> None:
-        """Record the loss once: log, signal, callback. Never raises."""
+    def _renew_once(self) -> float | None:
+        """Called by the renewal thread; returns when to call it again (or None)."""
         with self._mutex:
-            if self._state != HELD:
-                return
-            self._state = LOST
-            self._lost_reason = reason
-        logger.warning(
-            "Lost lock %r on backend %r (fencing token %s): %s",
-            self.name, self.backend, self.fencing_token, reason,
-        )  # fmt: skip
+            if not self._renewal_allowed():
+                # Past max_hold: wake once more at the deadline to report the loss.
+                remaining = self.remaining() if self._state == HELD else None
+                if remaining and not self._release_requested:
+                    return time.monotonic() + remaining
+                return None
+            started = time.monotonic()
+            try:
+                ok = self._backend.extend(self.name, self.owner, self.ttl)
+            except LockError as exc:
+                return self._renewal_failed(exc)
+            if not ok:
+                self._mark_lost(
+                    "the server no longer had it at renewal (expired, deleted or force-released)"
+                )
+                return None
+            self._renewed(started, self.ttl)
+        return self._renewal_due()
+
+
+class AsyncLease(BaseLease):
+    """One acquisition of one lock, by one owner (asyncio API)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._renew_task: asyncio.Task[None] | None = None
+        self._alock = asyncio.Lock()
+
+    def _start_renewal(self) -> None:
+        if self._renewal_due() is not None:
+            self._renew_task = asyncio.get_running_loop().create_task(
+                self._renew_loop(), name=f"distlocks-renew:{self.name}"
+            )
+
+    async def _renew_loop(self) -> None:
+        due = self._renewal_due()
+        while due is not None:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            due = await self._arenew_once()
+
+    async def _arenew_once(self) -> float | None:
+        async with self._alock:
+            if not self._renewal_allowed():
+                remaining = self.remaining() if self._state == HELD else None
+                if remaining and not self._release_requested:
+                    return time.monotonic() + remaining
+                return None
+            started = time.monotonic()
+            try:
+                ok = await self._backend.aextend(self.name, self.owner, self.ttl)
+            except LockError as exc:
+                return self._renewal_failed(exc)
+            if not ok:
+                self._mark_lost(
+                    "the server no longer had it at renewal (expired, deleted or force-released)"
+                )
+                return None
+            self._renewed(started, self.ttl)
+        return self._renewal_due()
+
+    def _stop_renewal(self) -> None:
+        task, self._renew_task = self._renew_task, None
+        if task is None:
+            return
+        loop = task.get_loop()
         try:
-            signals.lock_lost.send_robust(sender=Lease, lease=self, reason=reason)
-            if self.on_lost is not None:
-                self.on_lost(self)
-        except Exception:
-            logger.exception("on_lost callback for lock %r raised", self.name)
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            if task is not asyncio.current_task():
+                task.cancel()
+        elif not loop.is_closed():
+            # Lost from another thread (e.g. held() called elsewhere): cancel on its loop.
+            loop.call_soon_threadsafe(task.cancel)
+
+    def _on_finished(self) -> None:
+        super()._on_finished()
+        self._stop_renewal()
+
+    async def extend(self, ttl: float | None = None) -> None:
+        """Reset the lease to ``ttl`` seconds from now; :class:`LockLost` if it is gone."""
+        ttl = self.ttl if ttl is None else validate_ttl(ttl)
+        async with self._alock:
+            self.ensure_held()
+            started = time.monotonic()
+            if not await self._backend.aextend(self.name, self.owner, ttl):
+                self._mark_lost("the server no longer had it when it was extended")
+                raise LockLost(self, self._lost_reason)  # type: ignore[arg-type]
+            self._renewed(started, ttl)
+
+    async def release(self) -> bool:
+        """Free the lock if this lease still holds it; same rules as :meth:`Lease.release`."""
+        async with self._alock:
+            if self._state != HELD:
+                return False
+            if self._depth > 1:
+                self._depth -= 1
+                return False
+            self._release_requested = True
+            self._stop_renewal()
+            freed = await self._backend.arelease(self.name, self.owner)
+            if not freed:
+                self._mark_lost("the server no longer had it at release")
+                return False
+            self._state = RELEASED
+        self._on_finished()
+        signals.lock_released.send(sender=AsyncLease, lease=self)
+        return True

@@ -1,7 +1,8 @@
-"""The synchronous lock API: :func:`lock` and :func:`lock_many`."""
+"""The lock API: :func:`lock`, :func:`alock` and :func:`lock_many`."""
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -11,17 +12,17 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from distlocks import signals
-from distlocks.backends.base import BaseBackend, Holder
+from distlocks import reentrancy, signals
+from distlocks.backends.base import AcquireResult, BaseBackend, Holder
 from distlocks.conf import conf
 from distlocks.exceptions import LockBackendUnavailable, LockLost, LockNotAcquired
 from distlocks.handler import backends, check_alias
-from distlocks.lease import Lease
+from distlocks.lease import AsyncLease, BaseLease, Lease
+from distlocks.renewal import renewer
 from distlocks.validation import validate_name, validate_timeout, validate_ttl
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 _DEFAULT: Any = object()
-# Waiting for a busy lock without wake-ups from the server backs off up to this.
+# Waiting on a backend that cannot wake waiters backs off up to this.
 MAX_POLL_INTERVAL = 0.1
 FIRST_POLL_INTERVAL = 0.002
 
@@ -55,80 +56,205 @@ def new_owner() -> str:
     return uuid.uuid4().hex
 
 
+class _Wait:
+    """The waiting policy of one acquisition: deadline, and how long to block next."""
+
+    def __init__(self, backend: BaseBackend, timeout: float | None, deadline: float | None):
+        self.backend = backend
+        self.timeout = timeout
+        if deadline is None and timeout is not None:
+            deadline = time.monotonic() + timeout
+        self.deadline = deadline
+        self.interval = FIRST_POLL_INTERVAL
+
+    def budget(self) -> float:
+        """How long this caller may still wait, for the backend's waiter registration."""
+        if self.timeout == 0:
+            return 0.0
+        if self.deadline is None:
+            return 3600.0
+        return max(0.0, self.deadline - time.monotonic())
+
+    def next_wait(self, result: AcquireResult) -> float | None:
+        """Seconds to block before the next attempt, or None when the time is up."""
+        now = time.monotonic()
+        if self.deadline is not None and now >= self.deadline:
+            return None
+        if self.backend.wakes_on_release:
+            # The release wakes us; the timer only covers a holder that dies
+            # without releasing (its lease runs out) and lost wake-ups.
+            wait = 3600.0
+        else:
+            wait = self.interval
+            self.interval = min(self.interval * 2, MAX_POLL_INTERVAL)
+        if result.remaining is not None:
+            # The holder's lease ends then at the latest.
+            wait = min(wait, result.remaining + 0.001)
+        if self.deadline is not None:
+            wait = min(wait, self.deadline - now)
+        return max(wait, 0.0)
+
+
+def _lease_kwargs(
+    backend: BaseBackend,
+    name: str,
+    owner: str,
+    ttl: float,
+    started: float,
+    result: AcquireResult,
+    options: Mapping[str, Any],
+) -> dict[str, Any]:
+    return {
+        "backend": backend,
+        "name": name,
+        "owner": owner,
+        "fencing_token": result.fencing_token,
+        "ttl": ttl,
+        "started": started,
+        "remaining": result.remaining,
+        "on_lost": options.get("on_lost"),
+        "auto_renew": options.get("auto_renew", True),
+        "max_hold": options.get("max_hold"),
+    }
+
+
 def acquire_lease(
     backend: BaseBackend,
     name: str,
     *,
     ttl: float,
     timeout: float | None,
-    on_lost: Callable[[Lease], object] | None = None,
     deadline: float | None = None,
+    fair: bool = False,
+    **options: Any,
 ) -> Lease:
     """Acquire ``name`` on ``backend``, waiting up to ``timeout`` seconds.
 
-    The wait is measured on the monotonic clock. ``deadline`` (monotonic) overrides
+    Waits are measured on the monotonic clock. ``deadline`` (monotonic) overrides
     ``timeout`` when several locks share one budget.
     """
-    if deadline is None and timeout is not None:
-        deadline = time.monotonic() + timeout
     owner = new_owner()
     holder = current_holder()
-    interval = FIRST_POLL_INTERVAL
-    while True:
-        started = time.monotonic()
-        result = backend.acquire(name, owner, ttl, holder)
-        if result.acquired:
-            lease = Lease(
-                backend=backend,
-                name=name,
-                owner=owner,
-                fencing_token=result.fencing_token,
-                ttl=ttl,
-                started=started,
-                remaining=result.remaining,
-                on_lost=on_lost,
-            )
-            signals.lock_acquired.send(sender=Lease, lease=lease)
-            return lease
-        now = time.monotonic()
-        if deadline is not None and now >= deadline:
-            raise LockNotAcquired(name, backend.alias, timeout)
-        wait = interval
-        if result.remaining is not None:
-            # The holder's lease ends then at the latest: no point sleeping past it.
-            wait = min(wait, result.remaining + 0.001)
-        if deadline is not None:
-            wait = min(wait, deadline - now)
-        backend.wait(name, wait)
-        interval = min(interval * 2, MAX_POLL_INTERVAL)
+    policy = _Wait(backend, timeout, deadline)
+    registered = False
+    try:
+        while True:
+            started = time.monotonic()
+            budget = policy.budget()
+            result = backend.acquire(name, owner, ttl, holder, wait=budget, fair=fair)
+            registered = budget > 0
+            if result.acquired:
+                registered = False
+                lease = Lease(**_lease_kwargs(backend, name, owner, ttl, started, result, options))
+                break
+            wait = policy.next_wait(result)
+            if wait is None:
+                raise LockNotAcquired(name, backend.alias, timeout)
+            backend.wait(name, wait, owner=owner, fair=fair)
+    finally:
+        if registered:
+            _leave_quietly(backend, name, owner)
+    due = lease._renewal_due()
+    if due is not None:
+        renewer().add(lease, due)
+    signals.lock_acquired.send(sender=Lease, lease=lease)
+    return lease
+
+
+def _leave_quietly(backend: BaseBackend, name: str, owner: str) -> None:
+    try:
+        backend.leave_queue(name, owner)
+    except Exception:
+        # The registration lapses by itself within a second or so.
+        logger.warning("Could not leave the wait queue of %r", name, exc_info=True)
+
+
+async def aacquire_lease(
+    backend: BaseBackend,
+    name: str,
+    *,
+    ttl: float,
+    timeout: float | None,
+    deadline: float | None = None,
+    fair: bool = False,
+    **options: Any,
+) -> AsyncLease:
+    """The asyncio counterpart of :func:`acquire_lease`."""
+    owner = new_owner()
+    holder = current_holder()
+    policy = _Wait(backend, timeout, deadline)
+    registered = False
+    try:
+        while True:
+            started = time.monotonic()
+            budget = policy.budget()
+            result = await backend.aacquire(name, owner, ttl, holder, wait=budget, fair=fair)
+            registered = budget > 0
+            if result.acquired:
+                registered = False
+                lease = AsyncLease(
+                    **_lease_kwargs(backend, name, owner, ttl, started, result, options)
+                )
+                break
+            wait = policy.next_wait(result)
+            if wait is None:
+                raise LockNotAcquired(name, backend.alias, timeout)
+            await backend.await_release(name, wait, owner=owner, fair=fair)
+    finally:
+        if registered:
+            try:
+                await backend.aleave_queue(name, owner)
+            except Exception:
+                logger.warning("Could not leave the wait queue of %r", name, exc_info=True)
+    lease._start_renewal()
+    signals.lock_acquired.send(sender=AsyncLease, lease=lease)
+    return lease
+
+
+def _exit_problem(lease: BaseLease, body_failed: bool) -> LockLost | None:
+    """The LockLost to raise at the end of a block, if any."""
+    if body_failed or lease._state != "lost":
+        return None
+    return LockLost(lease, lease.lost_reason)  # type: ignore[arg-type]
 
 
 def finish_lease(lease: Lease, body_failed: bool) -> None:
     """Release ``lease`` at the end of a ``with`` block or decorated call.
 
-    A lease lost while inside raises :class:`LockLost`, unless the body itself raised
-    (its exception is the one the caller needs to see; the loss is still logged and
-    signalled).
+    A lease lost while inside raises :class:`LockLost`, unless the body itself
+    raised (its exception is the one the caller needs to see; the loss is still
+    logged and signalled).
     """
-    lost_inside = not lease.held()
+    lease.held()  # notices a lease that ran out while inside
     try:
-        freed = lease.release()
+        lease.release()
     except LockBackendUnavailable:
         if body_failed:
             logger.exception("Could not release lock %r after an error in its block", lease.name)
             return
         raise
-    if (lost_inside or not freed) and not body_failed and lease.state == "lost":
-        raise LockLost(lease, lease.lost_reason)
+    problem = _exit_problem(lease, body_failed)
+    if problem is not None:
+        raise problem
 
 
-class Lock:
-    """A lock on one name: a context manager, a decorator, or explicit ``acquire()``.
+async def afinish_lease(lease: AsyncLease, body_failed: bool) -> None:
+    """The asyncio counterpart of :func:`finish_lease`."""
+    lease.held()
+    try:
+        await lease.release()
+    except LockBackendUnavailable:
+        if body_failed:
+            logger.exception("Could not release lock %r after an error in its block", lease.name)
+            return
+        raise
+    problem = _exit_problem(lease, body_failed)
+    if problem is not None:
+        raise problem
 
-    Build it with :func:`distlocks.lock`. The object holds no lease itself between
-    uses, so one decorated function may run in many threads at once, each
-    acquiring its own lease.
-    """
+
+class _LockBase:
+    """Arguments and validation shared by :class:`Lock` and :class:`AsyncLock`."""
 
     def __init__(
         self,
@@ -139,7 +265,9 @@ class Lock:
         timeout: float | None = _DEFAULT,
         auto_renew: bool = True,
         reentrant: bool = False,
-        on_lost: Callable[[Lease], object] | None = None,
+        fair: bool = False,
+        max_hold: float | None = None,
+        on_lost: Callable[[Any], object] | None = None,
     ) -> None:
         self.name = validate_name(name)
         check_alias(backend)
@@ -148,11 +276,17 @@ class Lock:
         self._timeout = timeout if timeout is _DEFAULT else validate_timeout(timeout)
         self.auto_renew = bool(auto_renew)
         self.reentrant = bool(reentrant)
+        self.fair = bool(fair)
+        if max_hold is not None:
+            max_hold = validate_ttl(max_hold)
+        self.max_hold = max_hold
+        if on_lost is not None and not callable(on_lost):
+            raise TypeError(f"on_lost must be a callable taking the lease, not {on_lost!r}.")
         self.on_lost = on_lost
         self._local = threading.local()
 
     def __repr__(self) -> str:
-        return f"<Lock {self.name!r} backend={self.backend_alias!r}>"
+        return f"<{type(self).__name__} {self.name!r} backend={self.backend_alias!r}>"
 
     @property
     def ttl(self) -> float:
@@ -168,16 +302,50 @@ class Lock:
     def backend(self) -> BaseBackend:
         return backends[self.backend_alias]
 
+    def _options(self) -> dict[str, Any]:
+        return {
+            "on_lost": self.on_lost,
+            "auto_renew": self.auto_renew,
+            "max_hold": self.max_hold,
+        }
+
+    def _reenter(self) -> BaseLease | None:
+        """The caller's own reentrant lease on this name, with its depth raised."""
+        if not self.reentrant:
+            return None
+        lease = reentrancy.current(self.backend_alias, self.name)
+        if lease is None:
+            return None
+        lease.ensure_held()  # never silently re-take a lock lost under an outer block
+        with lease._mutex:
+            lease._depth += 1
+        return lease
+
+
+class Lock(_LockBase):
+    """A lock on one name: a context manager, a decorator, or explicit ``acquire()``.
+
+    Build it with :func:`distlocks.lock`. The object holds no lease itself between
+    uses, so one decorated function may run in many threads at once, each
+    acquiring its own lease.
+    """
+
     def acquire(self, *, timeout: float | None = _DEFAULT) -> Lease:
-        """Acquire a new lease, waiting up to ``timeout`` seconds (default: the lock's).
+        """Acquire a lease, waiting up to ``timeout`` seconds (default: the lock's).
 
         Raises :class:`LockNotAcquired` when the lock stays busy,
         :class:`LockBackendUnavailable` when the server cannot be reached.
         """
         wait = self.timeout if timeout is _DEFAULT else validate_timeout(timeout)
-        return acquire_lease(
-            self.backend, self.name, ttl=self.ttl, timeout=wait, on_lost=self.on_lost
+        again = self._reenter()
+        if again is not None:
+            return again  # type: ignore[return-value]
+        lease = acquire_lease(
+            self.backend, self.name, ttl=self.ttl, timeout=wait, fair=self.fair, **self._options()
         )
+        if self.reentrant:
+            reentrancy.remember(lease)
+        return lease
 
     def _stack(self) -> list[Lease]:
         stack: list[Lease] | None = getattr(self._local, "stack", None)
@@ -220,6 +388,77 @@ class Lock:
         return wrapper
 
 
+class AsyncLock(_LockBase):
+    """The asyncio lock: ``async with alock(...) as lease``, a decorator for coroutine
+    functions, or ``await alock(...).acquire()``."""
+
+    async def acquire(self, *, timeout: float | None = _DEFAULT) -> AsyncLease:
+        """Acquire a lease, waiting up to ``timeout`` seconds without blocking the loop."""
+        wait = self.timeout if timeout is _DEFAULT else validate_timeout(timeout)
+        again = self._reenter()
+        if again is not None:
+            return again  # type: ignore[return-value]
+        lease = await aacquire_lease(
+            self.backend, self.name, ttl=self.ttl, timeout=wait, fair=self.fair, **self._options()
+        )
+        if self.reentrant:
+            reentrancy.remember(lease)
+        return lease
+
+    def _leases(self) -> dict[int, list[AsyncLease]]:
+        # Per task, since one AsyncLock may be entered by several tasks at once.
+        leases: dict[int, list[AsyncLease]] | None = getattr(self._local, "leases", None)
+        if leases is None:
+            leases = self._local.leases = {}
+        return leases
+
+    @staticmethod
+    def _task_key() -> int:
+        import asyncio
+
+        return id(asyncio.current_task())
+
+    async def __aenter__(self) -> AsyncLease:
+        lease = await self.acquire()
+        self._leases().setdefault(self._task_key(), []).append(lease)
+        return lease
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        leases = self._leases()
+        key = self._task_key()
+        lease = leases[key].pop()
+        if not leases[key]:
+            del leases[key]
+        await afinish_lease(lease, body_failed=exc_type is not None)
+
+    def __call__(
+        self, func: Callable[P, Coroutine[Any, Any, R]]
+    ) -> Callable[P, Coroutine[Any, Any, R]]:
+        if not inspect.iscoroutinefunction(func):
+            raise TypeError(
+                f"alock() decorates coroutine functions; {func.__qualname__} is not one. "
+                f"Use lock() for plain functions."
+            )
+
+        @functools.wraps(func)
+        async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            lease = await self.acquire()
+            try:
+                result = await func(*args, **kwargs)
+            except BaseException:
+                await afinish_lease(lease, body_failed=True)
+                raise
+            await afinish_lease(lease, body_failed=False)
+            return result
+
+        return wrapper
+
+
 def lock(
     name: str,
     *,
@@ -228,14 +467,21 @@ def lock(
     timeout: float | None = _DEFAULT,
     auto_renew: bool = True,
     reentrant: bool = False,
+    fair: bool = False,
+    max_hold: float | None = None,
     on_lost: Callable[[Lease], object] | None = None,
 ) -> Lock:
     """A lock on ``name``, used as ``with lock(...) as lease:``, as a decorator, or
     through ``lock(...).acquire()``.
 
-    ``ttl`` is the lease length in seconds (default ``DISTLOCKS_DEFAULT_TTL``);
-    ``timeout`` how long to wait for a busy lock (``0`` tries once, ``None`` waits
-    forever; default ``DISTLOCKS_DEFAULT_TIMEOUT``).
+    ``ttl``: lease length in seconds (default ``DISTLOCKS_DEFAULT_TTL``).
+    ``timeout``: how long to wait for a busy lock; ``0`` tries once, ``None`` waits
+    forever (default ``DISTLOCKS_DEFAULT_TIMEOUT``).
+    ``auto_renew``: extend the lease at about ttl/3 while it is held.
+    ``reentrant``: the same thread may take it again; released at the outermost exit.
+    ``fair``: waiters are served in arrival order.
+    ``max_hold``: stop renewing after this many seconds, so a hung holder loses it.
+    ``on_lost``: called with the lease if it is lost while held.
     """
     return Lock(
         name,
@@ -244,11 +490,52 @@ def lock(
         timeout=timeout,
         auto_renew=auto_renew,
         reentrant=reentrant,
+        fair=fair,
+        max_hold=max_hold,
         on_lost=on_lost,
     )
 
 
-@contextmanager
+def alock(
+    name: str,
+    *,
+    backend: str = "default",
+    ttl: float | None = None,
+    timeout: float | None = _DEFAULT,
+    auto_renew: bool = True,
+    reentrant: bool = False,
+    fair: bool = False,
+    max_hold: float | None = None,
+    on_lost: Callable[[AsyncLease], object] | None = None,
+) -> AsyncLock:
+    """The asyncio form of :func:`lock`: ``async with alock(...) as lease:``.
+
+    Same arguments and semantics; renewal runs as an asyncio task of the lease,
+    and reentrancy is per asyncio task.
+    """
+    return AsyncLock(
+        name,
+        backend=backend,
+        ttl=ttl,
+        timeout=timeout,
+        auto_renew=auto_renew,
+        reentrant=reentrant,
+        fair=fair,
+        max_hold=max_hold,
+        on_lost=on_lost,
+    )
+
+
+def _ordered_names(names: Iterable[str]) -> list[str]:
+    if isinstance(names, str):
+        raise TypeError("lock_many() takes a list of names, not one str; use lock() for one.")
+    ordered = sorted({validate_name(name) for name in names})
+    if not ordered:
+        raise ValueError("lock_many() needs at least one name.")
+    return ordered
+
+
+@contextlib.contextmanager
 def lock_many(
     names: Iterable[str],
     *,
@@ -256,6 +543,7 @@ def lock_many(
     ttl: float | None = None,
     timeout: float | None = _DEFAULT,
     auto_renew: bool = True,
+    max_hold: float | None = None,
     on_lost: Callable[[Lease], object] | None = None,
 ) -> Iterator[dict[str, Lease]]:
     """Hold several locks at once: all or none.
@@ -265,12 +553,16 @@ def lock_many(
     cannot be taken, those already taken are released and :class:`LockNotAcquired`
     is raised. Yields ``{name: lease}``; leases are released in reverse order.
     """
-    if isinstance(names, str):
-        raise TypeError("lock_many() takes a list of names, not one str; use lock() for one.")
-    ordered = sorted({validate_name(name) for name in names})
-    if not ordered:
-        raise ValueError("lock_many() needs at least one name.")
-    template = Lock(ordered[0], backend=backend, ttl=ttl, timeout=timeout, auto_renew=auto_renew)
+    ordered = _ordered_names(names)
+    template = Lock(
+        ordered[0],
+        backend=backend,
+        ttl=ttl,
+        timeout=timeout,
+        auto_renew=auto_renew,
+        max_hold=max_hold,
+        on_lost=on_lost,
+    )
     wait = template.timeout
     deadline = None if wait is None else time.monotonic() + wait
     held: list[Lease] = []
@@ -282,8 +574,8 @@ def lock_many(
                     name,
                     ttl=template.ttl,
                     timeout=wait,
-                    on_lost=on_lost,
                     deadline=deadline,
+                    **template._options(),
                 )
             )
     except BaseException:

@@ -26,7 +26,10 @@ def redis_config(**entry: object) -> dict[str, dict[str, object]]:
 
 # Commands the scripts themselves run on the server; INFO commandstats counts them
 # too, but they are not round trips.
-SCRIPT_INNER = {"hget", "incr", "time", "hset", "pexpire", "pttl", "del", "hincrby", "exists"}
+SCRIPT_INNER = {
+    "hget", "incr", "time", "hset", "pexpire", "pttl", "del", "hincrby", "exists",
+    "zadd", "zrem", "zrange", "zrangebyscore", "zremrangebyscore", "zcard", "rpush", "ltrim",
+}  # fmt: skip
 # Commands of the measurement itself.
 MEASUREMENT = {"config|resetstat", "config", "info"}
 

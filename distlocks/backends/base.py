@@ -8,6 +8,7 @@ atomic step on its server.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import time
 from abc import ABC, abstractmethod
@@ -101,11 +102,27 @@ class BaseBackend(ABC):
             problems.append(f"OPTIONS must be a dict, not {type(options).__name__}")
         return problems
 
+    #: True when :meth:`wait` returns as soon as the lock is released (no polling).
+    wakes_on_release: ClassVar[bool] = False
+
     @abstractmethod
-    def acquire(self, name: str, owner: str, ttl: float, holder: Holder) -> AcquireResult:
+    def acquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        wait: float = 0.0,
+        fair: bool = False,
+    ) -> AcquireResult:
         """Take ``name`` for ``owner`` only if it is free, in one atomic step, minting a
         fencing token greater than every token issued for ``name`` before.
-        Acquiring again with the same ``owner`` returns the same token (retry-safe)."""
+
+        Acquiring again with the same ``owner`` returns the same token (retry-safe).
+        ``wait`` > 0 says the caller will wait up to that long if the lock is busy
+        (so a release should wake it); with ``fair`` the lock goes to waiters in
+        arrival order."""
 
     @abstractmethod
     def release(self, name: str, owner: str) -> bool:
@@ -128,12 +145,51 @@ class BaseBackend(ABC):
         """Free ``name`` whoever holds it, and advance its fencing counter so the
         evicted holder's fenced writes are rejected; True if it was held."""
 
-    def wait(self, name: str, timeout: float) -> None:
+    def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
         """Block up to ``timeout`` seconds, or less when ``name`` may have been freed.
 
-        The default sleeps; backends that can be told about releases wake early.
+        The default sleeps; backends with ``wakes_on_release`` return at the release.
         """
         time.sleep(max(0.0, timeout))
+
+    def leave_queue(self, name: str, owner: str) -> None:  # noqa: B027 - optional hook
+        """``owner`` stopped waiting for ``name`` (timeout or error): forget it, so it
+        does not hold up the waiters behind it."""
+
+    # -- asyncio ---------------------------------------------------------------
+    # Defaults run the blocking methods in a worker thread; backends with a native
+    # asyncio client override them.
+
+    async def aacquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        wait: float = 0.0,
+        fair: bool = False,
+    ) -> AcquireResult:
+        """Async :meth:`acquire`."""
+        return await asyncio.to_thread(self.acquire, name, owner, ttl, holder, wait=wait, fair=fair)
+
+    async def arelease(self, name: str, owner: str) -> bool:
+        """Async :meth:`release`."""
+        return await asyncio.to_thread(self.release, name, owner)
+
+    async def aextend(self, name: str, owner: str, ttl: float) -> bool:
+        """Async :meth:`extend`."""
+        return await asyncio.to_thread(self.extend, name, owner, ttl)
+
+    async def await_release(
+        self, name: str, timeout: float, *, owner: str = "", fair: bool = False
+    ) -> None:
+        """Async :meth:`wait`."""
+        await asyncio.to_thread(self.wait, name, timeout, owner=owner, fair=fair)
+
+    async def aleave_queue(self, name: str, owner: str) -> None:
+        """Async :meth:`leave_queue`."""
+        await asyncio.to_thread(self.leave_queue, name, owner)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release client resources (connection pools); the backend is not used again."""

@@ -34,6 +34,8 @@ class _Store:
         self.cond = threading.Condition()
         self.locks: dict[str, _Entry] = {}
         self.counters: dict[str, int] = {}
+        # Fair waiters per lock name, in arrival order.
+        self.queues: dict[str, list[str]] = {}
 
     def live(self, name: str) -> _Entry | None:
         entry = self.locks.get(name)
@@ -65,7 +67,18 @@ class LocMemBackend(BaseBackend):
             problems.append("LOCATION must be a str naming the in-memory store")
         return problems
 
-    def acquire(self, name: str, owner: str, ttl: float, holder: Holder) -> AcquireResult:
+    wakes_on_release = True
+
+    def acquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        wait: float = 0.0,
+        fair: bool = False,
+    ) -> AcquireResult:
         store = self._store
         with store.cond:
             entry = store.live(name)
@@ -74,7 +87,20 @@ class LocMemBackend(BaseBackend):
                 if entry.owner == owner:
                     entry.valid_until = now + ttl
                     return AcquireResult(True, entry.token, ttl)
+                if fair and wait > 0:
+                    queue = store.queues.setdefault(name, [])
+                    if owner not in queue:
+                        queue.append(owner)
                 return AcquireResult(False, 0, entry.valid_until - now)
+            waiting = store.queues.get(name)
+            if fair and waiting and waiting[0] != owner:
+                if wait > 0 and owner not in waiting:
+                    waiting.append(owner)
+                return AcquireResult(False, 0, None)
+            if waiting and owner in waiting:
+                waiting.remove(owner)
+                if not waiting:
+                    del store.queues[name]
             token = store.counters.get(name, 0) + 1
             store.counters[name] = token
             store.locks[name] = _Entry(
@@ -86,6 +112,16 @@ class LocMemBackend(BaseBackend):
                 acquired_at=dt.datetime.now(dt.UTC),
             )
             return AcquireResult(True, token, ttl)
+
+    def leave_queue(self, name: str, owner: str) -> None:
+        store = self._store
+        with store.cond:
+            queue = store.queues.get(name)
+            if queue and owner in queue:
+                queue.remove(owner)
+                if not queue:
+                    del store.queues[name]
+                store.cond.notify_all()
 
     def release(self, name: str, owner: str) -> bool:
         store = self._store
@@ -119,10 +155,13 @@ class LocMemBackend(BaseBackend):
             store.cond.notify_all()
             return True
 
-    def wait(self, name: str, timeout: float) -> None:
-        with self._store.cond:
-            if self._store.live(name) is not None:
-                self._store.cond.wait(timeout)
+    def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
+        store = self._store
+        with store.cond:
+            queue = store.queues.get(name)
+            its_turn = not fair or not queue or queue[0] == owner
+            if store.live(name) is not None or not its_turn:
+                store.cond.wait(timeout)
 
     def _info(self, name: str, entry: _Entry) -> LockInfo:
         remaining = max(0.0, entry.valid_until - time.monotonic())
@@ -138,6 +177,7 @@ class LocMemBackend(BaseBackend):
             expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=remaining),
             ttl=entry.ttl,
             renewals=entry.renewals,
+            waiters=len(self._store.queues.get(name, ())),
             extra=dict(entry.holder.extra),
         )
 

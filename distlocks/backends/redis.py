@@ -17,13 +17,17 @@ is one ``EVALSHA``: one round trip, one server-side step.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import hashlib
+import inspect as pyinspect
 import json
 import threading
+import time
+import weakref
 from collections.abc import Iterator, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 from urllib.parse import urlsplit
 
 from django.conf import settings
@@ -35,6 +39,8 @@ from distlocks.exceptions import LockBackendUnavailable, LockError
 
 try:
     import redis
+    import redis.asyncio
+    from redis.asyncio.retry import Retry as AsyncRetry
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -42,37 +48,106 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "distlocks.backends.redis.RedisBackend needs redis-py: pip install 'distlocks[redis]'."
     ) from exc
 
-# KEYS: lock hash, fence counter.
-# ARGV: owner, ttl ms, name, host, pid, thread, extra (JSON).
-# Returns {1, token, ttl ms} when granted, {0, 0, holder's pttl} when busy.
-ACQUIRE = """
-local holder = redis.call('HGET', KEYS[1], 'owner')
-if holder then
-  if holder == ARGV[1] then
-    -- Same owner: a retried request whose first reply was lost. It is ours.
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return {1, tonumber(redis.call('HGET', KEYS[1], 'token')), tonumber(ARGV[2])}
+# Shared Lua fragments. Waiters register in KEYS waiters (zset owner -> expiry ms);
+# fair waiters also queue in KEYS queue (zset owner -> arrival time in us).
+_NOW = """
+local now = redis.call('TIME')
+local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
+"""
+
+# Forget waiters whose registration expired (they crashed or gave up silently).
+_PRUNE = """
+local function prune(waiters, queue, now_ms)
+  local dead = redis.call('ZRANGEBYSCORE', waiters, '-inf', now_ms)
+  if #dead > 0 then
+    for _, w in ipairs(dead) do redis.call('ZREM', queue, w) end
+    redis.call('ZREMRANGEBYSCORE', waiters, '-inf', now_ms)
   end
-  return {0, 0, redis.call('PTTL', KEYS[1])}
+end
+"""
+
+# Wake one waiter after the lock became free: the head of the fair queue on its
+# own list, otherwise any waiter through the shared signal list.
+_WAKE = (
+    _PRUNE
+    + """
+local function wake(waiters, queue, signal, wake_prefix, now_ms)
+  if redis.call('EXISTS', waiters) == 0 then return end
+  prune(waiters, queue, now_ms)
+  local head = redis.call('ZRANGE', queue, 0, 0)[1]
+  if head then
+    redis.call('RPUSH', wake_prefix .. head, 1)
+    redis.call('PEXPIRE', wake_prefix .. head, 10000)
+  elseif redis.call('EXISTS', waiters) == 1 then
+    redis.call('RPUSH', signal, 1)
+    redis.call('LTRIM', signal, -1, -1)
+    redis.call('PEXPIRE', signal, 10000)
+  end
+end
+"""
+)
+
+# KEYS: lock hash, fence counter, waiters, queue.
+# ARGV: owner, ttl ms, name, host, pid, thread, extra (JSON), wait ms, fair (0/1).
+# Returns {1, token, ttl ms} when granted; {0, 0, holder's pttl or -3} when not.
+ACQUIRE = (
+    _NOW
+    + _PRUNE
+    + """
+local holder = redis.call('HGET', KEYS[1], 'owner')
+if holder == ARGV[1] then
+  -- Same owner: a retried request whose first reply was lost. It is ours.
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return {1, tonumber(redis.call('HGET', KEYS[1], 'token')), tonumber(ARGV[2])}
+end
+local fair = ARGV[9] == '1'
+local wait_ms = tonumber(ARGV[8])
+local turn = not holder
+if turn and fair then
+  prune(KEYS[3], KEYS[4], now_ms)
+  local head = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+  turn = (not head) or head == ARGV[1]
+end
+if not turn then
+  if wait_ms > 0 then
+    redis.call('ZADD', KEYS[3], now_ms + wait_ms, ARGV[1])
+    if fair then
+      redis.call('ZADD', KEYS[4], 'NX', now[1] * 1000000 + now[2], ARGV[1])
+    end
+  end
+  if holder then return {0, 0, redis.call('PTTL', KEYS[1])} end
+  return {0, 0, -3}
+end
+if wait_ms > 0 then
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  if fair then redis.call('ZREM', KEYS[4], ARGV[1]) end
 end
 local token = redis.call('INCR', KEYS[2])
-local now = redis.call('TIME')
 redis.call('HSET', KEYS[1],
   'owner', ARGV[1], 'token', token, 'name', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5],
   'thread', ARGV[6], 'extra', ARGV[7], 'ttl', ARGV[2], 'renewals', 0,
-  'acquired_at', now[1] * 1000 + math.floor(now[2] / 1000))
+  'acquired_at', now_ms)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {1, token, tonumber(ARGV[2])}
 """
+)
 
-# KEYS: lock hash. ARGV: owner. Compare-and-delete.
-RELEASE = """
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
+# KEYS: lock hash, waiters, queue, signal. ARGV: owner, wake key prefix.
+# Compare-and-delete, then wake one waiter.
+RELEASE = (
+    _WAKE
+    + """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+if redis.call('EXISTS', KEYS[2]) == 1 then
 """
+    + _NOW
+    + """
+  wake(KEYS[2], KEYS[3], KEYS[4], ARGV[2], now_ms)
+end
+return 1
+"""
+)
 
 # KEYS: lock hash. ARGV: owner, ttl ms. Compare-and-expire.
 EXTEND = """
@@ -85,15 +160,67 @@ end
 return 0
 """
 
-# KEYS: lock hash, fence counter. Unconditional delete; the counter moves on so
-# that the evicted holder's token is already outdated.
-FORCE_RELEASE = """
+# KEYS: lock hash, fence counter, waiters, queue, signal. ARGV: wake key prefix.
+# Unconditional delete; the counter moves on so that the evicted holder's token
+# is already outdated; a waiter is woken.
+FORCE_RELEASE = (
+    _NOW
+    + _WAKE
+    + """
 local existed = redis.call('DEL', KEYS[1])
 redis.call('INCR', KEYS[2])
+wake(KEYS[3], KEYS[4], KEYS[5], ARGV[1], now_ms)
 return existed
 """
+)
+
+# KEYS: lock hash, waiters, queue, signal. ARGV: owner, wake key prefix.
+# A waiter gives up: it leaves the queue, and if the lock is free it passes on
+# a wake-up it may have consumed, so the waiters behind it are not held up.
+LEAVE = (
+    _NOW
+    + _WAKE
+    + """
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('DEL', ARGV[2] .. ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  wake(KEYS[2], KEYS[3], KEYS[4], ARGV[2], now_ms)
+end
+return 1
+"""
+)
+
+SCRIPTS = {
+    "acquire": ACQUIRE,
+    "release": RELEASE,
+    "extend": EXTEND,
+    "force_release": FORCE_RELEASE,
+    "leave": LEAVE,
+}
+
 
 _SCHEMES = ("redis", "rediss", "unix")
+# Connection settings the asyncio client accepts, copied from the sync pool.
+_ASYNC_KWARGS = frozenset(pyinspect.signature(redis.asyncio.Redis.__init__).parameters) - {
+    "self",
+    "connection_pool",
+    "retry",
+    "single_connection_client",
+}
+
+
+class Keys(NamedTuple):
+    """The keys of one lock (all share one hash tag, so one cluster slot)."""
+
+    lock: str
+    fence: str
+    waiters: str
+    queue: str
+    signal: str
+    wake_prefix: str
+
+
 _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)
 
 
@@ -114,6 +241,8 @@ def _positive(options: Mapping[str, Any], key: str, problems: list[str]) -> None
 class RedisBackend(BaseBackend):
     """Locks on one Redis server (or a django-redis cache's server)."""
 
+    wakes_on_release = True
+
     config_keys: ClassVar[frozenset[str]] = frozenset({"OPTIONS", "LOCATION", "CACHE"})
 
     #: Defaults chosen so that an unreachable server is reported within about a
@@ -127,6 +256,9 @@ class RedisBackend(BaseBackend):
         self._client: redis.Redis | None = None
         self._client_lock = threading.Lock()
         self._scripts: dict[str, Any] = {}
+        self._async_clients: weakref.WeakKeyDictionary[
+            asyncio.AbstractEventLoop, tuple[redis.asyncio.Redis, dict[str, Any]]
+        ] = weakref.WeakKeyDictionary()
 
     # -- configuration ----------------------------------------------------------
 
@@ -213,29 +345,62 @@ class RedisBackend(BaseBackend):
                 if self._client is None:
                     client = self._build_client()
                     self._scripts = {
-                        "acquire": client.register_script(ACQUIRE),
-                        "release": client.register_script(RELEASE),
-                        "extend": client.register_script(EXTEND),
-                        "force_release": client.register_script(FORCE_RELEASE),
+                        key: client.register_script(lua) for key, lua in SCRIPTS.items()
                     }
                     self._client = client
         return self._client
+
+    def _async_client(self) -> tuple[redis.asyncio.Redis, dict[str, Any]]:
+        """A redis.asyncio client for the running event loop (clients are per loop)."""
+        loop = asyncio.get_running_loop()
+        found = self._async_clients.get(loop)
+        if found is None:
+            pool = self.client.connection_pool
+            kwargs = dict(pool.connection_kwargs)
+            kwargs.pop("retry", None)
+            if "path" in kwargs:
+                kwargs["unix_socket_path"] = kwargs.pop("path")
+            if issubclass(pool.connection_class, redis.SSLConnection):
+                kwargs["ssl"] = True
+            # Keep our timeouts; take the rest (address, credentials, TLS) from the
+            # synchronous pool, whatever LOCATION or CACHE built it from.
+            aclient = redis.asyncio.Redis(
+                **{k: v for k, v in kwargs.items() if k in _ASYNC_KWARGS},
+                retry=AsyncRetry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+            )
+            scripts = {key: aclient.register_script(lua) for key, lua in SCRIPTS.items()}
+            found = (aclient, scripts)
+            self._async_clients[loop] = found
+        return found
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client.connection_pool.disconnect()
             self._client = None
+        self._async_clients.clear()
 
     # -- keys -----------------------------------------------------------------
 
     def keys(self, name: str) -> tuple[str, str]:
         """The lock hash key and the fencing counter key of ``name``."""
+        keys = self.all_keys(name)
+        return keys.lock, keys.fence
+
+    def all_keys(self, name: str) -> Keys:
+        """Every key of ``name``, all in one Redis Cluster slot."""
         tag = name
         if "{" in name or "}" in name:
             tag = "#" + hashlib.sha256(name.encode()).hexdigest()[:32]
         base = f"{self.key_prefix}:{{{tag}}}"
-        return f"{base}:lock", f"{base}:fence"
+        return Keys(
+            lock=f"{base}:lock",
+            fence=f"{base}:fence",
+            waiters=f"{base}:waiters",
+            queue=f"{base}:queue",
+            signal=f"{base}:signal",
+            wake_prefix=f"{base}:wake:",
+        )
 
     # -- calls ----------------------------------------------------------------
 
@@ -257,15 +422,49 @@ class RedisBackend(BaseBackend):
         client = self.client
         return self._scripts[script](keys=keys, args=args, client=client)
 
-    def acquire(self, name: str, owner: str, ttl: float, holder: Holder) -> AcquireResult:
-        ttl_ms = max(1, round(ttl * 1000))
+    async def _arun(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        client, scripts = self._async_client()
+        return await scripts[script](keys=keys, args=args, client=client)
+
+    @property
+    def wait_chunk(self) -> float:
+        """Longest single blocking wait, kept under the socket timeout."""
+        timeout = self.options.get("socket_timeout", self.DEFAULT_SOCKET_TIMEOUT)
+        return max(0.01, min(5.0, 0.8 * timeout))
+
+    def _acquire_call(
+        self, name: str, owner: str, ttl: float, holder: Holder, wait: float, fair: bool
+    ) -> tuple[list[str], list[Any]]:
+        keys = self.all_keys(name)
+        # A waiter's registration outlives one blocking wait by a margin; it is
+        # renewed at every attempt, and dropped by the others once it lapses.
+        register_ms = round((min(wait, self.wait_chunk) + 1.0) * 1000) if wait > 0 else 0
         args = [
-            owner, ttl_ms, name, holder.host, holder.pid, holder.thread,
-            json.dumps(dict(holder.extra), separators=(",", ":")),
+            owner, max(1, round(ttl * 1000)), name, holder.host, holder.pid, holder.thread,
+            json.dumps(dict(holder.extra), separators=(",", ":")), register_ms, int(fair),
         ]  # fmt: skip
+        return [keys.lock, keys.fence, keys.waiters, keys.queue], args
+
+    @staticmethod
+    def _acquire_result(reply: list[int]) -> AcquireResult:
+        granted, token, remaining_ms = reply
+        remaining = None if remaining_ms < 0 else remaining_ms / 1000
+        return AcquireResult(bool(granted), int(token), remaining)
+
+    def acquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        wait: float = 0.0,
+        fair: bool = False,
+    ) -> AcquireResult:
+        keys, args = self._acquire_call(name, owner, ttl, holder, wait, fair)
         try:
             with self._errors("acquire", name):
-                granted, token, remaining_ms = self._run("acquire", list(self.keys(name)), args)
+                return self._acquire_result(self._run("acquire", keys, args))
         except LockBackendUnavailable as exc:
             if isinstance(exc.__cause__, redis.TimeoutError):
                 # The script may have run and only the reply was lost: give the lock
@@ -273,26 +472,104 @@ class RedisBackend(BaseBackend):
                 with contextlib.suppress(LockError):
                     self.release(name, owner)
             raise
-        remaining = None if remaining_ms < 0 else remaining_ms / 1000
-        return AcquireResult(bool(granted), int(token), remaining)
+
+    async def aacquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        wait: float = 0.0,
+        fair: bool = False,
+    ) -> AcquireResult:
+        keys, args = self._acquire_call(name, owner, ttl, holder, wait, fair)
+        try:
+            with self._errors("acquire", name):
+                return self._acquire_result(await self._arun("acquire", keys, args))
+        except LockBackendUnavailable as exc:
+            if isinstance(exc.__cause__, redis.TimeoutError):
+                with contextlib.suppress(LockError):
+                    await self.arelease(name, owner)
+            raise
+
+    def _release_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
+        k = self.all_keys(name)
+        return [k.lock, k.waiters, k.queue, k.signal], [owner, k.wake_prefix]
 
     def release(self, name: str, owner: str) -> bool:
         with self._errors("release", name):
-            return bool(self._run("release", [self.keys(name)[0]], [owner]))
+            return bool(self._run("release", *self._release_call(name, owner)))
+
+    async def arelease(self, name: str, owner: str) -> bool:
+        with self._errors("release", name):
+            return bool(await self._arun("release", *self._release_call(name, owner)))
 
     def extend(self, name: str, owner: str, ttl: float) -> bool:
         ttl_ms = max(1, round(ttl * 1000))
         with self._errors("extend", name):
-            return bool(self._run("extend", [self.keys(name)[0]], [owner, ttl_ms]))
+            return bool(self._run("extend", [self.all_keys(name).lock], [owner, ttl_ms]))
+
+    async def aextend(self, name: str, owner: str, ttl: float) -> bool:
+        ttl_ms = max(1, round(ttl * 1000))
+        with self._errors("extend", name):
+            return bool(await self._arun("extend", [self.all_keys(name).lock], [owner, ttl_ms]))
 
     def force_release(self, name: str) -> bool:
+        k = self.all_keys(name)
         with self._errors("force-release", name):
-            return bool(self._run("force_release", list(self.keys(name)), []))
+            return bool(
+                self._run(
+                    "force_release",
+                    [k.lock, k.fence, k.waiters, k.queue, k.signal],
+                    [k.wake_prefix],
+                )
+            )
+
+    def _wait_key(self, name: str, owner: str, fair: bool) -> str:
+        keys = self.all_keys(name)
+        return keys.wake_prefix + owner if fair else keys.signal
+
+    def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
+        # BLPOP returns the moment a release pushes a wake-up (or at the timeout).
+        seconds = min(timeout, self.wait_chunk)
+        if seconds <= 0.001:
+            return
+        with self._errors("wait for", name):
+            self.client.blpop([self._wait_key(name, owner, fair)], timeout=seconds)
+
+    async def await_release(
+        self, name: str, timeout: float, *, owner: str = "", fair: bool = False
+    ) -> None:
+        seconds = min(timeout, self.wait_chunk)
+        if seconds <= 0.001:
+            return
+        client, _ = self._async_client()
+        with self._errors("wait for", name):
+            await client.blpop([self._wait_key(name, owner, fair)], timeout=seconds)
+
+    def _leave_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
+        k = self.all_keys(name)
+        return [k.lock, k.waiters, k.queue, k.signal], [owner, k.wake_prefix]
+
+    def leave_queue(self, name: str, owner: str) -> None:
+        with self._errors("leave the queue of", name):
+            self._run("leave", *self._leave_call(name, owner))
+
+    async def aleave_queue(self, name: str, owner: str) -> None:
+        with self._errors("leave the queue of", name):
+            await self._arun("leave", *self._leave_call(name, owner))
 
     def fencing_counter(self, name: str) -> int:
         """The last fencing token issued for ``name`` (0 if none)."""
         with self._errors("read the fencing counter of", name):
-            return int(self.client.get(self.keys(name)[1]) or 0)
+            return int(self.client.get(self.all_keys(name).fence) or 0)
+
+    def waiters(self, name: str) -> int:
+        """How many callers are registered as waiting for ``name``."""
+        with self._errors("count the waiters of", name):
+            now_ms = int(time.time() * 1000)
+            return int(self.client.zcount(self.all_keys(name).waiters, now_ms, "+inf"))
 
     # -- inspection -----------------------------------------------------------
 

@@ -1,0 +1,99 @@
+"""The process-wide lease renewer: one thread, however many leases.
+
+Leases are kept in a heap ordered by their next renewal time. The thread sleeps
+until the earliest one is due, renews it (one compare-and-expire round trip),
+and schedules it again at a third of its ttl. It exits after a while with
+nothing to do and is started again by the next lease, and it is rebuilt in a
+forked child (threads do not survive ``fork``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distlocks.lease import Lease
+
+logger = logging.getLogger(__name__)
+
+#: Seconds the thread lingers with no lease before exiting.
+IDLE_EXIT = 30.0
+
+
+class Renewer:
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Lease]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def add(self, lease: Lease, due: float) -> None:
+        """Renew ``lease`` at monotonic time ``due`` (and after that as it asks)."""
+        with self._cond:
+            heapq.heappush(self._heap, (due, next(self._seq), lease))
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="distlocks-renewer", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def pending(self) -> int:
+        """Leases currently scheduled (released ones drop out at their next turn)."""
+        with self._cond:
+            return len(self._heap)
+
+    def _next(self) -> Lease | None:
+        """Wait for the next due lease; None when idle long enough to exit."""
+        idle_since = time.monotonic()
+        with self._cond:
+            while True:
+                if not self._heap:
+                    if time.monotonic() - idle_since >= IDLE_EXIT:
+                        self._thread = None
+                        return None
+                    self._cond.wait(IDLE_EXIT)
+                    continue
+                due, _, lease = self._heap[0]
+                delay = due - time.monotonic()
+                if delay > 0:
+                    self._cond.wait(delay)
+                    continue
+                heapq.heappop(self._heap)
+                return lease
+
+    def _run(self) -> None:
+        while True:
+            lease = self._next()
+            if lease is None:
+                return
+            try:
+                due = lease._renew_once()
+            except Exception:  # a bug must not kill renewal of every other lease
+                logger.exception("Renewal of lock %r failed unexpectedly", lease.name)
+                due = time.monotonic() + 0.5
+            if due is not None:
+                with self._cond:
+                    heapq.heappush(self._heap, (due, next(self._seq), lease))
+
+
+_renewer = Renewer()
+
+
+def renewer() -> Renewer:
+    return _renewer
+
+
+def _reset_after_fork() -> None:
+    global _renewer
+    _renewer = Renewer()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
