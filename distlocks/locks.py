@@ -142,7 +142,7 @@ def acquire_lease(
             started = time.monotonic()
             budget = policy.budget()
             result = backend.acquire(name, owner, ttl, holder, wait=budget, fair=fair)
-            registered = budget > 0
+            registered = registered or budget > 0
             if result.acquired:
                 registered = False
                 lease = Lease(**_lease_kwargs(backend, name, owner, ttl, started, result, options))
@@ -189,7 +189,7 @@ async def aacquire_lease(
             started = time.monotonic()
             budget = policy.budget()
             result = await backend.aacquire(name, owner, ttl, holder, wait=budget, fair=fair)
-            registered = budget > 0
+            registered = registered or budget > 0
             if result.acquired:
                 registered = False
                 lease = AsyncLease(
@@ -309,17 +309,11 @@ class _LockBase:
             "max_hold": self.max_hold,
         }
 
-    def _reenter(self) -> BaseLease | None:
-        """The caller's own reentrant lease on this name, with its depth raised."""
+    def _reentrant_lease(self) -> BaseLease | None:
+        """The caller's own reentrant lease on this name, if it holds one."""
         if not self.reentrant:
             return None
-        lease = reentrancy.current(self.backend_alias, self.name)
-        if lease is None:
-            return None
-        lease.ensure_held()  # never silently re-take a lock lost under an outer block
-        with lease._mutex:
-            lease._depth += 1
-        return lease
+        return reentrancy.current(self.backend_alias, self.name)
 
 
 class Lock(_LockBase):
@@ -337,9 +331,14 @@ class Lock(_LockBase):
         :class:`LockBackendUnavailable` when the server cannot be reached.
         """
         wait = self.timeout if timeout is _DEFAULT else validate_timeout(timeout)
-        again = self._reenter()
-        if again is not None:
-            return again  # type: ignore[return-value]
+        again = self._reentrant_lease()
+        if isinstance(again, Lease):
+            # Confirm with the server (and refresh the lease) rather than trust local
+            # state: re-entering a lock lost under the outer block must fail loudly.
+            again.extend()
+            with again._mutex:
+                again._depth += 1
+            return again
         lease = acquire_lease(
             self.backend, self.name, ttl=self.ttl, timeout=wait, fair=self.fair, **self._options()
         )
@@ -395,9 +394,12 @@ class AsyncLock(_LockBase):
     async def acquire(self, *, timeout: float | None = _DEFAULT) -> AsyncLease:
         """Acquire a lease, waiting up to ``timeout`` seconds without blocking the loop."""
         wait = self.timeout if timeout is _DEFAULT else validate_timeout(timeout)
-        again = self._reenter()
-        if again is not None:
-            return again  # type: ignore[return-value]
+        again = self._reentrant_lease()
+        if isinstance(again, AsyncLease):
+            await again.extend()
+            with again._mutex:
+                again._depth += 1
+            return again
         lease = await aacquire_lease(
             self.backend, self.name, ttl=self.ttl, timeout=wait, fair=self.fair, **self._options()
         )

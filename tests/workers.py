@@ -40,3 +40,50 @@ def _bump(file: Path, window: float) -> None:
     value = int(file.read_text() or 0)
     time.sleep(window)
     file.write_text(str(value + 1))
+
+
+def try_to_steal(alias: str, name: str, seconds: float, result_path: str) -> None:
+    """Try to take ``name`` (timeout=0) again and again for ``seconds``; record successes."""
+    setup_django()
+    from distlocks import lock
+    from distlocks.exceptions import LockNotAcquired
+
+    attempts = stolen = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        attempts += 1
+        try:
+            with lock(name, backend=alias, ttl=5, timeout=0):
+                stolen += 1
+        except LockNotAcquired:
+            pass
+        time.sleep(0.02)
+    Path(result_path).write_text(f"{attempts} {stolen}")
+
+
+def hold_and_report(alias: str, name: str, ttl: float, log_path: str) -> None:
+    """Hold ``name`` and keep checking the lease; log what happens, with monotonic times.
+
+    Each "alive" line carries a time taken *before* ensure_held() succeeded, so a line
+    can never claim the lease at a moment after it was checked.
+    """
+    setup_django()
+    from distlocks import lock
+    from distlocks.exceptions import LockLost
+
+    log = Path(log_path)
+
+    def write(line: str) -> None:
+        with log.open("a") as fh:
+            fh.write(line + "\n")
+
+    lease = lock(name, backend=alias, ttl=ttl, timeout=10).acquire()
+    write(f"acquired {lease.fencing_token} {time.monotonic()}")
+    try:
+        while True:
+            checked_at = time.monotonic()
+            lease.ensure_held()
+            write(f"alive {checked_at}")
+            time.sleep(0.01)
+    except LockLost as exc:
+        write(f"lost {time.monotonic()} {exc.reason}")

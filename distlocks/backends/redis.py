@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import hashlib
 import inspect as pyinspect
 import json
 import threading
-import time
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar, NamedTuple
@@ -568,8 +568,7 @@ class RedisBackend(BaseBackend):
     def waiters(self, name: str) -> int:
         """How many callers are registered as waiting for ``name``."""
         with self._errors("count the waiters of", name):
-            now_ms = int(time.time() * 1000)
-            return int(self.client.zcount(self.all_keys(name).waiters, now_ms, "+inf"))
+            return int(self.client.zcard(self.all_keys(name).waiters))
 
     # -- inspection -----------------------------------------------------------
 
@@ -601,15 +600,17 @@ class RedisBackend(BaseBackend):
         )
 
     def inspect(self, name: str) -> LockInfo | None:
-        key = self.keys(name)[0]
+        keys = self.all_keys(name)
         with self._errors("inspect", name):
             pipe = self.client.pipeline(transaction=True)
-            pipe.hgetall(key)
-            pipe.pttl(key)
-            fields, pttl = pipe.execute()
+            pipe.hgetall(keys.lock)
+            pipe.pttl(keys.lock)
+            # Lapsed registrations are pruned at every release, so ZCARD is close enough.
+            pipe.zcard(keys.waiters)
+            fields, pttl, waiters = pipe.execute()
         if not fields:
             return None
-        return self._info(fields, pttl)
+        return dataclasses.replace(self._info(fields, pttl), waiters=int(waiters))
 
     def iter_locks(self) -> Iterator[LockInfo]:
         pattern = f"{self.key_prefix}:{{*}}:lock"
