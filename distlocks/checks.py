@@ -21,6 +21,8 @@ E004 = "A DISTLOCKS_BACKENDS entry is not valid for its backend class."
 E005 = "DISTLOCKS_DEFAULT_TTL must be a number of seconds > 0."
 E006 = "DISTLOCKS_DEFAULT_TIMEOUT must be None or a number of seconds >= 0."
 E007 = "DISTLOCKS_KEY_PREFIX must be a non-empty str without braces."
+E008 = "PostgresBackend needs a PostgreSQL database."
+E009 = "Session-mode PostgreSQL locks cannot work behind transaction pooling."
 W001 = "LocMemBackend only locks within one process."
 
 
@@ -81,14 +83,8 @@ def _check_backends() -> list[CheckMessage]:
         except ImproperlyConfigured as exc:
             errors.append(Error(E003, hint=str(exc), id="distlocks.E003"))
             continue
-        for problem in cls.validate_config(alias, config):
-            errors.append(
-                Error(
-                    E004,
-                    hint=f"DISTLOCKS_BACKENDS[{alias!r}]: {problem}.",
-                    id="distlocks.E004",
-                )
-            )
+        # Backend-specific messages (E004, and E008/E009 for PostgreSQL).
+        errors.extend(cls.check_config(alias, config))
         if config["BACKEND"].endswith(".LocMemBackend") and not settings.DEBUG:
             errors.append(
                 Warning(

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -11,20 +12,39 @@ from distlocks.backends.base import BaseBackend
 from distlocks.handler import backends
 
 #: Every backend alias the contract suite runs against.
-CONTRACT_BACKENDS = ["locmem", "redis"]
+CONTRACT_BACKENDS = ["locmem", "redis", "pg"]
 #: Backends whose locks are shared between OS processes.
-CROSS_PROCESS_BACKENDS = ["redis"]
+CROSS_PROCESS_BACKENDS = ["redis", "pg"]
+
+
+@pytest.fixture(scope="session")
+def pg_ready(django_db_setup: None) -> None:
+    """The test database exists (with the registry table), and worker processes
+    started by tests will use it too."""
+    from django.db import connection
+
+    os.environ["DISTLOCKS_TEST_DB_NAME"] = connection.settings_dict["NAME"]
+
+
+def _prepare(request: pytest.FixtureRequest, alias: str) -> str:
+    if alias.startswith("pg"):
+        request.getfixturevalue("pg_ready")
+    return alias
 
 
 @pytest.fixture(params=CONTRACT_BACKENDS)
 def alias(request: pytest.FixtureRequest) -> str:
     """The alias of each backend in turn (the contract suite's parameter)."""
-    return str(request.param)
+    return _prepare(request, str(request.param))
 
 
 @pytest.fixture(params=CROSS_PROCESS_BACKENDS)
 def shared_alias(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+    return _prepare(request, str(request.param))
+
+
+def expires_on_server(alias: str) -> bool:
+    return get_backend(alias).expires_on_server
 
 
 @pytest.fixture
@@ -52,3 +72,13 @@ def _fresh_backends() -> Iterator[None]:
     """Each test starts with backends built from the current settings."""
     yield
     backends.reset()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests on a PostgreSQL backend need the test database (and its registry table):
+    marking them makes pytest-django create it."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        keys = ("alias", "shared_alias", "waking_alias")
+        if any(str(params.get(key, "")).startswith("pg") for key in keys):
+            item.add_marker(pytest.mark.django_db)

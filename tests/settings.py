@@ -7,6 +7,7 @@ URLs are exported, so the worker processes that tests start reuse the servers.
 
 from __future__ import annotations
 
+import os
 from urllib.parse import unquote, urlsplit
 
 from distlocks.testing.servers import ensure_test_servers
@@ -18,7 +19,8 @@ def _database(url: str) -> dict[str, object]:
     parts = urlsplit(url)
     return {
         "ENGINE": "django.db.backends.postgresql",
-        "NAME": "distlocks",
+        # Worker processes started by tests are pointed at the test database.
+        "NAME": os.environ.get("DISTLOCKS_TEST_DB_NAME", "distlocks"),
         "USER": unquote(parts.username or "postgres"),
         "PASSWORD": unquote(parts.password or ""),
         "HOST": parts.hostname or "127.0.0.1",
@@ -84,6 +86,16 @@ DISTLOCKS_BACKENDS = {
     "default": {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": REDIS_URL},
     "redis": {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": REDIS_URL},
     "locmem": {"BACKEND": "distlocks.backends.locmem.LocMemBackend"},
+    "pg": {
+        "BACKEND": "distlocks.backends.postgres.PostgresBackend",
+        "DATABASE": "default",
+        "OPTIONS": {"pool_size": 64},
+    },
+    "pgx": {
+        "BACKEND": "distlocks.backends.postgres.PostgresBackend",
+        "DATABASE": "default",
+        "OPTIONS": {"mode": "transaction"},
+    },
 }
 DISTLOCKS_KEY_PREFIX = "distlocks-test"
 

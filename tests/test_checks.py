@@ -10,6 +10,8 @@ from django.test import override_settings
 from distlocks.checks import check_settings
 
 REDIS = {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": "redis://127.0.0.1"}
+PG = {"BACKEND": "distlocks.backends.postgres.PostgresBackend", "DATABASE": "default"}
+LITE = {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}
 
 
 def ids(**settings: Any) -> list[str]:
@@ -63,6 +65,26 @@ def test_valid_settings_give_no_message() -> None:
             [],
         ),
         ({"DISTLOCKS_DEFAULT_TIMEOUT": None}, []),
+        ({"DISTLOCKS_BACKENDS": {"default": PG}}, []),
+        (
+            {
+                "DATABASES": {"default": LITE},
+                "DISTLOCKS_BACKENDS": {"default": PG},
+            },
+            ["distlocks.E008"],
+        ),
+        (
+            {"DISTLOCKS_BACKENDS": {"default": {**PG, "OPTIONS": {"pooler": "transaction"}}}},
+            ["distlocks.E009"],
+        ),
+        (
+            {
+                "DISTLOCKS_BACKENDS": {
+                    "default": {**PG, "OPTIONS": {"mode": "transaction", "pooler": "transaction"}}
+                }
+            },
+            [],
+        ),
     ],
 )
 def test_check_ids(settings: dict[str, Any], expected: list[str]) -> None:

@@ -156,6 +156,8 @@ def test_paused_holder_learns_it_lost_the_lease(
     shared_alias: str, name: str, tmp_path: Path
 ) -> None:
     """SIGSTOP past the TTL: another holder gets in; after SIGCONT the first one knows."""
+    if not get_backend(shared_alias).expires_on_server:
+        pytest.skip("a paused PostgreSQL session keeps its lock: nothing to lose")
     log = tmp_path / "holder.log"
     ctx = multiprocessing.get_context("spawn")
     holder = ctx.Process(target=workers.hold_and_report, args=(shared_alias, name, 1.0, str(log)))
@@ -202,10 +204,12 @@ def slow_timer_alias() -> Iterator[str]:
         yield "slowtimer"
 
 
-@pytest.fixture(params=["locmem", "slowtimer"])
+@pytest.fixture(params=["locmem", "slowtimer", "pg"])
 def waking_alias(request: pytest.FixtureRequest) -> str:
     if request.param == "slowtimer":
         return str(request.getfixturevalue("slow_timer_alias"))
+    if request.param == "pg":  # waits in the server's own lock queue
+        request.getfixturevalue("pg_ready")
     return str(request.param)
 
 
@@ -292,6 +296,8 @@ def test_a_fair_waiter_that_gives_up_does_not_block_the_next(waking_alias: str, 
 
 def test_waiter_is_woken_by_expiry_of_a_dead_holder(alias: str, name: str) -> None:
     """No release ever comes: the wait is bounded by the holder's remaining lease."""
+    if not get_backend(alias).expires_on_server:
+        pytest.skip("this backend's locks do not expire on the server")
     lock(name, backend=alias, ttl=0.5, auto_renew=False).acquire()  # never released
     start = time.monotonic()
     with lock(name, backend=alias, timeout=10) as lease:

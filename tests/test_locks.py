@@ -113,7 +113,10 @@ def test_release_is_idempotent(alias: str, name: str) -> None:
 
 def test_expired_lease_never_releases_the_next_holder(alias: str, name: str) -> None:
     stale = lock(name, backend=alias, ttl=0.2, auto_renew=False).acquire()
-    wait_until_free(alias, name)
+    if get_backend(alias).expires_on_server:
+        wait_until_free(alias, name)
+    else:  # held until its connection ends: end it
+        get_backend(alias).force_release(name)
     fresh = lock(name, backend=alias, ttl=10, timeout=0).acquire()
     try:
         assert stale.release() is False
@@ -145,8 +148,10 @@ def test_extend_pushes_expiry(alias: str, name: str) -> None:
         assert lease.expires_at is not None and before is not None
         assert lease.expires_at > before
         info = get_backend(alias).inspect(name)
-        assert info is not None and info.renewals == 1
-        assert info.expires_in is not None and info.expires_in.total_seconds() > 20
+        assert info is not None
+        if get_backend(alias).expires_on_server:
+            assert info.renewals == 1
+            assert info.expires_in is not None and info.expires_in.total_seconds() > 20
     finally:
         lease.release()
 
@@ -259,7 +264,8 @@ def test_acquire_is_retry_safe_for_the_same_owner(backend, name: str) -> None:  
         assert first.acquired and again.acquired
         assert again.fencing_token == first.fencing_token
         assert not other.acquired
-        assert other.remaining is not None and 0 < other.remaining <= 5
+        if backend.expires_on_server:
+            assert other.remaining is not None and 0 < other.remaining <= 5
     finally:
         assert backend.release(name, "owner-1") is True
 

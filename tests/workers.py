@@ -87,3 +87,29 @@ def hold_and_report(alias: str, name: str, ttl: float, log_path: str) -> None:
             time.sleep(0.01)
     except LockLost as exc:
         write(f"lost {time.monotonic()} {exc.reason}")
+
+
+def hold_until_killed(alias: str, name: str, ready_path: str) -> None:
+    """Take ``name`` and wait to be killed; writes the fencing token when it holds it."""
+    setup_django()
+    from distlocks import lock
+
+    lease = lock(name, backend=alias, ttl=30, timeout=10).acquire()
+    Path(ready_path).write_text(str(lease.fencing_token))
+    while True:
+        time.sleep(0.1)
+
+
+def hold_until_lost(alias: str, name: str, log_path: str) -> None:
+    """Take ``name``, then wait until the lease is reported lost; log both events."""
+    setup_django()
+    import threading
+
+    from distlocks import lock
+
+    lost = threading.Event()
+    lease = lock(name, backend=alias, ttl=1, timeout=10, on_lost=lambda _: lost.set()).acquire()
+    Path(log_path).write_text(f"acquired {lease.fencing_token}\n")
+    if lost.wait(30):
+        with Path(log_path).open("a") as fh:
+            fh.write(f"lost {lease.lost_reason}\n")

@@ -16,6 +16,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from django.core.checks import CheckMessage, Error
+
 
 @dataclass(frozen=True)
 class Holder:
@@ -104,6 +106,22 @@ class BaseBackend(ABC):
 
     #: True when :meth:`wait` returns as soon as the lock is released (no polling).
     wakes_on_release: ClassVar[bool] = False
+    #: True when the server frees a lock whose lease ran out (False: held until
+    #: released or until the holder's connection ends).
+    expires_on_server: ClassVar[bool] = True
+
+    @classmethod
+    def check_config(cls, alias: str, config: Mapping[str, Any]) -> list[CheckMessage]:
+        """System-check messages for ``config`` (no I/O); by default one
+        ``distlocks.E004`` per :meth:`validate_config` problem."""
+        return [
+            Error(
+                "A DISTLOCKS_BACKENDS entry is not valid for its backend class.",
+                hint=f"DISTLOCKS_BACKENDS[{alias!r}]: {problem}.",
+                id="distlocks.E004",
+            )
+            for problem in cls.validate_config(alias, config)
+        ]
 
     @abstractmethod
     def acquire(

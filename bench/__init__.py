@@ -1,0 +1,13 @@
+"""Benchmarks of distlocks against the raw client floor and peer libraries.
+
+Run with ``python -m bench`` (or ``make bench``). Every number is measured in the
+same run, on the same throwaway servers, and reported as ratios, so the figures
+can be compared across machines even though absolute times cannot.
+
+The two extension points are registries, see :mod:`bench.registry`:
+
+* an implementation (a way of taking a lock) is one :class:`~bench.registry.Implementation`
+  subclass decorated with :func:`~bench.registry.implementation`;
+* a workload (a way of exercising implementations) is one
+  :class:`~bench.registry.Workload` subclass decorated with :func:`~bench.registry.workload`.
+"""

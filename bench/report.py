@@ -1,0 +1,335 @@
+"""Turning samples into the report: ratios, targets, the table, JSON, Markdown and a chart.
+
+Ratios are always "time per operation" ratios, so that one reading fits every
+workload: ``x floor`` > 1 means slower than the raw floor, and ``distlocks / it``
+< 1 means distlocks is faster than that implementation. For throughput
+workloads, time per operation is the inverse of operations per second.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.registry import IMPLEMENTATIONS, Samples, Workload, floor_of, reference_of
+from bench.stats import ratio, summarize
+
+SCHEMA_VERSION = 1
+
+
+def _time_per_op(row: dict[str, Any], metric: str) -> float:
+    """The figure ratios are taken of: median latency, or 1 / throughput."""
+    if metric == "throughput":
+        rate = row["ops_per_s"]
+        return 1e6 / rate if rate and not math.isnan(rate) else math.nan
+    return float(row["median_us"])
+
+
+def _round_costs(collected: Samples, metric: str) -> list[float]:
+    """Per-round time per operation, aligned by round (every round measures everyone)."""
+    if metric == "throughput":
+        return [1e6 / rate if rate else math.nan for rate in collected.round_rates]
+    return [value / 1000 for value in collected.round_medians_ns]
+
+
+def workload_result(wl: Workload, samples: dict[str, Samples]) -> dict[str, Any]:
+    """The JSON section of one workload, with ratios to the floor and to distlocks."""
+    rows: dict[str, dict[str, Any]] = {}
+    for name, collected in samples.items():
+        cls = IMPLEMENTATIONS[name]
+        rows[name] = {
+            "name": name,
+            "label": cls.label,
+            "role": cls.role,
+            "family": cls.family,
+            **summarize(collected),
+        }
+    floors: dict[str, str | None] = {}
+    references: dict[str, str | None] = {}
+    for row in rows.values():
+        family = row["family"]
+        if family not in floors:
+            floors[family] = floor_of(family, rows)
+            references[family] = reference_of(family, rows)
+        floor, reference = floors[family], references[family]
+        cost = _time_per_op(row, wl.metric)
+        row["x_floor"] = ratio(cost, _time_per_op(rows[floor], wl.metric)) if floor else math.nan
+        row["x_floor_p99"] = ratio(row["p99_us"], rows[floor]["p99_us"]) if floor else math.nan
+        # Paired by round, the spread of the ratio shows how far the machine's noise moves it.
+        row["x_floor_by_round"] = (
+            [
+                ratio(mine, theirs)
+                for mine, theirs in zip(
+                    _round_costs(samples[row["name"]], wl.metric),
+                    _round_costs(samples[floor], wl.metric),
+                    strict=False,
+                )
+            ]
+            if floor
+            else []
+        )
+        row["distlocks_over_it"] = (
+            ratio(_time_per_op(rows[reference], wl.metric), cost) if reference else math.nan
+        )
+    return {
+        "title": wl.title,
+        "description": wl.description,
+        "metric": wl.metric,
+        "params": wl.params(),
+        "floor": floors,
+        "reference": references,
+        "results": rows,
+    }
+
+
+@dataclass(frozen=True)
+class Target:
+    """One goal from the benchmark issue, evaluated on every run (never asserted in tests)."""
+
+    id: str
+    workload: str
+    kind: str  # "floor_ratio" | "beats_peers" | "median_at_most_us"
+    limit: float
+    text: str
+    family: str = "redis"
+
+
+TARGETS = [
+    Target("redis-cycle-vs-floor", "cycle", "floor_ratio", 1.15,
+           "Redis cycle median <= 1.15x the raw floor"),
+    Target("redis-cycle-vs-peers", "cycle", "beats_peers", 1.0,
+           "Redis cycle faster than every peer"),
+    Target("redis-threads-vs-peers", "throughput-threads", "beats_peers", 1.0,
+           "Redis throughput (threads) higher than every peer"),
+    Target("redis-processes-vs-peers", "throughput-processes", "beats_peers", 1.0,
+           "Redis throughput (processes) higher than every peer"),
+    Target("redis-handoff-vs-floor", "handoff", "floor_ratio", 1.15,
+           "Redis contended hand-off median <= 1.15x the raw floor"),
+    Target("redis-handoff-vs-peers", "handoff", "beats_peers", 1.0,
+           "Redis contended hand-off faster than every peer"),
+    Target("redis-handoff-p50", "handoff", "median_at_most_us", 1000.0,
+           "Redis hand-off p50 <= 1 ms"),
+]  # fmt: skip
+
+
+def _missing(value: float | None) -> bool:
+    """No figure: NaN in a fresh report, null in one read back from JSON."""
+    return value is None or math.isnan(value)
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "n/a" if _missing(value) else f"{value:.2f}x"
+
+
+def evaluate_target(target: Target, section: dict[str, Any]) -> dict[str, Any] | None:
+    reference = section["reference"].get(target.family)
+    if reference is None:
+        return None
+    rows = section["results"]
+    ref = rows[reference]
+    out: dict[str, Any] = {"id": target.id, "workload": target.workload, "target": target.text}
+    if target.kind == "floor_ratio":
+        value = ref["x_floor"]
+        met = value <= target.limit
+        out.update(value=value, limit=target.limit, met=met)
+        over = (value / target.limit - 1) * 100
+        out["detail"] = f"{_fmt_ratio(value)} the floor" + (
+            "" if met else f", {over:.0f}% over the {target.limit}x budget"
+        )
+    elif target.kind == "beats_peers":
+        peers = {n: r["distlocks_over_it"] for n, r in rows.items() if r["role"] == "peer"}
+        slower = {n: v for n, v in peers.items() if not v < target.limit}
+        out.update(value=peers, limit=target.limit, met=not slower and bool(peers))
+        parts = [f"{n} {_fmt_ratio(v)}" for n, v in peers.items()]
+        out["detail"] = "distlocks time / peer time: " + ", ".join(parts)
+        if slower:
+            out["detail"] += "; slower than " + ", ".join(sorted(slower))
+    elif target.kind == "median_at_most_us":
+        value = ref["median_us"]
+        met = value <= target.limit
+        out.update(value=value, limit=target.limit, met=met)
+        out["detail"] = f"p50 {value:,.0f} us" + (
+            "" if met else f", {value / target.limit:.1f}x the {target.limit:,.0f} us target"
+        )
+    else:
+        raise ValueError(f"unknown target kind {target.kind!r}")
+    return out
+
+
+def evaluate_targets(workloads: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    results = []
+    for target in TARGETS:
+        section = workloads.get(target.workload)
+        if section is not None:
+            evaluated = evaluate_target(target, section)
+            if evaluated is not None:
+                results.append(evaluated)
+    return results
+
+
+# -- text -----------------------------------------------------------------------
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if _missing(value) else f"{value:,.{digits}f}"
+
+
+def _table_rows(section: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    throughput = section["metric"] == "throughput"
+    header = ["implementation", "n", "median us", "p99 us"]
+    if throughput:
+        header.append("ops/s")
+    header += ["x floor", "rounds' range", "distlocks / it"]
+    body = []
+    for name, row in section["results"].items():
+        cells = [name, f"{row['n']:,}", _num(row["median_us"]), _num(row["p99_us"])]
+        if throughput:
+            cells.append(_num(row["ops_per_s"], 0))
+        by_round = [v for v in row["x_floor_by_round"] if not _missing(v)]
+        spread = f"{min(by_round):.2f}-{max(by_round):.2f}" if len(by_round) > 1 else "-"
+        cells += [_fmt_ratio(row["x_floor"]), spread, _fmt_ratio(row["distlocks_over_it"])]
+        body.append(cells)
+    return header, body
+
+
+def _params_line(section: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value}" for key, value in section["params"].items())
+
+
+def format_text(report: dict[str, Any]) -> str:
+    lines = []
+    for name, section in report["workloads"].items():
+        header, body = _table_rows(section)
+        widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+
+        def line(cells: list[str], widths: list[int] = widths) -> str:
+            first = cells[0].ljust(widths[0])
+            rest = [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True)]
+            return "  ".join([first, *rest])
+
+        lines += [f"== {section['title']} [{name}]", f"   {_params_line(section)}"]
+        lines += [line(header), line(["-" * w for w in widths])]
+        lines += [line(cells) for cells in body]
+        lines.append("")
+    if report["targets"]:
+        lines.append("== Targets")
+        for target in report["targets"]:
+            mark = "MET   " if target["met"] else "MISSED"
+            lines.append(f"{mark} {target['target']}: {target['detail']}")
+        lines.append("")
+    lines.append(
+        "x floor: time per operation / the raw floor's (>1 = slower); rounds' range: the same "
+        "ratio round by round.\ndistlocks / it: distlocks time / this row's time "
+        "(<1 = distlocks faster)."
+    )
+    return "\n".join(lines)
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    machine = report["machine"]
+    lines = [
+        f"Run {report['started_at']} (`{report['command']}`), "
+        f"{machine['cpu_model']}, {machine['cores']} cores, {machine['python']}, "
+        f"redis-server {machine['redis_server']}.",
+        "",
+    ]
+    lines += ["| implementation | what is measured | version |", "|---|---|---|"]
+    for name, impl in report["implementations"].items():
+        lines.append(f"| `{name}` | {impl['label']} | {impl['version']} |")
+    lines.append("")
+    for name, section in report["workloads"].items():
+        header, body = _table_rows(section)
+        lines += [f"### {section['title']} (`{name}`)", "", _params_line(section), ""]
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
+        for cells in body:
+            lines.append("| " + " | ".join([f"`{cells[0]}`", *cells[1:]]) + " |")
+        lines.append("")
+    if report["targets"]:
+        lines += ["### Targets", "", "| target | met | measured |", "|---|---|---|"]
+        for target in report["targets"]:
+            met = "yes" if target["met"] else "**no**"
+            lines.append(f"| {target['target']} | {met} | {target['detail']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# -- files ----------------------------------------------------------------------
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN is not JSON: write null instead."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(item) for item in value]
+    return value
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(_json_safe(report), indent=2, allow_nan=False) + "\n")
+
+
+_COLORS = {"floor": "#8c8c8c", "distlocks": "#1f77b4", "peer": "#ff7f0e"}
+
+
+def draw_chart(report: dict[str, Any], path: Path) -> None:
+    """One panel per workload: median (bar) and p99 (tick) per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sections = list(report["workloads"].items())
+    columns = 2 if len(sections) > 1 else 1
+    rows_n = math.ceil(len(sections) / columns)
+    fig, axes = plt.subplots(rows_n, columns, figsize=(7 * columns, 3.4 * rows_n), squeeze=False)
+    for ax in axes.flat[len(sections) :]:
+        ax.set_visible(False)
+    for ax, (name, section) in zip(axes.flat, sections, strict=False):
+        rows = list(section["results"].items())
+        labels = [impl for impl, _ in rows]
+        colors = [_COLORS.get(row["role"], "#999999") for _, row in rows]
+        positions = list(range(len(rows)))
+        if section["metric"] == "throughput":
+            values = [row["ops_per_s"] or 0 for _, row in rows]
+            ax.barh(positions, values, color=colors)
+            ax.set_xlabel("acquire+release per second (higher is better)")
+            for pos, value in zip(positions, values, strict=True):
+                ax.text(value, pos, f" {value:,.0f}", va="center", fontsize=8)
+            ax.set_xlim(0, max(values) * 1.25 if any(values) else 1)
+        else:
+            medians = [row["median_us"] or 0 for _, row in rows]
+            p99s = [row["p99_us"] or 0 for _, row in rows]
+            ax.barh(positions, medians, color=colors)
+            ax.scatter(p99s, positions, marker="|", s=200, color="black", label="p99", zorder=3)
+            ax.set_xlabel("microseconds (lower is better; bar = median, | = p99)")
+            if min(v for v in medians if v > 0) * 20 < max(p99s):
+                ax.set_xscale("log")
+            for pos, value in zip(positions, medians, strict=True):
+                ax.text(value, pos, f" {value:,.0f}", va="bottom", fontsize=8)
+            if name == "handoff":
+                ax.axvline(1000, color="red", linestyle="--", linewidth=1, label="1 ms target")
+            floor = section["floor"].get("redis")
+            if name == "cycle" and floor:
+                budget = section["results"][floor]["median_us"] * 1.15
+                ax.axvline(budget, color="red", linestyle="--", linewidth=1, label="1.15x floor")
+            ax.legend(loc="lower right", fontsize=7)
+        ax.set_yticks(positions, labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(section["title"], fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+    machine = report["machine"]
+    fig.suptitle(
+        f"distlocks benchmarks, {report['started_at'][:19]}Z, {machine['cpu_model']} "
+        f"x{machine['cores']}, {machine['python']}, redis {machine['redis_server']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,182 @@
+"""``python -m bench``: start the servers, run the workloads, write the report."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.registry import (
+    IMPLEMENTATIONS,
+    WORKLOADS,
+    Env,
+    Implementation,
+    RunOptions,
+    load_registry,
+)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    load_registry()
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Benchmark distlocks against the raw Redis floor and peer lock libraries, "
+        "in one run on the same throwaway servers.",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny counts: checks that everything runs"
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="WORKLOAD",
+        choices=list(WORKLOADS),
+        help=f"run only this workload (repeatable): {', '.join(WORKLOADS)}",
+    )
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        metavar="N",
+        help="cycles per implementation in 'cycle' (default 5000); 'handoff' measures "
+        "N/20 hand-offs; the throughput workloads are timed",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=RESULTS_DIR,
+        metavar="DIR",
+        help="where to write <timestamp>.json, latest.json, latest.md, latest.png "
+        "(default: bench/results)",
+    )
+    parser.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: print the table of a saved run and redraw latest.md/.png",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="report every round")
+    args = parser.parse_args(argv)
+    if args.iterations is not None and args.iterations < 1:
+        parser.error("--iterations must be at least 1")
+    return args
+
+
+def _start(impl_classes: list[type[Implementation]]) -> Env:
+    """Start the servers the implementations need, then configure Django."""
+    from distlocks.testing.servers import ensure_test_servers
+
+    needed = set().union(*(cls.servers for cls in impl_classes))
+    ensure_test_servers(redis="redis" in needed, postgres="postgres" in needed)
+    # Forced, not defaulted: a caller such as the test suite may have its own settings set.
+    os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
+    import django
+
+    django.setup()
+    return Env.from_environ()
+
+
+def _clean_redis(env: Env, impls: list[Implementation]) -> None:
+    """Remove the keys the run left (fencing counters, wake-up lists)."""
+    if not env.redis_url:
+        return
+    import redis
+
+    patterns = sorted({p for impl in impls if "redis" in impl.servers for p in impl.key_patterns})
+    client = redis.Redis.from_url(env.redis_url)
+    try:
+        for pattern in patterns:
+            keys = list(client.scan_iter(match=pattern, count=1000))
+            for start in range(0, len(keys), 500):
+                client.delete(*keys[start : start + 500])
+    finally:
+        client.close()
+
+
+def _measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    """Run the selected workloads and return the report (not yet written anywhere)."""
+    from bench.machine import load_average, machine_info
+    from bench.report import evaluate_targets, workload_result
+
+    options = RunOptions(quick=args.quick, iterations=args.iterations)
+    selected = [WORKLOADS[name] for name in WORKLOADS if not args.only or name in args.only]
+    impl_classes = [
+        cls for cls in IMPLEMENTATIONS.values() if any(wl.supports(cls) for wl in selected)
+    ]
+
+    def progress(message: str) -> None:
+        print(f"  {message}", file=sys.stderr, flush=True)
+
+    started = dt.datetime.now(dt.UTC)
+    began = time.monotonic()
+    env = _start(impl_classes)
+    load_before = load_average()
+    impls = [cls(env) for cls in impl_classes]
+    sections: dict[str, dict[str, Any]] = {}
+    try:
+        for wl_cls in selected:
+            wl = wl_cls(options)
+            taking_part = [impl for impl in impls if wl.supports(type(impl))]
+            print(f"{wl.name}: {len(taking_part)} implementations", file=sys.stderr, flush=True)
+            samples = wl.run(taking_part, progress if args.verbose else lambda message: None)
+            sections[wl.name] = workload_result(wl, samples)
+    finally:
+        for impl in impls:
+            impl.close()
+        _clean_redis(env, impls)
+
+    command = "python -m bench" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
+    return {
+        "schema": 1,
+        "started_at": started.isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "duration_s": round(time.monotonic() - began, 1),
+        "command": command,
+        "options": {"quick": args.quick, "only": args.only, "iterations": args.iterations},
+        "machine": {
+            **machine_info(env),
+            "load_average_before": load_before,
+            "load_average_after": load_average(),
+        },
+        "implementations": {
+            impl.name: {
+                "label": impl.label,
+                "role": impl.role,
+                "family": impl.family,
+                "version": impl.version(),
+                "doc": (type(impl).__doc__ or "").strip().splitlines()[0],
+            }
+            for impl in impls
+        },
+        "workloads": sections,
+        "targets": evaluate_targets(sections),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from bench.report import draw_chart, format_markdown, format_text, write_json
+
+    out_dir: Path = args.output
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        report = json.loads(args.render.read_text())
+        written = []
+    else:
+        report = _measure(args, argv)
+        stamp = report["started_at"].replace("-", "").replace(":", "")
+        for name in (f"{stamp}.json", "latest.json"):
+            write_json(report, out_dir / name)
+        written = [f"{stamp}.json", "latest.json"]
+    print(format_text(report))
+    (out_dir / "latest.md").write_text(format_markdown(report))
+    draw_chart(report, out_dir / "latest.png")
+    written += ["latest.md", "latest.png"]
+    print(f"\nWrote {', '.join(written)} in {out_dir}.")
+    return 0

@@ -1,0 +1,116 @@
+"""Long-lived worker processes for the multi-process workloads.
+
+The processes are spawned (not forked: the runner holds open connections and
+threads) once per workload and reused for every implementation and round, so
+interpreter and Django start-up never lands in a measurement. Each one builds
+implementations by registry name on first use and runs the task functions of
+:data:`TASKS`; a workload adds a task by adding a function there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from bench.registry import IMPLEMENTATIONS, BenchError, Env, Implementation, load_registry
+
+#: How long the runner waits for one task's answer before giving up on the pool.
+TASK_TIMEOUT = 120.0
+
+
+def _task_cycles(impl: Implementation, task: dict[str, Any]) -> dict[str, Any]:
+    from bench.workloads import cycles_until
+
+    names = [f"{task['prefix']}:{i}" for i in range(task["names"])]
+    start_at, duration = task["start_at"], task["duration"]
+    delay = start_at - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+    latencies = cycles_until(impl, names, start_at + duration, task["ttl"])
+    return {"latencies_ns": latencies, "ops": len(latencies), "ended_at": time.monotonic()}
+
+
+TASKS: dict[str, Callable[[Implementation, dict[str, Any]], dict[str, Any]]] = {
+    "cycles": _task_cycles,
+}
+
+
+def _serve(conn: Connection) -> None:
+    """Worker process main loop: one request in, one ``(ok, payload)`` reply out."""
+    import django
+
+    django.setup()
+    load_registry()
+    env = Env.from_environ()
+    impls: dict[str, Implementation] = {}
+    try:
+        while True:
+            task = conn.recv()
+            if task is None:
+                break
+            try:
+                impl = impls.get(task["impl"])
+                if impl is None:
+                    impl = impls[task["impl"]] = IMPLEMENTATIONS[task["impl"]](env)
+                conn.send((True, TASKS[task["kind"]](impl, task)))
+            except Exception:
+                conn.send((False, traceback.format_exc()))
+    finally:
+        for impl in impls.values():
+            impl.close()
+        conn.close()
+
+
+class WorkerPool:
+    """``size`` spawned processes, each given the same kind of task at the same time."""
+
+    def __init__(self, size: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        # The children configure Django from the same settings module as the runner.
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")
+        self._workers: list[tuple[Any, Connection]] = []
+        for index in range(size):
+            parent_end, child_end = context.Pipe()
+            process = context.Process(
+                target=_serve, args=(child_end,), name=f"bench-worker-{index}", daemon=True
+            )
+            process.start()
+            child_end.close()
+            self._workers.append((process, parent_end))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def run(self, tasks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Send ``tasks[i]`` to worker ``i`` and return their answers in order."""
+        if len(tasks) != len(self._workers):
+            raise ValueError(f"{len(tasks)} tasks for {len(self._workers)} workers")
+        for (_, conn), task in zip(self._workers, tasks, strict=True):
+            conn.send(task)
+        answers = []
+        for process, conn in self._workers:
+            if not conn.poll(TASK_TIMEOUT):
+                raise BenchError(f"{process.name} did not answer within {TASK_TIMEOUT:.0f}s")
+            ok, payload = conn.recv()
+            if not ok:
+                raise BenchError(f"{process.name} failed:\n{payload}")
+            answers.append(payload)
+        return answers
+
+    def close(self) -> None:
+        for _, conn in self._workers:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for process, conn in self._workers:
+            process.join(10)
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+            conn.close()
+        self._workers = []

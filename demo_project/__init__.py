@@ -1,0 +1,1 @@
+"""The distlocks demo site: ``make demo`` runs :mod:`demo_project.run`."""

@@ -1,0 +1,1 @@
+"""A tiny shop whose pages demonstrate distlocks."""

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.conf import settings
+
+from demo_project.shop.demos import MAX_WORKERS
+
+
+def backend_choices() -> list[tuple[str, str]]:
+    """One choice per ``DISTLOCKS_BACKENDS`` alias, labelled with its class."""
+    return [
+        (alias, f"{alias} ({str(config.get('BACKEND', '')).rsplit('.', 1)[-1]})")
+        for alias, config in settings.DISTLOCKS_BACKENDS.items()
+    ]
+
+
+class BackendForm(forms.Form):
+    backend = forms.ChoiceField(initial="default")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Read on each use, so the choices follow the settings.
+        self.fields["backend"].choices = backend_choices()  # type: ignore[attr-defined]
+
+
+class ChargeForm(BackendForm):
+    workers = forms.IntegerField(min_value=2, max_value=MAX_WORKERS, initial=8)
+    mode = forms.ChoiceField(
+        choices=[("lock", "with lock()"), ("none", "without a lock")], initial="lock"
+    )
+
+
+class HoldForm(BackendForm):
+    mode = forms.ChoiceField(choices=[("hold", "hold, then release"), ("abandon", "abandon")])

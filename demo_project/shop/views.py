@@ -1,0 +1,336 @@
+"""The demo pages. Each one runs a demonstration from :mod:`demo_project.shop.demos`
+on POST, keeps the result in the session, and redirects (so a reload never
+re-runs it)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from django.conf import settings
+from django.contrib import messages
+from django.db.models import Count, Sum
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
+
+from demo_project.shop import demos
+from demo_project.shop.forms import BackendForm, ChargeForm, HoldForm
+from demo_project.shop.models import Invoice
+from distlocks import lock
+from distlocks.exceptions import LockError, LockNotAcquired
+
+#: How long the "hold" button keeps its lock before releasing it.
+HOLD_SECONDS = 20
+#: Lease of the lock the "abandon" button takes and never releases.
+ABANDON_TTL = 15
+#: How often the live-locks page refreshes its table.
+REFRESH_SECONDS = 2
+
+
+@dataclass(frozen=True)
+class Feature:
+    title: str
+    summary: str
+    #: URL name of the page that shows it; empty while the feature is not built.
+    url_name: str = ""
+
+
+FEATURES = [
+    Feature(
+        "Charge an invoice once",
+        "Eight threads race to charge the same invoice inside "
+        "lock(f'invoice:{id}', ttl=10, timeout=0): one charges, the others get "
+        "LockNotAcquired. Run it without the lock to see the double charge.",
+        "shop:invoices",
+    ),
+    Feature(
+        "Live locks",
+        "Every lock held right now on each backend (get_backend(alias).iter_locks()): "
+        "who holds it, its fencing token and when it expires.",
+        "shop:locks",
+    ),
+    Feature(
+        "Fencing tokens",
+        "Each acquisition of a lock gets a larger token, even after an operator "
+        "force-releases a holder.",
+        "shop:fencing",
+    ),
+    Feature(
+        "Several locks at once",
+        "lock_many() takes a set of locks in a canonical order, all or none, so two "
+        "crossing transfers cannot deadlock.",
+        "shop:lock_many",
+    ),
+]
+
+COMING = [
+    Feature(
+        "Admin page of live locks",
+        "/admin/distlocks/livelock/ with stuck-lock detection and an audited force-release.",
+    ),
+    Feature(
+        "Fenced model writes",
+        "FencedModel: the database itself rejects a write whose fencing token is stale.",
+    ),
+    Feature(
+        "Celery single execution",
+        "At most one run of a task per key, with the lease renewed while it runs.",
+    ),
+    Feature(
+        "More backends and primitives",
+        "PostgreSQL advisory locks, Redlock, alock() for asyncio, rwlock, semaphore.",
+    ),
+]
+
+
+def _seconds(delta: dt.timedelta | None) -> str:
+    return "-" if delta is None else f"{delta.total_seconds():.1f} s"
+
+
+def _configured_backends() -> list[dict[str, str]]:
+    return [
+        {
+            "alias": alias,
+            "backend": str(config.get("BACKEND", "")),
+            "location": str(config.get("LOCATION", "")) or "this process's memory",
+        }
+        for alias, config in settings.DISTLOCKS_BACKENDS.items()
+    ]
+
+
+@require_GET
+def index(request: HttpRequest) -> HttpResponse:
+    return render(
+        request,
+        "index.html",
+        {"features": FEATURES, "coming": COMING, "backends": _configured_backends()},
+    )
+
+
+# -- (a) charge an invoice once ---------------------------------------------------
+
+
+def _race_key(pk: int) -> str:
+    return f"shop:race:{pk}"
+
+
+@require_GET
+def invoice_list(request: HttpRequest) -> HttpResponse:
+    invoices = Invoice.objects.annotate(
+        charge_count=Count("charges"), charged_total=Sum("charges__amount")
+    )
+    return render(request, "shop/invoice_list.html", {"invoices": invoices})
+
+
+@require_POST
+def invoice_create(request: HttpRequest) -> HttpResponse:
+    customer, amount = demos.SAMPLE_INVOICES[Invoice.objects.count() % len(demos.SAMPLE_INVOICES)]
+    invoice = Invoice.objects.create(customer=customer, amount=amount)
+    return redirect("shop:invoice", pk=invoice.pk)
+
+
+@require_GET
+def invoice_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    invoice = get_object_or_404(Invoice, pk=pk)
+    race = request.session.get(_race_key(pk))
+    return render(
+        request,
+        "shop/invoice_detail.html",
+        {
+            "invoice": invoice,
+            "charges": list(invoice.charges.all()),
+            "form": ChargeForm(initial=race["form"] if race else None),
+            "race": race,
+        },
+    )
+
+
+@require_POST
+def invoice_charge(request: HttpRequest, pk: int) -> HttpResponse:
+    invoice = get_object_or_404(Invoice, pk=pk)
+    form = ChargeForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, f"Invalid request: {form.errors.as_text()}")
+        return redirect("shop:invoice", pk=pk)
+    backend = form.cleaned_data["backend"]
+    use_lock = form.cleaned_data["mode"] == "lock"
+    charges_before = invoice.charges.count()
+    try:
+        attempts = demos.race_to_charge(
+            invoice.pk, workers=form.cleaned_data["workers"], backend=backend, use_lock=use_lock
+        )
+    except LockError as exc:
+        messages.error(request, str(exc))
+        return redirect("shop:invoice", pk=pk)
+    request.session[_race_key(pk)] = {
+        "form": form.cleaned_data,
+        "use_lock": use_lock,
+        "backend": backend,
+        "attempts": [asdict(attempt) for attempt in attempts],
+        "new_charges": invoice.charges.count() - charges_before,
+        "summary": ", ".join(
+            f"{count} {outcome}"
+            for outcome in (demos.CHARGED, demos.BUSY, demos.ALREADY_PAID, demos.FAILED)
+            if (count := sum(1 for attempt in attempts if attempt.outcome == outcome))
+        ),
+    }
+    return redirect("shop:invoice", pk=pk)
+
+
+@require_POST
+def invoice_reset(request: HttpRequest, pk: int) -> HttpResponse:
+    invoice = get_object_or_404(Invoice, pk=pk)
+    invoice.charges.all().delete()
+    invoice.paid_at = None
+    invoice.save(update_fields=["paid_at"])
+    request.session.pop(_race_key(pk), None)
+    messages.info(request, f"{invoice.number} is unpaid again; its charges were deleted.")
+    return redirect("shop:invoice", pk=pk)
+
+
+# -- (b) live locks ---------------------------------------------------------------
+
+
+def _live_lock_context() -> dict[str, Any]:
+    listing = []
+    for entry in demos.live_locks():
+        rows = [
+            {
+                "name": info.name,
+                "host": info.host,
+                "pid": info.pid,
+                "thread": info.thread,
+                "fencing_token": info.fencing_token,
+                "held_for": _seconds(info.held_for),
+                "expires_in": _seconds(info.expires_in),
+                "renewals": info.renewals,
+            }
+            for info in entry.locks
+        ]
+        listing.append({"alias": entry.alias, "class": entry.backend_class, "rows": rows,
+                        "error": entry.error})  # fmt: skip
+    return {"listing": listing, "refresh_seconds": REFRESH_SECONDS}
+
+
+@require_GET
+def locks(request: HttpRequest) -> HttpResponse:
+    context = _live_lock_context()
+    context.update(
+        {
+            "form": BackendForm(),
+            "hold_seconds": HOLD_SECONDS,
+            "abandon_ttl": ABANDON_TTL,
+        }
+    )
+    return render(request, "shop/locks.html", context)
+
+
+@require_GET
+def locks_table(request: HttpRequest) -> HttpResponse:
+    """The table alone, fetched by the live-locks page every few seconds."""
+    return render(request, "shop/_locks_table.html", _live_lock_context())
+
+
+@require_POST
+def locks_hold(request: HttpRequest) -> HttpResponse:
+    form = HoldForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, f"Invalid request: {form.errors.as_text()}")
+        return redirect("shop:locks")
+    alias = form.cleaned_data["backend"]
+    abandon = form.cleaned_data["mode"] == "abandon"
+    name = "demo:crashed-worker" if abandon else "demo:nightly-report"
+    # The hold lease outlives its timer, so it is always released, never expired.
+    ttl = ABANDON_TTL if abandon else HOLD_SECONDS + 10
+    try:
+        lease = lock(name, backend=alias, ttl=ttl, timeout=0).acquire()
+    except LockNotAcquired:
+        messages.warning(
+            request, f"{name!r} is already held on {alias!r}: timeout=0 tried once and gave up."
+        )
+        return redirect("shop:locks")
+    except LockError as exc:
+        messages.error(request, str(exc))
+        return redirect("shop:locks")
+    if abandon:
+        messages.success(
+            request,
+            f"Took {name!r} on {alias!r} (fencing token {lease.fencing_token}) and dropped "
+            f"the lease without releasing it, like a worker that crashed: the lock ends "
+            f"when its {ABANDON_TTL} s TTL runs out.",
+        )
+    else:
+        timer = threading.Timer(HOLD_SECONDS, demos.release_quietly, args=[lease.release])
+        timer.daemon = True
+        timer.start()
+        messages.success(
+            request,
+            f"Holding {name!r} on {alias!r} (fencing token {lease.fencing_token}); "
+            f"released in {HOLD_SECONDS} s.",
+        )
+    return redirect("shop:locks")
+
+
+# -- (c) fencing tokens -----------------------------------------------------------
+
+
+@require_http_methods(["GET", "POST"])
+def fencing(request: HttpRequest) -> HttpResponse:
+    if request.method == "POST":
+        form = BackendForm(request.POST)
+        if form.is_valid():
+            alias = form.cleaned_data["backend"]
+            try:
+                steps = demos.fencing_rounds(alias)
+            except LockError as exc:
+                messages.error(request, str(exc))
+            else:
+                request.session["shop:fencing"] = {
+                    "backend": alias,
+                    "steps": [asdict(step) for step in steps],
+                }
+        else:
+            messages.error(request, f"Invalid request: {form.errors.as_text()}")
+        return redirect("shop:fencing")
+    result = request.session.get("shop:fencing")
+    return render(
+        request,
+        "shop/fencing.html",
+        {
+            "form": BackendForm(initial={"backend": result["backend"]} if result else None),
+            "result": result,
+            "lock_name": demos.FENCING_LOCK,
+        },
+    )
+
+
+# -- lock_many --------------------------------------------------------------------
+
+
+@require_http_methods(["GET", "POST"])
+def lock_many_view(request: HttpRequest) -> HttpResponse:
+    if request.method == "POST":
+        form = BackendForm(request.POST)
+        if form.is_valid():
+            alias = form.cleaned_data["backend"]
+            transfers = demos.crossing_transfers(alias)
+            request.session["shop:lock_many"] = {
+                "backend": alias,
+                "transfers": [asdict(transfer) for transfer in transfers],
+            }
+        else:
+            messages.error(request, f"Invalid request: {form.errors.as_text()}")
+        return redirect("shop:lock_many")
+    result = request.session.get("shop:lock_many")
+    return render(
+        request,
+        "shop/lock_many.html",
+        {
+            "form": BackendForm(initial={"backend": result["backend"]} if result else None),
+            "result": result,
+            "work_ms": int(demos.TRANSFER_WORK * 1000),
+        },
+    )

@@ -1,0 +1,129 @@
+"""The benchmark harness keeps working: a smoke run with tiny counts.
+
+Nothing here looks at how fast anything is; speed is the benchmark's business,
+reported as ratios, never asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.registry import IMPLEMENTATIONS, WORKLOADS, Samples, load_registry
+from bench.stats import percentile, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+load_registry()
+
+
+def _expected_rows() -> dict[str, list[str]]:
+    return {
+        name: [impl for impl, cls in IMPLEMENTATIONS.items() if wl.supports(cls)]
+        for name, wl in WORKLOADS.items()
+    }
+
+
+def _table_sections(stdout: str) -> dict[str, list[str]]:
+    """Workload name -> first cell of every row of its printed table."""
+    sections: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in stdout.splitlines():
+        heading = re.match(r"== .* \[(?P<name>[\w-]+)\]$", line)
+        if heading:
+            current = sections.setdefault(heading["name"], [])
+        elif not line.strip():
+            current = None
+        elif current is not None and not line.startswith((" ", "-", "implementation")):
+            current.append(line.split()[0])
+    return sections
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    out = tmp_path_factory.mktemp("bench")
+    # The servers of the test session are reused through the DISTLOCKS_TEST_* variables.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--output", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result.stdout, out
+
+
+def test_table_has_a_row_for_every_implementation(smoke_run: tuple[str, Path]) -> None:
+    stdout, _ = smoke_run
+    assert _table_sections(stdout) == _expected_rows()
+    assert "== Targets" in stdout
+
+
+def test_json_has_the_expected_structure(smoke_run: tuple[str, Path]) -> None:
+    _, out = smoke_run
+    stamped = [p for p in out.glob("*.json") if p.name != "latest.json"]
+    assert len(stamped) == 1
+    assert re.fullmatch(r"\d{8}T\d{6}Z\.json", stamped[0].name)
+    report: dict[str, Any] = json.loads((out / "latest.json").read_text())
+    assert report == json.loads(stamped[0].read_text())
+
+    assert report["schema"] == 1
+    assert report["options"]["quick"] is True
+    machine = report["machine"]
+    assert machine["cpu_model"]
+    assert machine["cores"] >= 1
+    assert machine["python"].split()[-1].startswith("3.")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", machine["redis_server"])
+    assert set(report["implementations"]) == set(IMPLEMENTATIONS)
+
+    assert list(report["workloads"]) == list(WORKLOADS)
+    for name, section in report["workloads"].items():
+        assert section["metric"] in ("latency", "throughput")
+        assert section["params"]["rounds"] >= 1
+        assert section["floor"] == {"redis": "floor"}
+        assert section["reference"] == {"redis": "distlocks"}
+        assert list(section["results"]) == _expected_rows()[name]
+        for impl, row in section["results"].items():
+            assert row["n"] > 0, (name, impl)
+            for key in ("median_us", "p99_us", "ops_per_s", "x_floor", "distlocks_over_it"):
+                assert isinstance(row[key], float) and row[key] > 0, (name, impl, key)
+        assert section["results"]["floor"]["x_floor"] == 1.0
+        assert section["results"]["distlocks"]["distlocks_over_it"] == 1.0
+
+    targets = {target["id"]: target for target in report["targets"]}
+    assert {"redis-cycle-vs-floor", "redis-cycle-vs-peers", "redis-handoff-p50"} <= set(targets)
+    assert all(isinstance(target["met"], bool) for target in targets.values())
+
+
+def test_markdown_and_chart_are_written(smoke_run: tuple[str, Path]) -> None:
+    _, out = smoke_run
+    markdown = (out / "latest.md").read_text()
+    for name in WORKLOADS:
+        assert f"(`{name}`)" in markdown
+    assert (out / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([10, 20, 30, 40], 50) == 25
+    assert percentile([10, 20, 30, 40], 100) == 40
+    assert percentile([7], 99) == 7
+    assert math.isnan(percentile([], 50))
+
+
+def test_summary_reports_microseconds_and_rate() -> None:
+    samples = Samples(latencies_ns=[1000, 2000, 3000], ops=3, seconds=0.5)
+    summary = summarize(samples)
+    assert summary["median_us"] == 2.0
+    assert summary["ops_per_s"] == 6.0
