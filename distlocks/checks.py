@@ -18,7 +18,7 @@ E001 = "DISTLOCKS_BACKENDS must be a dict of alias -> backend config with a 'def
 E002 = "A DISTLOCKS_BACKENDS entry must be a dict with a 'BACKEND' dotted path."
 E003 = "A DISTLOCKS_BACKENDS 'BACKEND' must import as a BaseBackend subclass."
 E004 = "A DISTLOCKS_BACKENDS entry is not valid for its backend class."
-E005 = "DISTLOCKS_DEFAULT_TTL must be a number of seconds > 0."
+E005 = "DISTLOCKS_DEFAULT_TTL must be a number of seconds >= 0.01."
 E006 = "DISTLOCKS_DEFAULT_TIMEOUT must be None or a number of seconds >= 0."
 E007 = "DISTLOCKS_KEY_PREFIX must be a non-empty str without braces."
 E008 = "PostgresBackend needs a PostgreSQL database."
@@ -40,7 +40,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     errors: list[CheckMessage] = []
     errors.extend(_check_backends())
     ttl = conf.DEFAULT_TTL
-    if not _is_number(ttl) or ttl <= 0:
+    if not _is_number(ttl) or ttl < 0.01:
         errors.append(Error(E005, hint=f"It is {ttl!r}; set it to e.g. 30.", id="distlocks.E005"))
     timeout = conf.DEFAULT_TIMEOUT
     if timeout is not None and (not _is_number(timeout) or timeout < 0):

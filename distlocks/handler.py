@@ -56,10 +56,14 @@ def backend_class(alias: str, config: Any) -> type[BaseBackend]:
     return cls
 
 
-def check_alias(alias: str) -> Mapping[str, Any]:
-    """Return the config of ``alias`` or raise ImproperlyConfigured naming the known ones."""
+def check_alias(alias: str) -> Mapping[str, Any] | None:
+    """Raise ImproperlyConfigured, naming the known aliases, unless ``alias`` is one.
+
+    Returns its config (None when the backend already exists: no need to look)."""
     if not isinstance(alias, str):
         raise TypeError(f"backend must be an alias string, not {type(alias).__name__}.")
+    if alias in backends._backends:
+        return None
     configs = backend_configs()
     if alias not in configs:
         known = ", ".join(repr(a) for a in sorted(configs)) or "none"
@@ -88,7 +92,8 @@ class BackendHandler:
             return backend
 
     def create(self, alias: str) -> BaseBackend:
-        config = check_alias(alias)
+        check_alias(alias)
+        config = backend_configs()[alias]
         cls = backend_class(alias, config)
         problems = cls.validate_config(alias, config)
         if problems:

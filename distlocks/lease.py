@@ -153,6 +153,10 @@ class BaseLease:
         from distlocks.reentrancy import forget
 
         forget(self)
+        if self.auto_renew and type(self) is Lease:
+            from distlocks.renewal import renewer
+
+            renewer(self.backend).finished()
 
     # -- renewal bookkeeping, shared by both flavours ---------------------------
 

@@ -19,7 +19,7 @@ from typing import Any, ParamSpec, TypeVar
 from distlocks import reentrancy, signals
 from distlocks.backends.base import AcquireResult, BaseBackend, Holder
 from distlocks.conf import conf
-from distlocks.exceptions import LockBackendUnavailable, LockLost, LockNotAcquired
+from distlocks.exceptions import LockError, LockLost, LockNotAcquired
 from distlocks.handler import backends, check_alias
 from distlocks.lease import AsyncLease, BaseLease, Lease
 from distlocks.renewal import renewer
@@ -156,8 +156,14 @@ def acquire_lease(
             _leave_quietly(backend, name, owner)
     due = lease._renewal_due()
     if due is not None:
-        renewer().add(lease, due)
-    signals.lock_acquired.send(sender=Lease, lease=lease)
+        renewer(backend.alias).add(lease, due)
+    try:
+        signals.lock_acquired.send(sender=Lease, lease=lease)
+    except BaseException:
+        # A failing receiver must not leave a lease that nobody will release.
+        with contextlib.suppress(Exception):
+            lease.release()
+        raise
     return lease
 
 
@@ -207,7 +213,12 @@ async def aacquire_lease(
             except Exception:
                 logger.warning("Could not leave the wait queue of %r", name, exc_info=True)
     lease._start_renewal()
-    signals.lock_acquired.send(sender=AsyncLease, lease=lease)
+    try:
+        signals.lock_acquired.send(sender=AsyncLease, lease=lease)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await lease.release()
+        raise
     return lease
 
 
@@ -228,7 +239,7 @@ def finish_lease(lease: Lease, body_failed: bool) -> None:
     lease.held()  # notices a lease that ran out while inside
     try:
         lease.release()
-    except LockBackendUnavailable:
+    except LockError:
         if body_failed:
             logger.exception("Could not release lock %r after an error in its block", lease.name)
             return
@@ -243,7 +254,7 @@ async def afinish_lease(lease: AsyncLease, body_failed: bool) -> None:
     lease.held()
     try:
         await lease.release()
-    except LockBackendUnavailable:
+    except LockError:
         if body_failed:
             logger.exception("Could not release lock %r after an error in its block", lease.name)
             return
@@ -367,10 +378,15 @@ class Lock(_LockBase):
         finish_lease(lease, body_failed=exc_type is not None)
 
     def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
-        if inspect.iscoroutinefunction(func):
+        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
             raise TypeError(
                 f"lock() cannot decorate the coroutine function {func.__qualname__}; "
                 f"use alock() for async code."
+            )
+        if inspect.isgeneratorfunction(func):
+            raise TypeError(
+                f"lock() cannot decorate the generator function {func.__qualname__}: the lock "
+                f"would be held only while the generator is created. Take the lock inside it."
             )
 
         @functools.wraps(func)
@@ -537,7 +553,6 @@ def _ordered_names(names: Iterable[str]) -> list[str]:
     return ordered
 
 
-@contextlib.contextmanager
 def lock_many(
     names: Iterable[str],
     *,
@@ -547,7 +562,7 @@ def lock_many(
     auto_renew: bool = True,
     max_hold: float | None = None,
     on_lost: Callable[[Lease], object] | None = None,
-) -> Iterator[dict[str, Lease]]:
+) -> contextlib.AbstractContextManager[dict[str, Lease]]:
     """Hold several locks at once: all or none.
 
     Names are deduplicated and taken in sorted order (so two callers asking for
@@ -555,6 +570,7 @@ def lock_many(
     cannot be taken, those already taken are released and :class:`LockNotAcquired`
     is raised. Yields ``{name: lease}``; leases are released in reverse order.
     """
+    # Arguments are checked here, at the call, not when the block is entered.
     ordered = _ordered_names(names)
     template = Lock(
         ordered[0],
@@ -565,6 +581,11 @@ def lock_many(
         max_hold=max_hold,
         on_lost=on_lost,
     )
+    return _hold_many(ordered, template)
+
+
+@contextlib.contextmanager
+def _hold_many(ordered: list[str], template: Lock) -> Iterator[dict[str, Lease]]:
     wait = template.timeout
     deadline = None if wait is None else time.monotonic() + wait
     held: list[Lease] = []

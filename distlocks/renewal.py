@@ -27,22 +27,38 @@ IDLE_EXIT = 30.0
 
 
 class Renewer:
-    def __init__(self) -> None:
+    """Renews the leases of one backend (so a hung server delays only its own leases)."""
+
+    def __init__(self, alias: str = "") -> None:
+        self.alias = alias
         self._heap: list[tuple[float, int, Lease]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._finished = 0  # entries in the heap whose lease has ended
 
     def add(self, lease: Lease, due: float) -> None:
         """Renew ``lease`` at monotonic time ``due`` (and after that as it asks)."""
         with self._cond:
+            earliest = self._heap[0][0] if self._heap else None
             heapq.heappush(self._heap, (due, next(self._seq), lease))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
-                    target=self._run, name="distlocks-renewer", daemon=True
+                    target=self._run, name=f"distlocks-renewer:{self.alias}", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify()
+            elif earliest is None or due < earliest:
+                # Wake the thread only if it now has to run sooner than planned.
+                self._cond.notify()
+
+    def finished(self) -> None:
+        """A lease ended; compact the heap once ended leases dominate it."""
+        with self._cond:
+            self._finished += 1
+            if self._finished > 64 and self._finished * 2 > len(self._heap):
+                self._heap = [entry for entry in self._heap if entry[2]._state == "held"]
+                heapq.heapify(self._heap)
+                self._finished = 0
 
     def pending(self) -> int:
         """Leases currently scheduled (released ones drop out at their next turn)."""
@@ -66,6 +82,8 @@ class Renewer:
                     self._cond.wait(delay)
                     continue
                 heapq.heappop(self._heap)
+                if lease._state != "held" and self._finished:
+                    self._finished -= 1
                 return lease
 
     def _run(self) -> None:
@@ -83,16 +101,21 @@ class Renewer:
                     heapq.heappush(self._heap, (due, next(self._seq), lease))
 
 
-_renewer = Renewer()
+_renewers: dict[str, Renewer] = {}
+_renewers_lock = threading.Lock()
 
 
-def renewer() -> Renewer:
-    return _renewer
+def renewer(alias: str = "") -> Renewer:
+    """The renewer of backend ``alias`` (one thread per backend, not per lease)."""
+    found = _renewers.get(alias)
+    if found is None:
+        with _renewers_lock:
+            found = _renewers.setdefault(alias, Renewer(alias))
+    return found
 
 
 def _reset_after_fork() -> None:
-    global _renewer
-    _renewer = Renewer()
+    _renewers.clear()
 
 
 if hasattr(os, "register_at_fork"):

@@ -191,6 +191,10 @@ def _drive_pages(client: Any) -> dict[str, Any]:
         results["live"][backend]["after"] = client.get("/locks/table/").content.decode()
     results["pid"] = os.getpid()
 
+    results["hold"] = {
+        backend: _hold_and_abandon(client, backend) for backend in ("default", "locmem")
+    }
+
     results["fencing"] = []
     for _ in range(2):
         client.post("/fencing/", {"backend": "default"})
@@ -207,6 +211,47 @@ def _drive_pages(client: Any) -> dict[str, Any]:
     }
     results["admin_index"] = client.get("/admin/").status_code
     return results
+
+
+def _poll(condition: Any, timeout: float = 10.0) -> bool:
+    """Whether ``condition()`` became true within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _hold_and_abandon(client: Any, backend: str) -> dict[str, Any]:
+    """Press the live-locks page's two buttons, with leases shrunk to fractions of a second."""
+    from demo_project.shop import views
+    from distlocks import get_backend
+
+    views.HOLD_TTL, views.HOLD_SECONDS, views.ABANDON_TTL = 0.3, 1.0, 0.3
+    server = get_backend(backend)
+    held = client.post("/locks/hold/", {"backend": backend, "mode": "hold"}, follow=True)
+    again = client.post("/locks/hold/", {"backend": backend, "mode": "hold"}, follow=True)
+    info = server.inspect("demo:nightly-report")
+
+    def renewed_twice() -> bool:
+        current = server.inspect("demo:nightly-report")
+        return current is not None and current.renewals >= 2
+
+    renewed = _poll(renewed_twice)
+    released = _poll(lambda: server.inspect("demo:nightly-report") is None)
+    client.post("/locks/hold/", {"backend": backend, "mode": "abandon"})
+    abandoned = server.inspect("demo:crashed-worker")
+    expired = _poll(lambda: server.inspect("demo:crashed-worker") is None)
+    return {
+        "held_message": "Holding &#x27;demo:nightly-report&#x27;" in held.content.decode(),
+        "busy_message": "is already held" in again.content.decode(),
+        "held_at_first": info is not None,
+        "renewed": renewed,
+        "released": released,
+        "abandoned_at_first": abandoned is not None,
+        "abandoned_expired": expired,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +310,21 @@ def test_live_locks_page_lists_held_locks(demo: dict[str, Any], backend: str) ->
     assert f"<td>{live['token']}</td>" in section
     assert f"/ {demo['pid']} / MainThread" in section
     assert "test:live:" not in live["after"]
+
+
+@pytest.mark.parametrize("backend", ["default", "locmem"])
+def test_hold_renews_then_releases_and_abandon_expires(demo: dict[str, Any], backend: str) -> None:
+    assert demo["hold"][backend] == {
+        "held_message": True,
+        "busy_message": True,
+        "held_at_first": True,
+        # Its lease is far shorter than the hold: only renewal keeps it alive.
+        "renewed": True,
+        "released": True,
+        "abandoned_at_first": True,
+        # Not renewed, so it ends by its TTL, like a crashed holder's lock.
+        "abandoned_expired": True,
+    }
 
 
 def test_fencing_tokens_only_increase(demo: dict[str, Any]) -> None:

@@ -79,7 +79,7 @@ def test_one_renewal_thread_for_many_leases(alias: str, name: str) -> None:
     leases = [lock(f"{name}:{i}", backend=alias, ttl=0.6).acquire() for i in range(30)]
     try:
         wait_for(lambda: all(lease.renewals >= 1 for lease in leases), what="renewals")
-        renewers = [t for t in threading.enumerate() if t.name == "distlocks-renewer"]
+        renewers = [t for t in threading.enumerate() if t.name == f"distlocks-renewer:{alias}"]
         assert len(renewers) == 1
         assert all(lease.held() for lease in leases)
     finally:
@@ -114,7 +114,7 @@ def test_renewal_stops_at_release(alias: str, name: str) -> None:
     lease.release()
     renewals = lease.renewals
     # The renewer drops the lease at its next turn (within ttl/3) and never renews it again.
-    wait_for(lambda: all(entry[2] is not lease for entry in renewer()._heap), what="drop")
+    wait_for(lambda: all(entry[2] is not lease for entry in renewer(alias)._heap), what="drop")
     assert lease.renewals == renewals
     assert get_backend(alias).inspect(name) is None
 

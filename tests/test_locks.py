@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -351,3 +352,29 @@ def test_threads_lose_no_increment(alias: str, name: str) -> None:
     for thread in threads:
         thread.join()
     assert counter["value"] == 100
+
+
+def test_decorating_a_generator_function_is_refused(alias: str, name: str) -> None:
+    with pytest.raises(TypeError, match="generator function"):
+
+        @lock(name, backend=alias)
+        def gen() -> Iterator[int]:
+            yield 1
+
+
+def test_failing_acquired_receiver_does_not_orphan_the_lease(alias: str, name: str) -> None:
+    def boom(sender: object, lease: Lease, **kwargs: object) -> None:
+        raise RuntimeError("receiver failed")
+
+    lock_acquired.connect(boom)
+    try:
+        with pytest.raises(RuntimeError, match="receiver failed"):
+            lock(name, backend=alias).acquire()
+    finally:
+        lock_acquired.disconnect(boom)
+    assert get_backend(alias).inspect(name) is None
+
+
+def test_lock_many_checks_arguments_at_the_call(alias: str) -> None:
+    with pytest.raises(ValueError, match="must not be empty"):
+        lock_many(["ok", ""], backend=alias)  # no `with`: the call itself raises

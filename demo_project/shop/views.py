@@ -23,9 +23,11 @@ from distlocks import lock
 from distlocks.exceptions import LockError, LockNotAcquired
 
 #: How long the "hold" button keeps its lock before releasing it.
-HOLD_SECONDS = 20
+HOLD_SECONDS: float = 20
+#: Lease of the held lock: short, so the live table shows automatic renewal at work.
+HOLD_TTL: float = 6
 #: Lease of the lock the "abandon" button takes and never releases.
-ABANDON_TTL = 15
+ABANDON_TTL: float = 15
 #: How often the live-locks page refreshes its table.
 REFRESH_SECONDS = 2
 
@@ -49,7 +51,8 @@ FEATURES = [
     Feature(
         "Live locks",
         "Every lock held right now on each backend (get_backend(alias).iter_locks()): "
-        "who holds it, its fencing token and when it expires.",
+        "who holds it, its fencing token, when it expires, and how often its lease "
+        "was renewed automatically.",
         "shop:locks",
     ),
     Feature(
@@ -79,10 +82,13 @@ COMING = [
         "Celery single execution",
         "At most one run of a task per key, with the lease renewed while it runs.",
     ),
-    Feature(
-        "More backends and primitives",
-        "PostgreSQL advisory locks, Redlock, alock() for asyncio, rwlock, semaphore.",
-    ),
+    Feature("Redlock and more primitives", "RedlockBackend, rwlock(), semaphore()."),
+]
+
+#: In distlocks already, but no page of this demo shows them yet.
+NOT_SHOWN = [
+    Feature("alock()", "The asyncio form: async with alock(name, ttl=30) as lease."),
+    Feature("PostgreSQL backend", "Advisory locks: distlocks.backends.postgres.PostgresBackend."),
 ]
 
 
@@ -106,7 +112,12 @@ def index(request: HttpRequest) -> HttpResponse:
     return render(
         request,
         "index.html",
-        {"features": FEATURES, "coming": COMING, "backends": _configured_backends()},
+        {
+            "features": FEATURES,
+            "coming": COMING,
+            "not_shown": NOT_SHOWN,
+            "backends": _configured_backends(),
+        },
     )
 
 
@@ -222,6 +233,7 @@ def locks(request: HttpRequest) -> HttpResponse:
         {
             "form": BackendForm(),
             "hold_seconds": HOLD_SECONDS,
+            "hold_ttl": HOLD_TTL,
             "abandon_ttl": ABANDON_TTL,
         }
     )
@@ -243,10 +255,11 @@ def locks_hold(request: HttpRequest) -> HttpResponse:
     alias = form.cleaned_data["backend"]
     abandon = form.cleaned_data["mode"] == "abandon"
     name = "demo:crashed-worker" if abandon else "demo:nightly-report"
-    # The hold lease outlives its timer, so it is always released, never expired.
-    ttl = ABANDON_TTL if abandon else HOLD_SECONDS + 10
+    # A crashed worker's renewals die with it. Here the process lives on, so the
+    # abandoned lease must not be renewed, or it would never expire.
+    ttl, auto_renew = (ABANDON_TTL, False) if abandon else (HOLD_TTL, True)
     try:
-        lease = lock(name, backend=alias, ttl=ttl, timeout=0).acquire()
+        lease = lock(name, backend=alias, ttl=ttl, timeout=0, auto_renew=auto_renew).acquire()
     except LockNotAcquired:
         messages.warning(
             request, f"{name!r} is already held on {alias!r}: timeout=0 tried once and gave up."
@@ -268,7 +281,8 @@ def locks_hold(request: HttpRequest) -> HttpResponse:
         timer.start()
         messages.success(
             request,
-            f"Holding {name!r} on {alias!r} (fencing token {lease.fencing_token}); "
+            f"Holding {name!r} on {alias!r} (fencing token {lease.fencing_token}) with a "
+            f"{HOLD_TTL} s lease, renewed automatically about every {HOLD_TTL / 3:g} s; "
             f"released in {HOLD_SECONDS} s.",
         )
     return redirect("shop:locks")

@@ -8,6 +8,7 @@ check warns when it is configured with ``DEBUG = False``.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import threading
 import time
@@ -162,6 +163,46 @@ class LocMemBackend(BaseBackend):
             its_turn = not fair or not queue or queue[0] == owner
             if store.live(name) is not None or not its_turn:
                 store.cond.wait(timeout)
+
+    # asyncio: every operation is a few dict updates under a lock, so it runs inline
+    # rather than in a worker thread (many waiting tasks would exhaust the pool).
+
+    async def aacquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        wait: float = 0.0,
+        fair: bool = False,
+    ) -> AcquireResult:
+        return self.acquire(name, owner, ttl, holder, wait=wait, fair=fair)
+
+    async def arelease(self, name: str, owner: str) -> bool:
+        return self.release(name, owner)
+
+    async def aextend(self, name: str, owner: str, ttl: float) -> bool:
+        return self.extend(name, owner, ttl)
+
+    async def aleave_queue(self, name: str, owner: str) -> None:
+        self.leave_queue(name, owner)
+
+    async def await_release(
+        self, name: str, timeout: float, *, owner: str = "", fair: bool = False
+    ) -> None:
+        # Poll with a short, growing interval: the loop stays free, no thread is used.
+        deadline = time.monotonic() + timeout
+        interval = 0.001
+        store = self._store
+        while time.monotonic() < deadline:
+            with store.cond:
+                queue = store.queues.get(name)
+                its_turn = not fair or not queue or queue[0] == owner
+                if store.live(name) is None and its_turn:
+                    return
+            await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            interval = min(interval * 2, 0.02)
 
     def _info(self, name: str, entry: _Entry) -> LockInfo:
         remaining = max(0.0, entry.valid_until - time.monotonic())

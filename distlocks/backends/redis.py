@@ -118,7 +118,8 @@ if not turn then
   if holder then return {0, 0, redis.call('PTTL', KEYS[1])} end
   return {0, 0, -3}
 end
-if wait_ms > 0 then
+if wait_ms > 0 or fair then
+  -- Also on a last attempt made with no time left, so no stale entry stays queued.
   redis.call('ZREM', KEYS[3], ARGV[1])
   if fair then redis.call('ZREM', KEYS[4], ARGV[1]) end
 end
@@ -224,6 +225,10 @@ class Keys(NamedTuple):
 _UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)
 
 
+def _extra_json(extra: Mapping[str, Any]) -> str:
+    return json.dumps(dict(extra), separators=(",", ":")) if extra else "{}"
+
+
 def _decode(value: bytes | str | None) -> str:
     if value is None:
         return ""
@@ -256,6 +261,7 @@ class RedisBackend(BaseBackend):
         self._client: redis.Redis | None = None
         self._client_lock = threading.Lock()
         self._scripts: dict[str, Any] = {}
+        self._keys_cache: dict[str, Keys] = {}
         self._async_clients: weakref.WeakKeyDictionary[
             asyncio.AbstractEventLoop, tuple[redis.asyncio.Redis, dict[str, Any]]
         ] = weakref.WeakKeyDictionary()
@@ -389,6 +395,14 @@ class RedisBackend(BaseBackend):
 
     def all_keys(self, name: str) -> Keys:
         """Every key of ``name``, all in one Redis Cluster slot."""
+        keys = self._keys_cache.get(name)
+        if keys is None:
+            if len(self._keys_cache) >= 4096:
+                self._keys_cache.clear()
+            keys = self._keys_cache[name] = self._make_keys(name)
+        return keys
+
+    def _make_keys(self, name: str) -> Keys:
         tag = name
         if "{" in name or "}" in name:
             tag = "#" + hashlib.sha256(name.encode()).hexdigest()[:32]
@@ -412,6 +426,16 @@ class RedisBackend(BaseBackend):
             raise LockBackendUnavailable(
                 self.alias, f"{action} {name!r} failed: {type(exc).__name__}: {exc}"
             ) from exc
+        except redis.ResponseError as exc:
+            if "READONLY" in str(exc) or "LOADING" in str(exc) or "MASTERDOWN" in str(exc):
+                # A replica (e.g. after a failover) or a server still loading its data.
+                raise LockBackendUnavailable(
+                    self.alias, f"{action} {name!r} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            raise LockError(
+                f"Redis error while trying to {action} lock {name!r} on backend "
+                f"{self.alias!r}: {type(exc).__name__}: {exc}"
+            ) from exc
         except redis.RedisError as exc:
             raise LockError(
                 f"Redis error while trying to {action} lock {name!r} on backend "
@@ -428,9 +452,12 @@ class RedisBackend(BaseBackend):
 
     @property
     def wait_chunk(self) -> float:
-        """Longest single blocking wait, kept under the socket timeout."""
-        timeout = self.options.get("socket_timeout", self.DEFAULT_SOCKET_TIMEOUT)
-        return max(0.01, min(5.0, 0.8 * timeout))
+        """Longest single blocking wait, kept under the socket timeout actually in force
+        (which a URL query, client_kwargs or a shared cache may have set)."""
+        timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
+        if timeout is None:
+            timeout = 5.0 / 0.8
+        return max(0.01, min(5.0, 0.8 * float(timeout)))
 
     def _acquire_call(
         self, name: str, owner: str, ttl: float, holder: Holder, wait: float, fair: bool
@@ -441,7 +468,7 @@ class RedisBackend(BaseBackend):
         register_ms = round((min(wait, self.wait_chunk) + 1.0) * 1000) if wait > 0 else 0
         args = [
             owner, max(1, round(ttl * 1000)), name, holder.host, holder.pid, holder.thread,
-            json.dumps(dict(holder.extra), separators=(",", ":")), register_ms, int(fair),
+            _extra_json(holder.extra), register_ms, int(fair),
         ]  # fmt: skip
         return [keys.lock, keys.fence, keys.waiters, keys.queue], args
 
@@ -468,9 +495,11 @@ class RedisBackend(BaseBackend):
         except LockBackendUnavailable as exc:
             if isinstance(exc.__cause__, redis.TimeoutError):
                 # The script may have run and only the reply was lost: give the lock
-                # back rather than leave it held by a lease nobody knows about.
-                with contextlib.suppress(LockError):
-                    self.release(name, owner)
+                # back rather than leave it held by a lease nobody knows about. In the
+                # background, so the caller hears of the outage after one timeout.
+                threading.Thread(
+                    target=self._release_quietly, args=(name, owner), daemon=True
+                ).start()
             raise
 
     async def aacquire(
@@ -492,6 +521,10 @@ class RedisBackend(BaseBackend):
                 with contextlib.suppress(LockError):
                     await self.arelease(name, owner)
             raise
+
+    def _release_quietly(self, name: str, owner: str) -> None:
+        with contextlib.suppress(LockError):
+            self.release(name, owner)
 
     def _release_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
         k = self.all_keys(name)
