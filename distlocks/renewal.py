@@ -5,6 +5,10 @@ until the earliest one is due, renews it (one compare-and-expire round trip),
 and schedules it again at a third of its ttl. It exits after a while with
 nothing to do and is started again by the next lease, and it is rebuilt in a
 forked child (threads do not survive ``fork``).
+
+The heap holds weak references: a lease that its holder dropped without
+releasing is no longer renewed, and its lock expires after one ttl instead of
+being kept alive for as long as the process runs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,7 +36,7 @@ class Renewer:
 
     def __init__(self, alias: str = "") -> None:
         self.alias = alias
-        self._heap: list[tuple[float, int, Lease]] = []
+        self._heap: list[tuple[float, int, weakref.ref[Lease]]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -41,7 +46,7 @@ class Renewer:
         """Renew ``lease`` at monotonic time ``due`` (and after that as it asks)."""
         with self._cond:
             earliest = self._heap[0][0] if self._heap else None
-            heapq.heappush(self._heap, (due, next(self._seq), lease))
+            heapq.heappush(self._heap, (due, next(self._seq), weakref.ref(lease)))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name=f"distlocks-renewer:{self.alias}", daemon=True
@@ -56,7 +61,11 @@ class Renewer:
         with self._cond:
             self._finished += 1
             if self._finished > 64 and self._finished * 2 > len(self._heap):
-                self._heap = [entry for entry in self._heap if entry[2]._state == "held"]
+                self._heap = [
+                    entry
+                    for entry in self._heap
+                    if (lease := entry[2]()) is not None and lease._state == "held"
+                ]
                 heapq.heapify(self._heap)
                 self._finished = 0
 
@@ -76,12 +85,15 @@ class Renewer:
                         return None
                     self._cond.wait(IDLE_EXIT)
                     continue
-                due, _, lease = self._heap[0]
+                due, _, ref = self._heap[0]
                 delay = due - time.monotonic()
                 if delay > 0:
                     self._cond.wait(delay)
                     continue
                 heapq.heappop(self._heap)
+                lease = ref()
+                if lease is None:
+                    continue  # dropped by its holder: let it expire
                 if lease._state != "held" and self._finished:
                     self._finished -= 1
                 return lease
@@ -98,7 +110,7 @@ class Renewer:
                 due = time.monotonic() + 0.5
             if due is not None:
                 with self._cond:
-                    heapq.heappush(self._heap, (due, next(self._seq), lease))
+                    heapq.heappush(self._heap, (due, next(self._seq), weakref.ref(lease)))
 
 
 _renewers: dict[str, Renewer] = {}

@@ -114,7 +114,7 @@ def test_renewal_stops_at_release(alias: str, name: str) -> None:
     lease.release()
     renewals = lease.renewals
     # The renewer drops the lease at its next turn (within ttl/3) and never renews it again.
-    wait_for(lambda: all(entry[2] is not lease for entry in renewer(alias)._heap), what="drop")
+    wait_for(lambda: all(entry[2]() is not lease for entry in renewer(alias)._heap), what="drop")
     assert lease.renewals == renewals
     assert get_backend(alias).inspect(name) is None
 
@@ -415,3 +415,13 @@ def test_lock_many_releases_in_reverse_order(alias: str, name: str) -> None:
     finally:
         lock_released.disconnect(record)
     assert order == [f"{name}:c", f"{name}:b", f"{name}:a"]
+
+
+def test_a_dropped_lease_is_not_renewed_forever(alias: str, name: str) -> None:
+    import gc
+
+    if not get_backend(alias).expires_on_server:
+        pytest.skip("this backend's locks do not expire on the server")
+    lock(name, backend=alias, ttl=0.3).acquire()  # the lease object is dropped at once
+    gc.collect()
+    wait_for(lambda: get_backend(alias).inspect(name) is None, limit=5, what="expiry")
