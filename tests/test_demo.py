@@ -332,8 +332,9 @@ def test_fencing_tokens_only_increase(demo: dict[str, Any]) -> None:
     assert tokens == sorted(set(tokens)), tokens
     for run in demo["fencing"]:
         evicted, after = run[-2]["fencing_token"], run[-1]["fencing_token"]
-        # The force-release burns one token: the evicted holder's is outdated at once.
-        assert after == evicted + 2
+        # The force-release moved the counter: the evicted holder's token is outdated
+        # at once, and the next holder's is higher still.
+        assert after > evicted + 1
         assert "release() returned False" in run[-2]["note"]
         assert "raised LockLost" in run[-2]["note"]
 

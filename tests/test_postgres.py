@@ -176,9 +176,10 @@ def test_force_release_terminates_the_holder_and_bumps_the_token(name: str, tmp_
     token = int(log.read_text().split()[1])
     assert pg().force_release(name) is True
     # The counter moved at the force release: the evicted holder's token is stale.
-    assert pg().fencing_counter(name) == token + 1
+    bumped = pg().fencing_counter(name)
+    assert bumped > token
     with lock(name, backend="pg", timeout=5) as lease:
-        assert lease.fencing_token == token + 2
+        assert lease.fencing_token > bumped
     proc.join(20)
     assert "lost" in log.read_text(), log.read_text()
     assert pg().force_release(name) is False
@@ -225,7 +226,7 @@ class TestTransactionMode:
             pass
         with transaction.atomic():
             second = lock(name, backend="pgx").acquire()
-        assert second.fencing_token == first.fencing_token + 1
+        assert second.fencing_token > first.fencing_token
 
 
 def test_checks_for_postgres_settings() -> None:

@@ -163,6 +163,10 @@ class BaseBackend(ABC):
         """Free ``name`` whoever holds it, and advance its fencing counter so the
         evicted holder's fenced writes are rejected; True if it was held."""
 
+    @abstractmethod
+    def fencing_counter(self, name: str) -> int:
+        """The last fencing token issued for ``name`` (0 if none yet)."""
+
     def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
         """Block up to ``timeout`` seconds, or less when ``name`` may have been freed.
 

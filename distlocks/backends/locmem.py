@@ -38,6 +38,13 @@ class _Store:
         # Fair waiters per lock name, in arrival order.
         self.queues: dict[str, list[str]] = {}
 
+    def next_token(self, name: str) -> int:
+        """One more than the last token, floored by the clock in microseconds, so a
+        new process never issues tokens below those of an earlier one."""
+        token = max(self.counters.get(name, 0) + 1, time.time_ns() // 1000)
+        self.counters[name] = token
+        return token
+
     def live(self, name: str) -> _Entry | None:
         entry = self.locks.get(name)
         if entry is not None and time.monotonic() >= entry.valid_until:
@@ -102,8 +109,7 @@ class LocMemBackend(BaseBackend):
                 waiting.remove(owner)
                 if not waiting:
                     del store.queues[name]
-            token = store.counters.get(name, 0) + 1
-            store.counters[name] = token
+            token = store.next_token(name)
             store.locks[name] = _Entry(
                 owner=owner,
                 token=token,
@@ -149,12 +155,16 @@ class LocMemBackend(BaseBackend):
         with store.cond:
             entry = store.live(name)
             # Advance the counter so the evicted holder's token is outdated at once.
-            store.counters[name] = store.counters.get(name, 0) + 1
+            store.next_token(name)
             if entry is None:
                 return False
             del store.locks[name]
             store.cond.notify_all()
             return True
+
+    def fencing_counter(self, name: str) -> int:
+        with self._store.cond:
+            return self._store.counters.get(name, 0)
 
     def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
         store = self._store

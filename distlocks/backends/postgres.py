@@ -63,6 +63,10 @@ logger = logging.getLogger(__name__)
 TABLE = "distlocks_lockregistry"
 MODES = ("session", "transaction")
 
+# Tokens are floored by the server clock in microseconds, like the other backends,
+# so that they stay comparable and survive a registry that was emptied.
+_CLOCK_US = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
+
 # The registry upsert shared by both modes; {lock} is a query taking the lock and
 # yielding one boolean "ok". The upsert runs only if the lock was granted, and
 # bumps the counter in the same statement.
@@ -71,11 +75,12 @@ WITH granted AS MATERIALIZED ({{lock}})
 INSERT INTO {TABLE} AS r
     (key, name, fencing_token, owner, host, pid, thread, backend_pid,
      acquired_at, ttl, renewals, extra)
-SELECT %(key)s, %(name)s, 1, %(owner)s, %(host)s, %(pid)s, %(thread)s,
+SELECT %(key)s, %(name)s, {_CLOCK_US}, %(owner)s, %(host)s, %(pid)s, %(thread)s,
        pg_backend_pid(), clock_timestamp(), %(ttl)s, 0, %(extra)s
 FROM granted WHERE granted.ok
 ON CONFLICT (key) DO UPDATE SET
-    fencing_token = r.fencing_token + 1, name = EXCLUDED.name, owner = EXCLUDED.owner,
+    fencing_token = greatest(r.fencing_token + 1, EXCLUDED.fencing_token),
+    name = EXCLUDED.name, owner = EXCLUDED.owner,
     host = EXCLUDED.host, pid = EXCLUDED.pid, thread = EXCLUDED.thread,
     backend_pid = EXCLUDED.backend_pid, acquired_at = EXCLUDED.acquired_at,
     ttl = EXCLUDED.ttl, renewals = 0, extra = EXCLUDED.extra
@@ -113,7 +118,8 @@ WITH holder AS MATERIALIZED (
 ), killed AS MATERIALIZED (
     SELECT pg_terminate_backend(pid) AS ok FROM holder
 ), bumped AS (
-    UPDATE {TABLE} SET fencing_token = fencing_token + 1 WHERE key = %(key)s RETURNING 1
+    UPDATE {TABLE} SET fencing_token = greatest(fencing_token + 1, {_CLOCK_US})
+    WHERE key = %(key)s RETURNING 1
 )
 SELECT coalesce(bool_or(ok), false) FROM killed
 """

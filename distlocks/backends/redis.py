@@ -55,6 +55,20 @@ local now = redis.call('TIME')
 local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
 """
 
+# The next fencing token: one more than the last, and never below the server
+# clock in microseconds. If the counter is lost (a restart without persistence,
+# a failover to a replica that missed the last writes), tokens go on from the
+# clock, which is past every token issued before: those were at most one per
+# microsecond ahead of it. Lua numbers are doubles, exact up to 2^53 (year 2255).
+_NEXT_TOKEN = """
+local function next_token(fence, now)
+  local token = math.max(tonumber(redis.call('GET', fence) or '0') + 1,
+                         now[1] * 1000000 + now[2])
+  redis.call('SET', fence, string.format('%d', token))
+  return token
+end
+"""
+
 # Forget waiters whose registration expired (they crashed or gave up silently).
 _PRUNE = """
 local function prune(waiters, queue, now_ms)
@@ -92,6 +106,7 @@ end
 # Returns {1, token, ttl ms} when granted; {0, 0, holder's pttl or -3} when not.
 ACQUIRE = (
     _NOW
+    + _NEXT_TOKEN
     + _PRUNE
     + """
 local holder = redis.call('HGET', KEYS[1], 'owner')
@@ -123,7 +138,7 @@ if wait_ms > 0 or fair then
   redis.call('ZREM', KEYS[3], ARGV[1])
   if fair then redis.call('ZREM', KEYS[4], ARGV[1]) end
 end
-local token = redis.call('INCR', KEYS[2])
+local token = next_token(KEYS[2], now)
 redis.call('HSET', KEYS[1],
   'owner', ARGV[1], 'token', token, 'name', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5],
   'thread', ARGV[6], 'extra', ARGV[7], 'ttl', ARGV[2], 'renewals', 0,
@@ -166,10 +181,11 @@ return 0
 # is already outdated; a waiter is woken.
 FORCE_RELEASE = (
     _NOW
+    + _NEXT_TOKEN
     + _WAKE
     + """
 local existed = redis.call('DEL', KEYS[1])
-redis.call('INCR', KEYS[2])
+next_token(KEYS[2], now)
 wake(KEYS[3], KEYS[4], KEYS[5], ARGV[1], now_ms)
 return existed
 """
