@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+from typing import Any
+
 from django.apps import AppConfig
 from django.core.signals import setting_changed
+from django.db.backends.signals import connection_created
+from django.db.models.signals import post_migrate
 from django.utils.translation import gettext_lazy as _
 
 
@@ -12,6 +16,35 @@ class DistlocksConfig(AppConfig):
 
     def ready(self) -> None:
         from distlocks import checks  # noqa: F401 - registers the system checks
+        from distlocks.fencing import install_error_translation
         from distlocks.handler import reset_on_setting_change
 
         setting_changed.connect(reset_on_setting_change, dispatch_uid="distlocks-reset-backends")
+        connection_created.connect(
+            install_error_translation, dispatch_uid="distlocks-translate-stale-tokens"
+        )
+        post_migrate.connect(install_fencing_triggers, dispatch_uid="distlocks-fencing-triggers")
+
+
+def install_fencing_triggers(using: str = "default", **kwargs: Any) -> None:
+    """After ``migrate``: put the fencing trigger on every concrete FencedModel table."""
+    from django.apps import apps
+    from django.db import connections, router
+
+    from distlocks.fencing import install_trigger
+    from distlocks.models import FencedModel
+
+    connection = connections[using]
+    if connection.vendor != "postgresql":
+        return
+    tables = connection.introspection.table_names()
+    for model in apps.get_models():
+        meta = model._meta
+        if (
+            issubclass(model, FencedModel)
+            and not meta.proxy
+            and meta.managed
+            and meta.db_table in tables
+            and router.allow_migrate_model(using, model)
+        ):
+            install_trigger(connection, meta.db_table)

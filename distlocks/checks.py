@@ -23,6 +23,7 @@ E006 = "DISTLOCKS_DEFAULT_TIMEOUT must be None or a number of seconds >= 0."
 E007 = "DISTLOCKS_KEY_PREFIX must be a non-empty str without braces."
 E008 = "PostgresBackend needs a PostgreSQL database."
 E009 = "Session-mode PostgreSQL locks cannot work behind transaction pooling."
+E010 = "A FencedModel subclass must keep fencing_token as a non-null BigIntegerField."
 W001 = "LocMemBackend only locks within one process."
 
 
@@ -95,4 +96,38 @@ def _check_backends() -> list[CheckMessage]:
                     id="distlocks.W001",
                 )
             )
+    return errors
+
+
+@register(Tags.models, "distlocks")
+def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    from django.apps import apps
+    from django.core.exceptions import FieldDoesNotExist
+    from django.db import models
+
+    from distlocks.models import FencedModel
+
+    configs = app_configs or apps.get_app_configs()
+    errors: list[CheckMessage] = []
+    for config in configs:
+        for model in config.get_models():
+            if not issubclass(model, FencedModel) or model._meta.abstract:
+                continue
+            try:
+                field = model._meta.get_field("fencing_token")
+            except FieldDoesNotExist:
+                field = None
+            if not isinstance(field, models.BigIntegerField) or field.null:
+                got = "removed" if field is None else f"a {type(field).__name__}"
+                if field is not None and field.null:
+                    got += " with null=True"
+                errors.append(
+                    Error(
+                        E010,
+                        hint=f"{model._meta.label}.fencing_token is {got}; keep the field "
+                        "inherited from FencedModel (fenced saves compare and store it).",
+                        obj=model,
+                        id="distlocks.E010",
+                    )
+                )
     return errors

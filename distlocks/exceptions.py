@@ -65,6 +65,10 @@ class StaleFencingToken(LockError):
         super().__init__(message or f"Stale fencing token {offered} (stored {stored}).")
 
 
+class FencingTokenRequired(LockError):
+    """A fenced write was attempted without a fencing token (and outside ``unfenced()``)."""
+
+
 class LockBackendUnavailable(LockError):
     """The lock server could not be reached, or did not answer in time."""
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from distlocks import reentrancy, signals
+from distlocks import fencing, reentrancy, signals
 from distlocks.backends.base import AcquireResult, BaseBackend, Holder
 from distlocks.conf import conf
 from distlocks.exceptions import LockError, LockLost, LockNotAcquired
@@ -357,15 +357,16 @@ class Lock(_LockBase):
             reentrancy.remember(lease)
         return lease
 
-    def _stack(self) -> list[Lease]:
-        stack: list[Lease] | None = getattr(self._local, "stack", None)
+    def _stack(self) -> list[tuple[Lease, Any]]:
+        stack: list[tuple[Lease, Any]] | None = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
         return stack
 
     def __enter__(self) -> Lease:
         lease = self.acquire()
-        self._stack().append(lease)
+        # Saves of fenced rows inside the block find the lease (and its token) here.
+        self._stack().append((lease, fencing.enter(lease)))
         return lease
 
     def __exit__(
@@ -374,7 +375,8 @@ class Lock(_LockBase):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        lease = self._stack().pop()
+        lease, token = self._stack().pop()
+        fencing.leave(token)
         finish_lease(lease, body_failed=exc_type is not None)
 
     def __call__(self, func: Callable[P, R]) -> Callable[P, R]:
@@ -392,11 +394,14 @@ class Lock(_LockBase):
         @functools.wraps(func)
         def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             lease = self.acquire()
+            token = fencing.enter(lease)
             try:
                 result = func(*args, **kwargs)
             except BaseException:
+                fencing.leave(token)
                 finish_lease(lease, body_failed=True)
                 raise
+            fencing.leave(token)
             finish_lease(lease, body_failed=False)
             return result
 
@@ -423,9 +428,11 @@ class AsyncLock(_LockBase):
             reentrancy.remember(lease)
         return lease
 
-    def _leases(self) -> dict[int, list[AsyncLease]]:
+    def _leases(self) -> dict[int, list[tuple[AsyncLease, Any]]]:
         # Per task, since one AsyncLock may be entered by several tasks at once.
-        leases: dict[int, list[AsyncLease]] | None = getattr(self._local, "leases", None)
+        leases: dict[int, list[tuple[AsyncLease, Any]]] | None = getattr(
+            self._local, "leases", None
+        )
         if leases is None:
             leases = self._local.leases = {}
         return leases
@@ -438,7 +445,7 @@ class AsyncLock(_LockBase):
 
     async def __aenter__(self) -> AsyncLease:
         lease = await self.acquire()
-        self._leases().setdefault(self._task_key(), []).append(lease)
+        self._leases().setdefault(self._task_key(), []).append((lease, fencing.enter(lease)))
         return lease
 
     async def __aexit__(
@@ -449,9 +456,10 @@ class AsyncLock(_LockBase):
     ) -> None:
         leases = self._leases()
         key = self._task_key()
-        lease = leases[key].pop()
+        lease, token = leases[key].pop()
         if not leases[key]:
             del leases[key]
+        fencing.leave(token)
         await afinish_lease(lease, body_failed=exc_type is not None)
 
     def __call__(
@@ -466,11 +474,14 @@ class AsyncLock(_LockBase):
         @functools.wraps(func)
         async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             lease = await self.acquire()
+            token = fencing.enter(lease)
             try:
                 result = await func(*args, **kwargs)
             except BaseException:
+                fencing.leave(token)
                 await afinish_lease(lease, body_failed=True)
                 raise
+            fencing.leave(token)
             await afinish_lease(lease, body_failed=False)
             return result
 
@@ -609,12 +620,15 @@ def _hold_many(ordered: list[str], template: Lock) -> Iterator[dict[str, Lease]]
                 logger.exception("Could not release %r while backing out of lock_many", lease)
         raise
     body_failed = False
+    tokens = [fencing.enter(lease) for lease in held]
     try:
         yield {lease.name: lease for lease in held}
     except BaseException:
         body_failed = True
         raise
     finally:
+        for token in reversed(tokens):
+            fencing.leave(token)
         errors: list[BaseException] = []
         for lease in reversed(held):
             try:

@@ -1,13 +1,234 @@
 """Models of the distlocks app.
 
+* :class:`FencedModel`: an abstract base whose saves carry a fencing token and
+  are rejected when a newer lock holder has already written the row.
 * :class:`LockRegistry`: the PostgreSQL backend's name registry and durable,
   per-name fencing counter (advisory locks know only a 64-bit key).
 """
 
 from __future__ import annotations
 
-from django.db import models
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from django.db import models, router
+from django.db.models.signals import post_save, pre_save
 from django.utils.translation import gettext_lazy as _
+
+from distlocks import fencing, signals
+from distlocks.exceptions import FencingTokenRequired, StaleFencingToken
+
+if TYPE_CHECKING:
+    from distlocks.lease import BaseLease
+    from distlocks.locks import Lock
+
+
+def _token(value: Any, what: str) -> int:
+    """An int token from an int or a lease (a lease known to be lost raises LockLost)."""
+    from distlocks.lease import BaseLease
+
+    if isinstance(value, BaseLease):
+        value.ensure_held()
+        return int(value.fencing_token)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"{what} must be an int fencing token or a Lease, not {type(value).__name__}."
+        )
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, not {value}.")
+    return value
+
+
+@dataclass(frozen=True)
+class FencedUpdate:
+    """What :meth:`FencedQuerySet.fenced_update` did."""
+
+    updated: int
+    stale: int
+
+
+class FencedQuerySet(models.QuerySet):
+    """QuerySet of a :class:`FencedModel`: bulk writes carry a fencing token."""
+
+    def fenced_update(self, fencing_token: int | BaseLease, **values: Any) -> FencedUpdate:
+        """``update(**values)`` on the rows whose stored token is not above
+        ``fencing_token``, storing that token; reports how many rows were stale
+        (left unchanged because a newer holder had written them)."""
+        token = _token(fencing_token, "fencing_token")
+        if "fencing_token" in values:
+            raise TypeError("Pass the token as fencing_token=..., not among the values.")
+        updated = models.QuerySet.update(
+            self.filter(fencing_token__lte=token), fencing_token=token, **values
+        )
+        stale = self.filter(fencing_token__gt=token).count()
+        if stale:
+            signals.fencing_rejected.send(
+                sender=self.model, model=self.model, pk=None, offered=token, stored=None
+            )
+        return FencedUpdate(updated=updated, stale=stale)
+
+    def update(self, **kwargs: Any) -> int:
+        if fencing.is_unfenced():
+            return models.QuerySet.update(self, **kwargs)
+        raise FencingTokenRequired(
+            f"{self.model.__name__} rows are fenced: use "
+            f".fenced_update(fencing_token, ...) with the token of the lock you hold, or "
+            f"wrap a maintenance write in distlocks.fencing.unfenced()."
+        )
+
+
+class FencedModel(models.Model):
+    """Abstract model whose writes are fenced by lock tokens.
+
+    ``obj.save(fencing_token=lease_or_int)`` inserts the row with that token, or
+    updates it in one statement ``... WHERE pk = %s AND fencing_token <= %s``.
+    If no row matched because a newer holder wrote it, :class:`StaleFencingToken`
+    is raised, nothing is written, and the instance is left as it was.
+
+    Without ``fencing_token``, a save inside ``with obj.fenced_lock(...)`` (or any
+    ``with lock(name)`` whose name is this row's :attr:`fencing_lock_name`) uses
+    that lease's token; otherwise :class:`FencingTokenRequired` is raised, unless
+    inside :func:`distlocks.fencing.unfenced`.
+    """
+
+    fencing_token = models.BigIntegerField(
+        _("fencing token"),
+        default=0,
+        editable=False,
+        help_text=_("Token of the last lock holder that wrote this row."),
+    )
+
+    #: Lock name of one row, formatted with the row's attributes plus app_label and
+    #: model_name.
+    fencing_lock_name: ClassVar[str] = "{app_label}.{model_name}:{pk}"
+
+    objects = FencedQuerySet.as_manager()
+
+    class Meta:
+        abstract = True
+
+    # -- saving -------------------------------------------------------------------
+
+    def save(self, *args: Any, fencing_token: Any = None, **kwargs: Any) -> None:
+        token = self._resolve_fencing_token(fencing_token)
+        if token is None:  # unfenced: a plain save that leaves the token as it is
+            super().save(*args, **kwargs)
+            return
+        if args:
+            raise TypeError("FencedModel.save() takes keyword arguments only.")
+        using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
+        if self.pk is None or kwargs.get("force_insert"):
+            self._fenced_insert(token, **kwargs)
+            return
+        self._fenced_update(token, using, kwargs.get("update_fields"), kwargs)
+
+    # -- locks --------------------------------------------------------------------
+
+    def get_fencing_lock_name(self) -> str:
+        """The lock name that fences this row."""
+        meta = self._meta
+        fields = {"app_label": meta.app_label, "model_name": meta.model_name, "pk": self.pk}
+
+        class _Lookup(dict[str, Any]):
+            def __missing__(inner, key: str) -> Any:
+                return getattr(self, key)
+
+        return self.fencing_lock_name.format_map(_Lookup(fields))
+
+    def fenced_lock(self, **kwargs: Any) -> Lock:
+        """``lock(self.get_fencing_lock_name(), **kwargs)``: saves inside use its token."""
+        from distlocks.locks import lock
+
+        if self.pk is None:
+            raise ValueError("A row without a primary key has no lock name yet; save it first.")
+        return lock(self.get_fencing_lock_name(), **kwargs)
+
+    def _resolve_fencing_token(self, fencing_token: Any) -> int | None:
+        if fencing_token is not None:
+            return _token(fencing_token, "fencing_token")
+        if fencing.is_unfenced():
+            return None
+        if self.pk is not None:
+            lease = fencing.active_lease(self.get_fencing_lock_name())
+            if lease is not None:
+                return _token(lease, "the active lease")
+        raise FencingTokenRequired(
+            f"Saving {type(self).__name__} {self.pk!r} needs a fencing token: "
+            f"save(fencing_token=lease) with the lease of the lock you hold, save inside "
+            f"`with obj.fenced_lock(...)`, or use distlocks.fencing.unfenced() for "
+            f"maintenance writes."
+        )
+
+    def _fenced_insert(self, token: int, **kwargs: Any) -> None:
+        previous = self.fencing_token
+        self.fencing_token = token
+        try:
+            super().save(**{**kwargs, "force_insert": True})
+        except BaseException:
+            self.fencing_token = previous
+            raise
+
+    def _fenced_update(
+        self, token: int, using: str, update_fields: Any, kwargs: dict[str, Any]
+    ) -> None:
+        meta = self._meta
+        if update_fields is not None:
+            update_fields = frozenset(update_fields)
+            if not update_fields:
+                return
+        fields = [
+            f
+            for f in meta.local_concrete_fields
+            if not f.primary_key
+            and f.attname != "fencing_token"
+            and not getattr(f, "generated", False)
+            and (update_fields is None or f.name in update_fields or f.attname in update_fields)
+        ]
+        origin: type[models.Model] = type(self)
+        if meta.proxy and meta.concrete_model is not None:
+            origin = meta.concrete_model
+        pre_save.send(
+            sender=origin, instance=self, raw=False, using=using, update_fields=update_fields
+        )
+        # pre_save() may change the instance (auto_now); keep what to restore.
+        before = {f.attname: getattr(self, f.attname) for f in fields}
+        values = {f.attname: f.pre_save(self, False) for f in fields}
+        base = type(self)._base_manager.using(using).filter(pk=self.pk)
+        rows = models.QuerySet.update(
+            base.filter(fencing_token__lte=token), fencing_token=token, **values
+        )
+        if rows == 0:
+            stored = base.values_list("fencing_token", flat=True).first()
+            if stored is None and not kwargs.get("force_update"):
+                for attname, value in before.items():
+                    setattr(self, attname, value)
+                self._fenced_insert(token, **kwargs)  # the row is gone: as Django would
+                return
+            for attname, value in before.items():
+                setattr(self, attname, value)
+            signals.fencing_rejected.send(
+                sender=origin, model=origin, pk=self.pk, offered=token, stored=stored
+            )
+            raise StaleFencingToken(
+                f"{origin.__name__} {self.pk!r} was not saved: its stored fencing token "
+                f"{stored} is newer than the offered {token}. Another lock holder wrote it "
+                f"after this one lost the lock.",
+                model=origin,
+                pk=self.pk,
+                offered=token,
+                stored=stored,
+            )
+        self.fencing_token = token
+        self._state.adding = False
+        self._state.db = using
+        post_save.send(
+            sender=origin,
+            instance=self,
+            created=False,
+            update_fields=update_fields,
+            raw=False,
+            using=using,
+        )
 
 
 class LockRegistry(models.Model):

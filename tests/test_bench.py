@@ -86,25 +86,57 @@ def test_json_has_the_expected_structure(smoke_run: tuple[str, Path]) -> None:
     assert machine["cores"] >= 1
     assert machine["python"].split()[-1].startswith("3.")
     assert re.fullmatch(r"\d+\.\d+\.\d+", machine["redis_server"])
+    assert re.fullmatch(r"\d+\.\d+", machine["postgres_server"])
     assert set(report["implementations"]) == set(IMPLEMENTATIONS)
 
     assert list(report["workloads"]) == list(WORKLOADS)
     for name, section in report["workloads"].items():
         assert section["metric"] in ("latency", "throughput")
         assert section["params"]["rounds"] >= 1
-        assert section["floor"] == {"redis": "floor"}
-        assert section["reference"] == {"redis": "distlocks"}
+        # Every row is compared with the floor and the distlocks row of its own server.
+        assert section["floor"] == {"redis": "floor", "postgres": "pg-floor"}
+        assert section["reference"] == {"redis": "distlocks", "postgres": "distlocks-pg"}
         assert list(section["results"]) == _expected_rows()[name]
         for impl, row in section["results"].items():
             assert row["n"] > 0, (name, impl)
             for key in ("median_us", "p99_us", "ops_per_s", "x_floor", "distlocks_over_it"):
                 assert isinstance(row[key], float) and row[key] > 0, (name, impl, key)
-        assert section["results"]["floor"]["x_floor"] == 1.0
-        assert section["results"]["distlocks"]["distlocks_over_it"] == 1.0
+        for floor, reference in (("floor", "distlocks"), ("pg-floor", "distlocks-pg")):
+            assert section["results"][floor]["x_floor"] == 1.0
+            assert section["results"][reference]["distlocks_over_it"] == 1.0
 
     targets = {target["id"]: target for target in report["targets"]}
-    assert {"redis-cycle-vs-floor", "redis-cycle-vs-peers", "redis-handoff-p50"} <= set(targets)
+    assert {
+        "redis-cycle-vs-floor",
+        "redis-cycle-vs-peers",
+        "redis-handoff-p50",
+        "pg-cycle-vs-floor",
+        "pg-handoff-p50",
+    } <= set(targets)
     assert all(isinstance(target["met"], bool) for target in targets.values())
+    # A Redis target never weighs a PostgreSQL peer, and the reverse.
+    assert set(targets["redis-cycle-vs-peers"]["value"]) == {
+        name
+        for name, cls in IMPLEMENTATIONS.items()
+        if cls.role == "peer" and cls.family == "redis"
+    }
+
+
+def test_postgres_runs_in_its_own_migrated_database(smoke_run: tuple[str, Path]) -> None:
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    from bench.postgres import NAME_PATTERN
+    from bench.settings import BENCH_DATABASE
+    from distlocks.backends.postgres import TABLE
+    from distlocks.testing.servers import DATABASE_URL_ENV
+
+    url = make_conninfo(os.environ[DATABASE_URL_ENV], dbname=BENCH_DATABASE)
+    with psycopg.connect(url, autocommit=True) as conn:
+        # The registry table exists: the migrations ran into the benchmark's database...
+        rows = conn.execute(f"SELECT count(*) FROM {TABLE} WHERE name LIKE %s", (NAME_PATTERN,))
+        # ...and the run dropped the rows of its lock names afterwards.
+        assert rows.fetchone() == (0,)
 
 
 def test_markdown_and_chart_are_written(smoke_run: tuple[str, Path]) -> None:

@@ -7,6 +7,7 @@ servers the test session started).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -113,3 +114,68 @@ def hold_until_lost(alias: str, name: str, log_path: str) -> None:
     if lost.wait(30):
         with Path(log_path).open("a") as fh:
             fh.write(f"lost {lease.lost_reason}\n")
+
+
+def fenced_increments(
+    model_label: str, pk: int, alias: str, name: str, rounds: int, log_path: str
+) -> None:
+    """Read, pause, write +1 under the lock; log "ok" or "stale" per write."""
+    setup_django()
+    from django.apps import apps
+
+    from distlocks import lock
+    from distlocks.exceptions import StaleFencingToken
+
+    model = apps.get_model(model_label)
+    fenced = hasattr(model, "fencing_lock_name")
+    log = Path(log_path)
+    for _ in range(rounds):
+        with lock(name, backend=alias, ttl=0.5, timeout=30) as lease:
+            row = model.objects.get(pk=pk)
+            value = row.value
+            time.sleep(0.01)
+            row.value = value + 1
+            try:
+                if fenced:
+                    row.save(fencing_token=lease)
+                else:
+                    row.save()
+                outcome = "ok"
+            except StaleFencingToken:
+                outcome = "stale"
+        with log.open("a") as fh:
+            fh.write(outcome + "\n")
+
+
+def paused_writer(model_label: str, pk: int, alias: str, name: str, work_dir: str) -> None:
+    """Take the lock, read the row, check the lease, then announce that it is about to
+    write and wait for the test to let it go (the test stops it with SIGSTOP first,
+    past its TTL: the pause that fencing exists for). Logs the write's outcome."""
+    setup_django()
+    from django.apps import apps
+
+    from distlocks import lock
+    from distlocks.exceptions import LockLost, StaleFencingToken
+
+    model = apps.get_model(model_label)
+    fenced = hasattr(model, "fencing_lock_name")
+    work = Path(work_dir)
+    lease = lock(name, backend=alias, ttl=0.5, timeout=30).acquire()
+    row = model.objects.get(pk=pk)
+    row.value += 1
+    lease.ensure_held()  # it still holds the lock here...
+    token = lease.fencing_token
+    (work / "ready").write_text(str(token))
+    while not (work / "go").exists():  # ...and is paused right here
+        time.sleep(0.002)
+    try:
+        if fenced:
+            row.save(fencing_token=token)
+        else:
+            row.save()
+        outcome = "ok"
+    except StaleFencingToken as exc:
+        outcome = f"stale {exc.offered} {exc.stored}"
+    with contextlib.suppress(LockLost):
+        lease.release()
+    (work / "outcome").write_text(outcome)
