@@ -118,5 +118,5 @@ backends = BackendHandler()
 
 
 def reset_on_setting_change(*, setting: str, **kwargs: Any) -> None:
-    if setting in ("DISTLOCKS_BACKENDS", "DISTLOCKS_KEY_PREFIX", "CACHES"):
+    if setting in ("DISTLOCKS_BACKENDS", "DISTLOCKS_KEY_PREFIX", "CACHES", "DATABASES"):
         backends.reset()

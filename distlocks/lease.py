@@ -16,6 +16,7 @@ gone, or that cannot reach the server before the lease runs out, marks it lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import logging
 import threading
@@ -85,6 +86,7 @@ class BaseLease:
         self._lost_reason = ""
         self._last_renew_error = ""
         self._release_requested = False
+        self._freed_on_server = False
         self._depth = 1
         self._mutex = threading.RLock()
 
@@ -158,6 +160,18 @@ class BaseLease:
 
             renewer(self.backend).finished()
 
+    def _free_on_server(self) -> None:
+        """Give back whatever the server still keeps for a lease known to be lost
+        locally (a Redis key not yet expired, a pinned PostgreSQL connection).
+        Ownership is checked there, so a newer holder is never touched."""
+        if self._freed_on_server:
+            return
+        self._freed_on_server = True
+        try:
+            self._backend.release(self.name, self.owner)
+        except Exception:
+            logger.warning("Could not free lost lock %r on the server", self.name, exc_info=True)
+
     # -- renewal bookkeeping, shared by both flavours ---------------------------
 
     def _renewal_due(self) -> float | None:
@@ -226,6 +240,10 @@ class Lease(BaseLease):
         cannot be reached; the lease then ends by expiry.
         """
         with self._mutex:
+            self.held()  # notices a lease that ran out
+            if self._state == LOST:
+                self._free_on_server()
+                return False
             if self._state != HELD:
                 return False
             if self._depth > 1:
@@ -233,6 +251,7 @@ class Lease(BaseLease):
                 return False
             self._release_requested = True
             freed = self._backend.release(self.name, self.owner)
+            self._freed_on_server = True
             if not freed:
                 self._mark_lost("the server no longer had it at release")
                 return False
@@ -249,6 +268,8 @@ class Lease(BaseLease):
                 remaining = self.remaining() if self._state == HELD else None
                 if remaining and not self._release_requested:
                     return time.monotonic() + remaining
+                if self._state == LOST:
+                    self._free_on_server()
                 return None
             started = time.monotonic()
             try:
@@ -259,6 +280,7 @@ class Lease(BaseLease):
                 self._mark_lost(
                     "the server no longer had it at renewal (expired, deleted or force-released)"
                 )
+                self._freed_on_server = True
                 return None
             self._renewed(started, self.ttl)
         return self._renewal_due()
@@ -290,6 +312,10 @@ class AsyncLease(BaseLease):
                 remaining = self.remaining() if self._state == HELD else None
                 if remaining and not self._release_requested:
                     return time.monotonic() + remaining
+                if self._state == LOST and not self._freed_on_server:
+                    self._freed_on_server = True
+                    with contextlib.suppress(Exception):
+                        await self._backend.arelease(self.name, self.owner)
                 return None
             started = time.monotonic()
             try:
@@ -338,6 +364,14 @@ class AsyncLease(BaseLease):
     async def release(self) -> bool:
         """Free the lock if this lease still holds it; same rules as :meth:`Lease.release`."""
         async with self._alock:
+            self.held()
+            if self._state == LOST and not self._freed_on_server:
+                self._freed_on_server = True
+                try:
+                    await self._backend.arelease(self.name, self.owner)
+                except Exception:
+                    logger.warning("Could not free lost lock %r", self.name, exc_info=True)
+                return False
             if self._state != HELD:
                 return False
             if self._depth > 1:
@@ -346,6 +380,7 @@ class AsyncLease(BaseLease):
             self._release_requested = True
             self._stop_renewal()
             freed = await self._backend.arelease(self.name, self.owner)
+            self._freed_on_server = True
             if not freed:
                 self._mark_lost("the server no longer had it at release")
                 return False

@@ -145,6 +145,10 @@ def acquire_lease(
             registered = registered or budget > 0
             if result.acquired:
                 registered = False
+                if not backend.expires_on_server:
+                    # Nothing expires on the server, and the call may have waited in
+                    # its queue: the local lease starts at the grant.
+                    started = time.monotonic()
                 lease = Lease(**_lease_kwargs(backend, name, owner, ttl, started, result, options))
                 break
             wait = policy.next_wait(result)
@@ -198,6 +202,10 @@ async def aacquire_lease(
             registered = registered or budget > 0
             if result.acquired:
                 registered = False
+                if not backend.expires_on_server:
+                    # Nothing expires on the server, and the call may have waited in
+                    # its queue: the local lease starts at the grant.
+                    started = time.monotonic()
                 lease = AsyncLease(
                     **_lease_kwargs(backend, name, owner, ttl, started, result, options)
                 )

@@ -7,8 +7,8 @@ nothing to do and is started again by the next lease, and it is rebuilt in a
 forked child (threads do not survive ``fork``).
 
 The heap holds weak references: a lease that its holder dropped without
-releasing is no longer renewed, and its lock expires after one ttl instead of
-being kept alive for as long as the process runs.
+releasing is released at its next renewal time instead of being kept alive for
+as long as the process runs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from distlocks.lease import Lease
@@ -36,7 +36,7 @@ class Renewer:
 
     def __init__(self, alias: str = "") -> None:
         self.alias = alias
-        self._heap: list[tuple[float, int, weakref.ref[Lease]]] = []
+        self._heap: list[tuple[float, int, weakref.ref[Lease], tuple[Any, str, str]]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -46,7 +46,7 @@ class Renewer:
         """Renew ``lease`` at monotonic time ``due`` (and after that as it asks)."""
         with self._cond:
             earliest = self._heap[0][0] if self._heap else None
-            heapq.heappush(self._heap, (due, next(self._seq), weakref.ref(lease)))
+            heapq.heappush(self._heap, (due, next(self._seq), weakref.ref(lease), _ident(lease)))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name=f"distlocks-renewer:{self.alias}", daemon=True
@@ -64,7 +64,7 @@ class Renewer:
                 self._heap = [
                     entry
                     for entry in self._heap
-                    if (lease := entry[2]()) is not None and lease._state == "held"
+                    if (lease := entry[2]()) is None or lease._state == "held"
                 ]
                 heapq.heapify(self._heap)
                 self._finished = 0
@@ -85,7 +85,7 @@ class Renewer:
                         return None
                     self._cond.wait(IDLE_EXIT)
                     continue
-                due, _, ref = self._heap[0]
+                due, _, ref, ident = self._heap[0]
                 delay = due - time.monotonic()
                 if delay > 0:
                     self._cond.wait(delay)
@@ -93,7 +93,14 @@ class Renewer:
                 heapq.heappop(self._heap)
                 lease = ref()
                 if lease is None:
-                    continue  # dropped by its holder: let it expire
+                    # Dropped by its holder without a release: nobody can release it
+                    # now, so do it here (outside the lock) rather than renew it.
+                    self._cond.release()
+                    try:
+                        _free_dropped(*ident)
+                    finally:
+                        self._cond.acquire()
+                    continue
                 if lease._state != "held" and self._finished:
                     self._finished -= 1
                 return lease
@@ -110,7 +117,21 @@ class Renewer:
                 due = time.monotonic() + 0.5
             if due is not None:
                 with self._cond:
-                    heapq.heappush(self._heap, (due, next(self._seq), weakref.ref(lease)))
+                    heapq.heappush(
+                        self._heap, (due, next(self._seq), weakref.ref(lease), _ident(lease))
+                    )
+
+
+def _ident(lease: Lease) -> tuple[Any, str, str]:
+    return (lease._backend, lease.name, lease.owner)
+
+
+def _free_dropped(backend: Any, name: str, owner: str) -> None:
+    logger.warning("Lock %r was dropped without release(); releasing it", name)
+    try:
+        backend.release(name, owner)
+    except Exception:
+        logger.warning("Could not release dropped lock %r", name, exc_info=True)
 
 
 _renewers: dict[str, Renewer] = {}

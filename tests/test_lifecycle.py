@@ -420,8 +420,6 @@ def test_lock_many_releases_in_reverse_order(alias: str, name: str) -> None:
 def test_a_dropped_lease_is_not_renewed_forever(alias: str, name: str) -> None:
     import gc
 
-    if not get_backend(alias).expires_on_server:
-        pytest.skip("this backend's locks do not expire on the server")
     lock(name, backend=alias, ttl=0.3).acquire()  # the lease object is dropped at once
     gc.collect()
     wait_for(lambda: get_backend(alias).inspect(name) is None, limit=5, what="expiry")

@@ -264,3 +264,67 @@ def test_unreachable_server_is_unavailable_quickly(name: str) -> None:
             lock(name, backend="pg", timeout=0).acquire()
         assert isinstance(excinfo.value.__cause__, psycopg.OperationalError)
         assert time.monotonic() - start < 5
+
+
+class TestLeaseEnds:
+    def test_a_lease_lost_locally_is_freed_on_the_server_at_release(self, name: str) -> None:
+        lease = lock(name, backend="pg", ttl=0.1, auto_renew=False).acquire()
+        wait_for(lambda: not lease.held(), what="local deadline")
+        assert pg().inspect(name) is not None  # PostgreSQL itself never expires it
+        assert lease.release() is False  # lost...
+        assert pg().inspect(name) is None  # ...but no longer held on the server
+        assert pg().held_connection_count() == 0
+
+    def test_max_hold_frees_the_lock_on_the_server(self, name: str) -> None:
+        lost = threading.Event()
+        lease = lock(name, backend="pg", ttl=0.2, max_hold=0.3, on_lost=lambda _: lost.set())
+        held = lease.acquire()  # kept referenced: a dropped lease is a different case
+        assert lost.wait(5)
+        assert "max_hold" in held.lost_reason
+        wait_for(lambda: pg().inspect(name) is None, what="freed by the renewer")
+
+    def test_a_dropped_lease_is_released(self, name: str) -> None:
+        import gc
+
+        lock(name, backend="pg", ttl=0.3).acquire()
+        gc.collect()
+        wait_for(lambda: pg().inspect(name) is None, what="released by the renewer")
+
+    def test_a_long_wait_in_the_queue_does_not_lose_the_lease(self, name: str) -> None:
+        holder = lock(name, backend="pg").acquire()
+        threading.Timer(0.8, holder.release).start()
+        lease = lock(name, backend="pg", ttl=0.3, timeout=5).acquire()
+        assert lease.held()  # the 0.3 s lease starts at the grant, after a 0.8 s wait
+        lease.release()
+
+    def test_rolled_back_savepoint_is_noticed(self, name: str) -> None:
+        from distlocks.exceptions import LockLost
+
+        with transaction.atomic():
+            with pytest.raises(RuntimeError), transaction.atomic():
+                lease = lock(name, backend="pgx").acquire()
+                raise RuntimeError("rolls the savepoint back, and the lock with it")
+            with pytest.raises(LockLost):
+                lease.extend()
+            assert lock(name, backend="pg", timeout=0).acquire().release()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_forked_child_does_not_share_the_parents_sessions(name: str) -> None:
+    lease = lock(name, backend="pg").acquire()
+    pid = os.fork()
+    if pid == 0:  # the child: a fresh pool, and the parent's lock is not its own
+        code = 1
+        try:
+            try:
+                lock(name, backend="pg", timeout=0).acquire()
+            except LockNotAcquired:
+                with lock(f"{name}:child", backend="pg", timeout=0) as child:
+                    code = 0 if child.held() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert lease.held()
+    assert pg().inspect(name).owner == lease.owner
+    lease.release()

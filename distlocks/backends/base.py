@@ -9,14 +9,20 @@ atomic step on its server.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime as dt
+import functools
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from django.core.checks import CheckMessage, Error
+
+T = TypeVar("T")
+_executor_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -179,8 +185,29 @@ class BaseBackend(ABC):
         does not hold up the waiters behind it."""
 
     # -- asyncio ---------------------------------------------------------------
-    # Defaults run the blocking methods in a worker thread; backends with a native
-    # asyncio client override them.
+    # Defaults run the blocking methods in worker threads of the backend's own: one
+    # pool for calls that may wait for a lock, one for quick calls (renewals,
+    # releases), so waiters can never starve the holder's renewal.
+
+    def _executor(self, waiting: bool) -> concurrent.futures.ThreadPoolExecutor:
+        attr = "_wait_executor" if waiting else "_quick_executor"
+        executor = self.__dict__.get(attr)
+        if executor is None:
+            with _executor_lock:
+                executor = self.__dict__.get(attr)
+                if executor is None:
+                    executor = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=64 if waiting else 8,
+                        thread_name_prefix=f"distlocks-{self.alias}-{'wait' if waiting else 'io'}",
+                    )
+                    self.__dict__[attr] = executor
+        return executor
+
+    async def _in_thread(self, waiting: bool, func: Callable[..., T], *args: Any, **kw: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor(waiting), functools.partial(func, *args, **kw)
+        )
 
     async def aacquire(
         self,
@@ -193,25 +220,27 @@ class BaseBackend(ABC):
         fair: bool = False,
     ) -> AcquireResult:
         """Async :meth:`acquire`."""
-        return await asyncio.to_thread(self.acquire, name, owner, ttl, holder, wait=wait, fair=fair)
+        return await self._in_thread(
+            wait > 0, self.acquire, name, owner, ttl, holder, wait=wait, fair=fair
+        )
 
     async def arelease(self, name: str, owner: str) -> bool:
         """Async :meth:`release`."""
-        return await asyncio.to_thread(self.release, name, owner)
+        return await self._in_thread(False, self.release, name, owner)
 
     async def aextend(self, name: str, owner: str, ttl: float) -> bool:
         """Async :meth:`extend`."""
-        return await asyncio.to_thread(self.extend, name, owner, ttl)
+        return await self._in_thread(False, self.extend, name, owner, ttl)
 
     async def await_release(
         self, name: str, timeout: float, *, owner: str = "", fair: bool = False
     ) -> None:
         """Async :meth:`wait`."""
-        await asyncio.to_thread(self.wait, name, timeout, owner=owner, fair=fair)
+        await self._in_thread(True, self.wait, name, timeout, owner=owner, fair=fair)
 
     async def aleave_queue(self, name: str, owner: str) -> None:
         """Async :meth:`leave_queue`."""
-        await asyncio.to_thread(self.leave_queue, name, owner)
+        await self._in_thread(False, self.leave_queue, name, owner)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release client resources (connection pools); the backend is not used again."""

@@ -34,16 +34,18 @@ import datetime as dt
 import hashlib
 import json
 import logging
+import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from django.core.checks import CheckMessage, Error
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
+from django.db import connections, transaction
 
 from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
 from distlocks.conf import conf
@@ -195,6 +197,25 @@ class PoolExhausted(Exception):
     pass
 
 
+_instances: weakref.WeakSet[PostgresBackend] = weakref.WeakSet()
+# Connections inherited by a forked child: kept referenced and never closed there,
+# since closing would end the parent's sessions (and its locks) on the server.
+_inherited: list[Any] = []
+
+
+def _forget_connections_after_fork() -> None:
+    for backend in list(_instances):
+        _inherited.append((backend._pool, backend._held))
+        backend._pool = None
+        backend._held = {}
+        backend._pool_lock = threading.Lock()
+        backend._held_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_connections_after_fork)
+
+
 @dataclass
 class _Held:
     conn: psycopg.Connection[Any]
@@ -211,7 +232,6 @@ class PostgresBackend(BaseBackend):
 
     DEFAULT_POOL_SIZE = 20
     DEFAULT_CONNECT_TIMEOUT = 2
-    DEFAULT_STATEMENT_TIMEOUT = 5.0
 
     def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
         super().__init__(alias, config)
@@ -224,6 +244,7 @@ class PostgresBackend(BaseBackend):
         self._pool_lock = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._held_lock = threading.Lock()
+        _instances.add(self)
 
     # -- configuration ----------------------------------------------------------
 
@@ -241,7 +262,10 @@ class PostgresBackend(BaseBackend):
         databases = getattr(settings, "DATABASES", {})
         if database not in databases:
             problems.append(("E004", f"DATABASE {database!r} is not an alias in DATABASES"))
-        elif "postgresql" not in str(databases[database].get("ENGINE", "")):
+        elif not any(
+            engine in str(databases[database].get("ENGINE", ""))
+            for engine in ("postgresql", "postgis")
+        ):
             problems.append(
                 (
                     "E008",
@@ -310,6 +334,9 @@ class PostgresBackend(BaseBackend):
         params.setdefault("keepalives_interval", 1)
         params.setdefault("keepalives_count", 2)
         params.setdefault("tcp_user_timeout", 3000)
+        # A statement_timeout from DATABASES would cut lock waits short: these
+        # connections bound their waits with lock_timeout instead.
+        params["options"] = f"{params.get('options', '')} -c statement_timeout=0".strip()
         params["autocommit"] = True
         return params
 
@@ -348,6 +375,25 @@ class PostgresBackend(BaseBackend):
         )
         err.__cause__ = exc
         return err
+
+    def _driver_error(self, action: str, name: str, exc: BaseException) -> LockError:
+        cause = exc.__cause__ if isinstance(exc.__cause__, psycopg.Error) else exc
+        hint = ""
+        if isinstance(cause, psycopg.errors.UndefinedTable):
+            hint = (
+                f" The {TABLE} table is missing: run `manage.py migrate distlocks"
+                f" --database {self.database}`."
+            )
+        elif isinstance(cause, psycopg.errors.InsufficientPrivilege):
+            hint = (
+                " The database role lacks a privilege (pg_terminate_backend needs the same"
+                " role as the holder, membership of pg_signal_backend, or superuser)."
+            )
+        return LockError(
+            f"PostgreSQL error while trying to {action} lock {name!r} on backend "
+            f"{self.alias!r}: {type(cause).__name__}: {cause}".rstrip()
+            + hint
+        )
 
     def _checkout(self, name: str) -> psycopg.Connection[Any]:
         try:
@@ -409,8 +455,11 @@ class PostgresBackend(BaseBackend):
         except psycopg.OperationalError as exc:
             self._discard(conn)
             raise self._unavailable("acquire", name, exc) from exc
-        except BaseException:
+        except psycopg.Error as exc:
             # Whatever happened, this connection must not keep a lock nobody owns.
+            self._discard(conn)
+            raise self._driver_error("acquire", name, exc) from exc
+        except BaseException:
             self._discard(conn)
             raise
         if token is None:
@@ -490,6 +539,8 @@ class PostgresBackend(BaseBackend):
                 ).fetchone()
         except psycopg.OperationalError as exc:
             raise self._unavailable("force-release", name, exc) from exc
+        except psycopg.Error as exc:
+            raise self._driver_error("force-release", name, exc) from exc
         return bool(row and row[0])
 
     def fencing_counter(self, name: str) -> int:
@@ -564,7 +615,18 @@ class PostgresBackend(BaseBackend):
     def _acquire_xact(
         self, name: str, owner: str, ttl: float, holder: Holder, wait: float
     ) -> AcquireResult:
+        from django.db import DatabaseError
+
+        try:
+            return self._acquire_xact_inner(name, owner, ttl, holder, wait)
+        except DatabaseError as exc:
+            raise self._driver_error("acquire", name, exc) from exc
+
+    def _acquire_xact_inner(
+        self, name: str, owner: str, ttl: float, holder: Holder, wait: float
+    ) -> AcquireResult:
         conn = self._django_connection(name)
+        self._prune_xact()
         params = self._params(name, owner, ttl, holder)
         with conn.cursor() as cursor:
             if wait <= 0:
@@ -595,15 +657,41 @@ class PostgresBackend(BaseBackend):
             return AcquireResult(False, 0, None)
         with self._held_lock:
             self._held[owner] = _Held(conn.connection, params["key"], int(row[0]))
+        # Forget it when the transaction commits (a rollback is caught by _prune_xact).
+        transaction.on_commit(lambda: self._forget(owner), using=self.database)
         return AcquireResult(True, int(row[0]), None)
 
+    def _forget(self, owner: str) -> None:
+        with self._held_lock:
+            self._held.pop(owner, None)
+
+    def _prune_xact(self) -> None:
+        """Drop entries of transactions that ended (this thread's connection only)."""
+        conn = connections[self.database]
+        with self._held_lock:
+            for owner, held in list(self._held.items()):
+                if held.conn is conn.connection and not conn.in_atomic_block:
+                    del self._held[owner]
+
     def _xact_held(self, owner: str) -> bool:
+        """Still held: same transaction, and (a rolled-back savepoint frees it) still
+        listed in pg_locks for this session."""
         with self._held_lock:
             held = self._held.get(owner)
         if held is None:
             return False
         conn = connections[self.database]
-        return bool(conn.in_atomic_block and conn.connection is held.conn)
+        if not (conn.in_atomic_block and conn.connection is held.conn):
+            return False
+        classid, objid = key_parts(held.key)
+        with conn.cursor() as cursor:
+            cursor.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid()"
+                " AND locktype = 'advisory' AND classid = %s AND objid = %s"
+                " AND objsubid = 1 AND granted)",
+                [classid, objid],
+            )
+            return bool(cursor.fetchone()[0])
 
     def _release_xact(self, name: str, owner: str) -> bool:
         # A transaction-level lock cannot be released early: it ends with the
