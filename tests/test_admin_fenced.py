@@ -1,0 +1,56 @@
+"""FencedModelAdmin: admin edits take the row's lock and save with its token."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import Client
+
+from distlocks import get_backend, lock
+from tests.testapp.models import Account
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
+
+
+@pytest.fixture
+def staff(admin_client: Client) -> Client:
+    return admin_client
+
+
+def _post(client: Client, obj: Account, balance: int) -> object:
+    return client.post(
+        f"/admin/testapp/account/{obj.pk}/change/",
+        {"owner": obj.owner, "balance": balance},
+        follow=True,
+    )
+
+
+def make_account(token: int = 0) -> Account:
+    obj = Account(owner="ann", balance=10)
+    obj.save(fencing_token=token)
+    return obj
+
+
+def test_admin_edit_saves_with_a_fresh_token(staff: Client) -> None:
+    obj = make_account()
+    response = _post(staff, obj, 99)
+    assert response.status_code == 200
+    row = Account.objects.get(pk=obj.pk)
+    assert row.balance == 99
+    assert row.fencing_token > 0
+    assert get_backend().inspect(obj.get_fencing_lock_name()) is None  # released
+
+
+def test_admin_edit_waits_for_the_rows_lock_then_refuses(staff: Client) -> None:
+    obj = make_account()
+    with lock(obj.get_fencing_lock_name()):
+        response = _post(staff, obj, 1)
+    assert Account.objects.get(pk=obj.pk).balance == 10
+    assert "locked by another holder" in response.content.decode()
+
+
+def test_admin_add_creates_the_row(staff: Client) -> None:
+    response = staff.post(
+        "/admin/testapp/account/add/", {"owner": "new", "balance": 5}, follow=True
+    )
+    assert response.status_code == 200
+    assert Account.objects.get(owner="new").fencing_token == 0
