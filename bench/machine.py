@@ -8,6 +8,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from bench.postgres import server_version
 from bench.registry import Env
 
 DISTRIBUTIONS = (
@@ -18,6 +19,8 @@ DISTRIBUTIONS = (
     "python-redis-lock",
     "pottery",
     "psycopg",
+    "psycopg-binary",
+    "django-pglock",
 )
 
 
@@ -86,5 +89,6 @@ def machine_info(env: Env) -> dict[str, Any]:
         "platform": platform.platform(),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "redis_server": _redis_server(env),
+        "postgres_server": server_version(env),
         "packages": _versions(),
     }

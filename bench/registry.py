@@ -1,13 +1,13 @@
 """The two registries of the benchmark: implementations and workloads.
 
-Adding an implementation (say a PostgreSQL peer) is one class::
+Adding an implementation is one class (see :mod:`bench.postgres` for real ones)::
 
     @implementation
-    class PgAdvisoryFloor(Implementation):
-        name = "pg-floor"
-        label = "raw pg_try_advisory_lock"
-        role = "floor"
-        family = "postgres"
+    class SomePeer(Implementation):
+        name = "some-peer"
+        label = "some-peer Lock"
+        role = "peer"
+        family = "postgres"          # compared with the floor of this family
         servers = frozenset({"postgres"})
 
         def try_acquire(self, name, ttl): ...
@@ -123,6 +123,13 @@ class Implementation(ABC):
         if handle is None:
             raise BenchError(f"{self.name}: lock {name!r} was busy in an uncontended cycle")
         self.release(handle)
+
+    def thread_start(self) -> None:  # noqa: B027 - optional hook
+        """Called by a workload's thread before its timed work: open per-thread resources
+        (a connection), so that connecting never lands in a measurement."""
+
+    def thread_done(self) -> None:  # noqa: B027 - optional hook
+        """Called by a workload's thread as it ends: free what that thread opened."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Free clients and connections."""
@@ -252,6 +259,7 @@ def workload(cls: WorkloadT) -> WorkloadT:
 def load_registry() -> None:
     """Import the modules whose decorators fill the registries."""
     import bench.implementations
+    import bench.postgres
     import bench.workloads  # noqa: F401
 
 

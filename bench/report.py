@@ -19,6 +19,9 @@ from bench.stats import ratio, summarize
 
 SCHEMA_VERSION = 1
 
+#: How the families (the server an implementation runs on) are shown.
+FAMILY_NAMES = {"redis": "Redis", "postgres": "PostgreSQL"}
+
 
 def _time_per_op(row: dict[str, Any], metric: str) -> float:
     """The figure ratios are taken of: median latency, or 1 / throughput."""
@@ -112,6 +115,11 @@ TARGETS = [
            "Redis contended hand-off faster than every peer"),
     Target("redis-handoff-p50", "handoff", "median_at_most_us", 1000.0,
            "Redis hand-off p50 <= 1 ms"),
+    Target("pg-cycle-vs-floor", "cycle", "floor_ratio", 1.2,
+           "PostgreSQL cycle median <= 1.2x the raw floor (registry and fencing included)",
+           family="postgres"),
+    Target("pg-handoff-p50", "handoff", "median_at_most_us", 1000.0,
+           "PostgreSQL hand-off p50 <= 1 ms", family="postgres"),
 ]  # fmt: skip
 
 
@@ -140,7 +148,11 @@ def evaluate_target(target: Target, section: dict[str, Any]) -> dict[str, Any] |
             "" if met else f", {over:.0f}% over the {target.limit}x budget"
         )
     elif target.kind == "beats_peers":
-        peers = {n: r["distlocks_over_it"] for n, r in rows.items() if r["role"] == "peer"}
+        peers = {
+            n: r["distlocks_over_it"]
+            for n, r in rows.items()
+            if r["role"] == "peer" and r["family"] == target.family
+        }
         slower = {n: v for n, v in peers.items() if not v < target.limit}
         out.update(value=peers, limit=target.limit, met=not slower and bool(peers))
         parts = [f"{n} {_fmt_ratio(v)}" for n, v in peers.items()]
@@ -179,13 +191,19 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 def _table_rows(section: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     throughput = section["metric"] == "throughput"
-    header = ["implementation", "n", "median us", "p99 us"]
+    header = ["implementation", "server", "n", "median us", "p99 us"]
     if throughput:
         header.append("ops/s")
     header += ["x floor", "rounds' range", "distlocks / it"]
     body = []
     for name, row in section["results"].items():
-        cells = [name, f"{row['n']:,}", _num(row["median_us"]), _num(row["p99_us"])]
+        cells = [
+            name,
+            FAMILY_NAMES.get(row["family"], row["family"]),
+            f"{row['n']:,}",
+            _num(row["median_us"]),
+            _num(row["p99_us"]),
+        ]
         if throughput:
             cells.append(_num(row["ops_per_s"], 0))
         by_round = [v for v in row["x_floor_by_round"] if not _missing(v)]
@@ -221,9 +239,9 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append(f"{mark} {target['target']}: {target['detail']}")
         lines.append("")
     lines.append(
-        "x floor: time per operation / the raw floor's (>1 = slower); rounds' range: the same "
-        "ratio round by round.\ndistlocks / it: distlocks time / this row's time "
-        "(<1 = distlocks faster)."
+        "x floor: time per operation / the raw floor's of the same server (>1 = slower); "
+        "rounds' range: the same ratio round by round.\ndistlocks / it: distlocks time on "
+        "that server / this row's time (<1 = distlocks faster)."
     )
     return "\n".join(lines)
 
@@ -233,7 +251,8 @@ def format_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"Run {report['started_at']} (`{report['command']}`), "
         f"{machine['cpu_model']}, {machine['cores']} cores, {machine['python']}, "
-        f"redis-server {machine['redis_server']}.",
+        f"redis-server {machine['redis_server']}, "
+        f"PostgreSQL {machine.get('postgres_server') or '-'}.",
         "",
     ]
     lines += ["| implementation | what is measured | version |", "|---|---|---|"]
@@ -244,7 +263,8 @@ def format_markdown(report: dict[str, Any]) -> str:
         header, body = _table_rows(section)
         lines += [f"### {section['title']} (`{name}`)", "", _params_line(section), ""]
         lines.append("| " + " | ".join(header) + " |")
-        lines.append("|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|")
+        # Names and servers left-aligned, figures right-aligned.
+        lines.append("|" + "|".join(["---", "---"] + ["---:"] * (len(header) - 2)) + "|")
         for cells in body:
             lines.append("| " + " | ".join([f"`{cells[0]}`", *cells[1:]]) + " |")
         lines.append("")
@@ -278,21 +298,42 @@ def write_json(report: dict[str, Any], path: Path) -> None:
 _COLORS = {"floor": "#8c8c8c", "distlocks": "#1f77b4", "peer": "#ff7f0e"}
 
 
+def _reference_lines(name: str, family: str, section: dict[str, Any]) -> list[tuple[float, str]]:
+    """The targets of one panel as vertical lines: ``(microseconds, label)``."""
+    lines = []
+    for target in TARGETS:
+        if target.workload != name or target.family != family:
+            continue
+        if target.kind == "median_at_most_us":
+            lines.append((target.limit, f"{target.limit / 1000:g} ms target"))
+        elif target.kind == "floor_ratio" and name == "cycle":
+            floor = section["floor"].get(family)
+            if floor:
+                budget = section["results"][floor]["median_us"] * target.limit
+                lines.append((budget, f"{target.limit:g}x floor"))
+    return lines
+
+
 def draw_chart(report: dict[str, Any], path: Path) -> None:
-    """One panel per workload: median (bar) and p99 (tick) per implementation."""
+    """One panel per workload and server: median (bar) and p99 (tick) per implementation."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    sections = list(report["workloads"].items())
-    columns = 2 if len(sections) > 1 else 1
-    rows_n = math.ceil(len(sections) / columns)
-    fig, axes = plt.subplots(rows_n, columns, figsize=(7 * columns, 3.4 * rows_n), squeeze=False)
-    for ax in axes.flat[len(sections) :]:
+    panels = []
+    for name, section in report["workloads"].items():
+        families = dict.fromkeys(row["family"] for row in section["results"].values())
+        for family in families:
+            rows = [(n, r) for n, r in section["results"].items() if r["family"] == family]
+            panels.append((name, family, section, rows))
+    columns = 2 if len(panels) > 1 else 1
+    rows_n = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(rows_n, columns, figsize=(7 * columns, 3.2 * rows_n), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
-    for ax, (name, section) in zip(axes.flat, sections, strict=False):
-        rows = list(section["results"].items())
+    for ax, (name, family, section, rows) in zip(axes.flat, panels, strict=False):
         labels = [impl for impl, _ in rows]
         colors = [_COLORS.get(row["role"], "#999999") for _, row in rows]
         positions = list(range(len(rows)))
@@ -309,25 +350,26 @@ def draw_chart(report: dict[str, Any], path: Path) -> None:
             ax.barh(positions, medians, color=colors)
             ax.scatter(p99s, positions, marker="|", s=200, color="black", label="p99", zorder=3)
             ax.set_xlabel("microseconds (lower is better; bar = median, | = p99)")
-            if min(v for v in medians if v > 0) * 20 < max(p99s):
+            positive = [v for v in medians if v > 0]
+            if positive and min(positive) * 20 < max(p99s):
                 ax.set_xscale("log")
+                # Plain microseconds on the decades only: minor labels would overlap.
+                ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+                ax.xaxis.set_minor_formatter(NullFormatter())
             for pos, value in zip(positions, medians, strict=True):
                 ax.text(value, pos, f" {value:,.0f}", va="bottom", fontsize=8)
-            if name == "handoff":
-                ax.axvline(1000, color="red", linestyle="--", linewidth=1, label="1 ms target")
-            floor = section["floor"].get("redis")
-            if name == "cycle" and floor:
-                budget = section["results"][floor]["median_us"] * 1.15
-                ax.axvline(budget, color="red", linestyle="--", linewidth=1, label="1.15x floor")
+            for value, label in _reference_lines(name, family, section):
+                ax.axvline(value, color="red", linestyle="--", linewidth=1, label=label)
             ax.legend(loc="lower right", fontsize=7)
         ax.set_yticks(positions, labels, fontsize=8)
         ax.invert_yaxis()
-        ax.set_title(section["title"], fontsize=10)
+        ax.set_title(f"{FAMILY_NAMES.get(family, family)}: {section['title']}", fontsize=10)
         ax.grid(axis="x", alpha=0.3)
     machine = report["machine"]
     fig.suptitle(
         f"distlocks benchmarks, {report['started_at'][:19]}Z, {machine['cpu_model']} "
-        f"x{machine['cores']}, {machine['python']}, redis {machine['redis_server']}",
+        f"x{machine['cores']}, {machine['python']}, redis {machine['redis_server']}, "
+        f"PostgreSQL {machine.get('postgres_server') or '-'}",
         fontsize=9,
     )
     fig.tight_layout()

@@ -28,8 +28,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     load_registry()
     parser = argparse.ArgumentParser(
         prog="python -m bench",
-        description="Benchmark distlocks against the raw Redis floor and peer lock libraries, "
-        "in one run on the same throwaway servers.",
+        description="Benchmark distlocks against the raw Redis and PostgreSQL floors and peer "
+        "lock libraries, in one run on the same throwaway servers.",
     )
     parser.add_argument(
         "--quick", action="store_true", help="tiny counts: checks that everything runs"
@@ -75,12 +75,21 @@ def _start(impl_classes: list[type[Implementation]]) -> Env:
 
     needed = set().union(*(cls.servers for cls in impl_classes))
     ensure_test_servers(redis="redis" in needed, postgres="postgres" in needed)
+    env = Env.from_environ()
+    if "postgres" in needed:
+        from bench.postgres import prepare_database
+
+        prepare_database(env)
     # Forced, not defaulted: a caller such as the test suite may have its own settings set.
     os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
     import django
 
     django.setup()
-    return Env.from_environ()
+    if "postgres" in needed:
+        from bench.postgres import migrate
+
+        migrate()
+    return env
 
 
 def _clean_redis(env: Env, impls: list[Implementation]) -> None:
@@ -131,6 +140,10 @@ def _measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]
         for impl in impls:
             impl.close()
         _clean_redis(env, impls)
+        if any("postgres" in impl.servers for impl in impls):
+            from bench.postgres import clean_database
+
+            clean_database(env)
 
     command = "python -m bench" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
     return {

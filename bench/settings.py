@@ -4,16 +4,23 @@ The servers are started (or found through ``DISTLOCKS_TEST_REDIS_URL`` /
 ``DISTLOCKS_TEST_DATABASE_URL``) by :mod:`bench.run` before Django is set up; the
 URLs travel in the environment, so the worker processes it spawns configure
 themselves identically.
+
+The PostgreSQL implementations work in a database of their own,
+:data:`BENCH_DATABASE`, which :mod:`bench.postgres` creates and migrates on the
+server of ``DISTLOCKS_TEST_DATABASE_URL`` before Django opens any connection.
 """
 
 from __future__ import annotations
 
 import os
+from urllib.parse import unquote, urlsplit
 
 from distlocks.testing.servers import DATABASE_URL_ENV, REDIS_URL_ENV
 
 REDIS_URL = os.environ.get(REDIS_URL_ENV, "redis://127.0.0.1:6379/0")
 DATABASE_URL = os.environ.get(DATABASE_URL_ENV, "")
+#: Kept apart from the test suite's databases, so a run never touches their tables.
+BENCH_DATABASE = "distlocks_bench"
 
 SECRET_KEY = "distlocks-bench-not-secret"
 DEBUG = False
@@ -21,17 +28,40 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# django-pglock's advisory() needs only a database connection, not its models.
 INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "distlocks",
 ]
 
-# The Redis workloads need no database; PostgreSQL ones will add it from DATABASE_URL.
-DATABASES: dict[str, dict[str, object]] = {}
 
-DISTLOCKS_BACKENDS = {
+def _database(url: str) -> dict[str, object]:
+    parts = urlsplit(url)
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": BENCH_DATABASE,
+        "USER": unquote(parts.username or "postgres"),
+        "PASSWORD": unquote(parts.password or ""),
+        "HOST": parts.hostname or "127.0.0.1",
+        "PORT": parts.port or 5432,
+    }
+
+
+# Without a PostgreSQL server (a Redis-only run) there is no database at all.
+DATABASES: dict[str, dict[str, object]] = (
+    {"default": _database(DATABASE_URL)} if DATABASE_URL else {}
+)
+
+DISTLOCKS_BACKENDS: dict[str, dict[str, object]] = {
     "default": {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": REDIS_URL},
 }
+if DATABASE_URL:
+    DISTLOCKS_BACKENDS["pg"] = {
+        "BACKEND": "distlocks.backends.postgres.PostgresBackend",
+        "DATABASE": "default",
+        # Room for the 17 threads of the hand-off workload, each waiting on its own connection.
+        "OPTIONS": {"mode": "session", "pool_size": 24},
+    }
 DISTLOCKS_KEY_PREFIX = "distlocks-bench"
 
 LOGGING = {

@@ -1,7 +1,8 @@
 """The workloads, one registered class each.
 
-Lock names are prefixed with the implementation's name, so implementations that
-use the name as the Redis key (the floor, redis-py) never meet each other's keys.
+Lock names start with ``bench:`` and the implementation's name, so implementations
+that use the name as it is (as a Redis key, or hashed to an advisory-lock key)
+never meet each other's locks.
 """
 
 from __future__ import annotations
@@ -133,17 +134,29 @@ class ThroughputThreads(_Throughput):
         results: list[list[int]] = [[] for _ in range(self.workers)]
         ends = [0.0] * self.workers
         errors: list[BaseException] = []
-        start_at = time.monotonic() + 0.05
-        stop_at = start_at + duration
+        window: dict[str, float] = {}
+
+        def open_window() -> None:
+            # Runs once every thread has opened its connections; a short margin lets
+            # all of them leave the barrier before the clock starts.
+            window["start_at"] = time.monotonic() + 0.01
+            window["stop_at"] = window["start_at"] + duration
+
+        ready = threading.Barrier(self.workers, action=open_window)
 
         def work(index: int) -> None:
             names = [f"bench:{impl.name}:tp:t{index}:{i}" for i in range(self.names_per_worker)]
             try:
-                time.sleep(max(0.0, start_at - time.monotonic()))
-                results[index] = cycles_until(impl, names, stop_at, TTL)
+                impl.thread_start()
+                ready.wait()
+                time.sleep(max(0.0, window["start_at"] - time.monotonic()))
+                results[index] = cycles_until(impl, names, window["stop_at"], TTL)
             except BaseException as exc:
                 errors.append(exc)
-            ends[index] = time.monotonic()
+                ready.abort()
+            finally:
+                ends[index] = time.monotonic()
+                impl.thread_done()
 
         threads = [
             threading.Thread(target=work, args=(i,), name=f"bench-tp-{i}", daemon=True)
@@ -156,7 +169,7 @@ class ThroughputThreads(_Throughput):
         if errors:
             raise BenchError(f"{impl.name}: a throughput thread failed") from errors[0]
         latencies = [value for chunk in results for value in chunk]
-        return Measurement(latencies, len(latencies), max(ends) - start_at)
+        return Measurement(latencies, len(latencies), max(ends) - window["start_at"])
 
 
 @workload
@@ -230,13 +243,17 @@ class _HandOffRound:
 
     def participant(self, ready: threading.Barrier, hold: float, settle: float) -> None:
         try:
+            self.impl.thread_start()
             ready.wait()
             self._loop(hold, settle)
         except BaseException as exc:
+            ready.abort()
             with self.cond:
                 self.errors.append(exc)
                 self.done = True
                 self.cond.notify_all()
+        finally:
+            self.impl.thread_done()
 
     def _loop(self, hold: float, settle: float) -> None:
         impl, cond = self.impl, self.cond

@@ -18,7 +18,7 @@ from distlocks.fencing import unfenced
 from distlocks.models import FencedModel
 
 
-class FencedModelAdmin(admin.ModelAdmin):  # type: ignore[type-arg]
+class FencedModelAdmin(admin.ModelAdmin):
     """ModelAdmin for :class:`~distlocks.models.FencedModel` subclasses."""
 
     #: Backend alias of the row locks.
