@@ -338,6 +338,10 @@ class PostgresBackend(BaseBackend):
         # connections bound their waits with lock_timeout instead.
         params["options"] = f"{params.get('options', '')} -c statement_timeout=0".strip()
         params["autocommit"] = True
+        # Django turns server-side preparation off (for transaction poolers); these
+        # connections are ours and session-bound, and parsing and planning the
+        # acquire statement on every call costs more than the lock itself.
+        params["prepare_threshold"] = 2
         return params
 
     @property
@@ -423,7 +427,7 @@ class PostgresBackend(BaseBackend):
             "pid": holder.pid,
             "thread": holder.thread[:255],
             "ttl": ttl,
-            "extra": json.dumps(dict(holder.extra)),
+            "extra": json.dumps(dict(holder.extra)) if holder.extra else "{}",
         }
 
     # -- the contract -----------------------------------------------------------
