@@ -237,3 +237,17 @@ def test_server_down_then_up(own_redis: RedisServer, name: str) -> None:
         own_redis.start(port=port)
         with lock(name, timeout=0) as lease:
             assert lease.held()
+
+
+def test_iter_locks_with_glob_characters_in_the_prefix(name: str) -> None:
+    from django.conf import settings
+
+    def config(prefix: str) -> dict[str, dict[str, object]]:
+        return redis_config(LOCATION=settings.REDIS_URL, OPTIONS={"key_prefix": prefix})
+
+    with override_settings(DISTLOCKS_BACKENDS=config("app1")), lock(name):
+        with override_settings(DISTLOCKS_BACKENDS=config("app[1]")):
+            # "app[1]" as a glob would match "app1"; as a prefix it must not.
+            assert [i.name for i in get_backend().iter_locks() if i.name == name] == []
+            with lock(name):
+                assert [i.name for i in get_backend().iter_locks() if i.name == name] == [name]

@@ -24,6 +24,7 @@ import datetime as dt
 import hashlib
 import inspect as pyinspect
 import json
+import re
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -662,7 +663,9 @@ class RedisBackend(BaseBackend):
         return dataclasses.replace(self._info(fields, pttl), waiters=int(waiters))
 
     def iter_locks(self) -> Iterator[LockInfo]:
-        pattern = f"{self.key_prefix}:{{*}}:lock"
+        # Glob characters in the prefix must match themselves.
+        prefix = re.sub(r"([*?\[\]\\])", r"\\\1", self.key_prefix)
+        pattern = f"{prefix}:{{*}}:lock"
         with self._errors("list", pattern):
             cursor = 0
             while True:
