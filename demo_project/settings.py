@@ -113,6 +113,13 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 DISTLOCKS_BACKENDS = {
     "default": {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": REDIS_URL},
+    # Advisory locks on the demo's own database (session mode: each held lock pins
+    # one connection of the backend's small pool, apart from Django's).
+    "pg": {
+        "BACKEND": "distlocks.backends.postgres.PostgresBackend",
+        "DATABASE": "default",
+        "OPTIONS": {"mode": "session"},
+    },
     # In-process only: the demo shows it next to Redis; it never guards anything real.
     "locmem": {"BACKEND": "distlocks.backends.locmem.LocMemBackend", "LOCATION": "demo"},
 }

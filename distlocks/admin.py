@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.utils.translation import gettext_lazy as _
 
@@ -37,10 +38,8 @@ class FencedModelAdmin(admin.ModelAdmin):
             with unfenced():
                 obj.save()
             return
-        with obj.fenced_lock(
-            backend=self.fencing_backend, ttl=self.fencing_ttl, timeout=self.fencing_timeout
-        ) as lease:
-            obj.save(fencing_token=lease)
+        # changeform_view holds the row's lock: the save uses its token.
+        obj.save()
 
     def changeform_view(
         self,
@@ -49,8 +48,18 @@ class FencedModelAdmin(admin.ModelAdmin):
         form_url: str = "",
         extra_context: dict[str, Any] | None = None,
     ) -> HttpResponse:
-        try:
+        obj = None
+        if request.method == "POST" and object_id is not None:
+            obj = self.get_object(request, unquote(object_id))
+        if obj is None:
             return super().changeform_view(request, object_id, form_url, extra_context)
+        try:
+            # The lock is held around the admin's whole transaction and released
+            # after COMMIT, so no holder can read the row before the edit is visible.
+            with obj.fenced_lock(
+                backend=self.fencing_backend, ttl=self.fencing_ttl, timeout=self.fencing_timeout
+            ):
+                return super().changeform_view(request, object_id, form_url, extra_context)
         except LockNotAcquired:
             self.message_user(
                 request,

@@ -40,11 +40,20 @@ def install_fencing_triggers(using: str = "default", **kwargs: Any) -> None:
     tables = connection.introspection.table_names()
     for model in apps.get_models():
         meta = model._meta
-        if (
+        if not (
             issubclass(model, FencedModel)
             and not meta.proxy
             and meta.managed
             and meta.db_table in tables
             and router.allow_migrate_model(using, model)
         ):
+            continue
+        # Only where the column exists yet (its migration may be unapplied, or
+        # migrated backwards); E010 reports models that cannot be fenced.
+        with connection.cursor() as cursor:
+            columns = {
+                c.name
+                for c in connection.introspection.get_table_description(cursor, meta.db_table)
+            }
+        if "fencing_token" in columns:
             install_trigger(connection, meta.db_table)

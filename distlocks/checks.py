@@ -111,16 +111,23 @@ def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
     errors: list[CheckMessage] = []
     for config in configs:
         for model in config.get_models():
-            if not issubclass(model, FencedModel) or model._meta.abstract:
+            if not issubclass(model, FencedModel) or model._meta.abstract or model._meta.proxy:
                 continue
             try:
                 field = model._meta.get_field("fencing_token")
             except FieldDoesNotExist:
                 field = None
+            problem = ""
             if not isinstance(field, models.BigIntegerField) or field.null:
-                got = "removed" if field is None else f"a {type(field).__name__}"
+                problem = "removed" if field is None else f"a {type(field).__name__}"
                 if field is not None and field.null:
-                    got += " with null=True"
+                    problem += " with null=True"
+            elif field.column != "fencing_token":
+                problem = f"stored in column {field.column!r} (the trigger expects 'fencing_token')"
+            elif any(link is not None for link in model._meta.parents.values()):
+                problem = "inherited through multi-table inheritance (one UPDATE covers one table)"
+            if problem:
+                got = problem
                 errors.append(
                     Error(
                         E010,

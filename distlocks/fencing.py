@@ -56,9 +56,11 @@ def active_lease(name: str) -> BaseLease | None:
 def unfenced() -> Iterator[None]:
     """Let FencedModel saves and ``QuerySet.update()`` run without a token.
 
-    For data migrations, fixtures and maintenance scripts, where no lock holder
-    can race the write. Saves inside keep each row's stored token unchanged, and
-    the database trigger still refuses to lower one.
+    For fixtures and maintenance scripts, where no lock holder can race the write.
+    Saves inside are plain Django saves: they write the token the instance holds
+    (loaded with the row), so on PostgreSQL the trigger still refuses a stale
+    instance that would lower it. Models from ``apps.get_model()`` in a data
+    migration are plain historical models and need no escape hatch.
     """
     token = _unfenced.set(True)
     try:

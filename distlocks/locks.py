@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any, ParamSpec, TypeVar
@@ -161,6 +162,10 @@ def acquire_lease(
     due = lease._renewal_due()
     if due is not None:
         renewer(backend.alias).add(lease, due)
+    elif not backend.expires_on_server:
+        # Not renewed, and nothing on the server ends it: if the holder drops the
+        # lease without releasing it, release it then (off the collector's thread).
+        weakref.finalize(lease, _release_dropped, backend, name, owner)
     try:
         signals.lock_acquired.send(sender=Lease, lease=lease)
     except BaseException:
@@ -169,6 +174,17 @@ def acquire_lease(
             lease.release()
         raise
     return lease
+
+
+def _release_dropped(backend: BaseBackend, name: str, owner: str) -> None:
+    def release() -> None:
+        try:
+            if backend.release(name, owner):
+                logger.warning("Lock %r was dropped without release(); released it", name)
+        except Exception:
+            logger.warning("Could not release dropped lock %r", name, exc_info=True)
+
+    threading.Thread(target=release, name="distlocks-release-dropped", daemon=True).start()
 
 
 def _leave_quietly(backend: BaseBackend, name: str, owner: str) -> None:

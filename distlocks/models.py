@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from django.db import models, router
+from django.db import DatabaseError, models, router
 from django.db.models.signals import post_save, pre_save
 from django.utils.translation import gettext_lazy as _
 
@@ -37,6 +37,11 @@ def _token(value: Any, what: str) -> int:
     if value < 0:
         raise ValueError(f"{what} must be >= 0, not {value}.")
     return value
+
+
+def _multi_table(model: type[models.Model]) -> bool:
+    """True for a multi-table-inheritance child (a proxy has no parent link)."""
+    return any(link is not None for link in model._meta.parents.values())
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,12 @@ class FencedModel(models.Model):
     # -- saving -------------------------------------------------------------------
 
     def save(self, *args: Any, fencing_token: Any = None, **kwargs: Any) -> None:
+        if _multi_table(type(self)):
+            # One UPDATE covers one table; a child's parent fields would be dropped.
+            raise TypeError(
+                f"{type(self).__name__} uses multi-table inheritance, which FencedModel does "
+                f"not support (distlocks.E010); make the parent abstract."
+            )
         token = self._resolve_fencing_token(fencing_token)
         if token is None:  # unfenced: a plain save that leaves the token as it is
             super().save(*args, **kwargs)
@@ -176,6 +187,15 @@ class FencedModel(models.Model):
             update_fields = frozenset(update_fields)
             if not update_fields:
                 return
+            known = {f.name for f in meta.concrete_fields} | {
+                f.attname for f in meta.concrete_fields
+            }
+            unknown = update_fields - known
+            if unknown:
+                raise ValueError(
+                    f"The following fields do not exist in this model, are m2m fields, or "
+                    f"are non-concrete fields: {', '.join(sorted(unknown))}"
+                )
         fields = [
             f
             for f in meta.local_concrete_fields
@@ -184,9 +204,8 @@ class FencedModel(models.Model):
             and not getattr(f, "generated", False)
             and (update_fields is None or f.name in update_fields or f.attname in update_fields)
         ]
+        # Signals name the class the caller used (a proxy too), as Django's save does.
         origin: type[models.Model] = type(self)
-        if meta.proxy and meta.concrete_model is not None:
-            origin = meta.concrete_model
         pre_save.send(
             sender=origin, instance=self, raw=False, using=using, update_fields=update_fields
         )
@@ -199,13 +218,15 @@ class FencedModel(models.Model):
         )
         if rows == 0:
             stored = base.values_list("fencing_token", flat=True).first()
-            if stored is None and not kwargs.get("force_update"):
-                for attname, value in before.items():
-                    setattr(self, attname, value)
-                self._fenced_insert(token, **kwargs)  # the row is gone: as Django would
-                return
             for attname, value in before.items():
                 setattr(self, attname, value)
+            if stored is None:  # the row is gone: do what Django's save would
+                if kwargs.get("force_update"):
+                    raise DatabaseError("Forced update did not affect any rows.")
+                if update_fields is not None:
+                    raise DatabaseError("Save with update_fields did not affect any rows.")
+                self._fenced_insert(token, **kwargs)
+                return
             signals.fencing_rejected.send(
                 sender=origin, model=origin, pk=self.pk, offered=token, stored=stored
             )

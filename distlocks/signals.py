@@ -1,4 +1,4 @@
-"""Signals sent by distlocks. Every one carries the lease as ``lease``.
+"""Signals sent by distlocks. The lock signals carry the lease as ``lease``.
 
 * ``lock_acquired(lease)``: a lease was granted.
 * ``lock_released(lease)``: a lease was released by its holder.

@@ -54,3 +54,37 @@ def test_admin_add_creates_the_row(staff: Client) -> None:
     )
     assert response.status_code == 200
     assert Account.objects.get(owner="new").fencing_token == 0
+
+
+def test_admin_holds_the_row_lock_until_its_transaction_commits(staff: Client) -> None:
+    """A worker must not get the row's lock while the admin's edit is uncommitted."""
+    from django.contrib.admin.models import LogEntry
+    from django.db.models.signals import post_save
+
+    from distlocks.exceptions import LockNotAcquired
+
+    obj = make_account()
+    seen: list[str] = []
+
+    def try_lock_from_worker(sender: object, **kwargs: object) -> None:
+        # Runs inside the admin's transaction, after the save (LogEntry comes last).
+        import threading
+
+        def worker() -> None:
+            try:
+                lock(obj.get_fencing_lock_name(), timeout=0).acquire().release()
+                seen.append("worker got the lock")
+            except LockNotAcquired:
+                seen.append("busy")
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+
+    post_save.connect(try_lock_from_worker, sender=LogEntry)
+    try:
+        _post(staff, obj, 42)
+    finally:
+        post_save.disconnect(try_lock_from_worker, sender=LogEntry)
+    assert seen == ["busy"]
+    assert Account.objects.get(pk=obj.pk).balance == 42

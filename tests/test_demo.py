@@ -25,6 +25,7 @@ import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,12 @@ from distlocks.testing.servers import DATABASE_URL_ENV, REDIS_URL_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 8
+#: The demo's lock backends: Redis, PostgreSQL advisory locks, in-process.
+BACKENDS = ["default", "pg", "locmem"]
+#: Those whose server ends a lease that runs out (the paused-holder story needs one).
+EXPIRING = ["default", "locmem"]
+#: Holder A's lease in the paused-holder story, shrunk from the page's 1 s.
+PAUSE_TTL = 0.3
 #: Upper bound for one subprocess; generous, as it migrates a fresh database.
 SUBPROCESS_TIMEOUT = 180
 
@@ -74,6 +81,11 @@ def test_settings_take_the_servers_from_the_environment() -> None:
     assert demo.DISTLOCKS_BACKENDS["default"] == {
         "BACKEND": "distlocks.backends.redis.RedisBackend",
         "LOCATION": os.environ[REDIS_URL_ENV],
+    }
+    assert demo.DISTLOCKS_BACKENDS["pg"] == {
+        "BACKEND": "distlocks.backends.postgres.PostgresBackend",
+        "DATABASE": "default",
+        "OPTIONS": {"mode": "session"},
     }
     assert demo.DISTLOCKS_BACKENDS["locmem"]["BACKEND"] == (
         "distlocks.backends.locmem.LocMemBackend"
@@ -138,6 +150,10 @@ def drive_demo() -> dict[str, Any]:
     try:
         return _drive_pages(Client())
     finally:
+        from distlocks import get_backend
+
+        # The pg backend's own connections would keep the test database from being dropped.
+        get_backend("pg").close()
         connection.creation.destroy_test_db(old_name, verbosity=0)
 
 
@@ -167,7 +183,7 @@ def _drive_pages(client: Any) -> dict[str, Any]:
     from distlocks import lock
 
     results: dict[str, Any] = {"charge": {}}
-    for backend in ("default", "locmem"):
+    for backend in BACKENDS:
         invoice = Invoice.objects.create(customer="Test", amount="9.99")
         first = _race(client, invoice, backend, "lock")
         again = _race(client, invoice, backend, "lock")
@@ -178,30 +194,46 @@ def _drive_pages(client: Any) -> dict[str, Any]:
 
     results["pages"] = {
         url: client.get(url).status_code
-        for url in ["/", "/invoices/", "/locks/", "/fencing/", "/lock-many/", "/admin/login/"]
+        for url in [
+            "/",
+            "/invoices/",
+            "/locks/",
+            "/fencing/",
+            "/lock-many/",
+            "/fenced/",
+            "/admin/login/",
+        ]
     }
     results["index"] = client.get("/").content.decode()
 
     name = f"test:live:{uuid.uuid4().hex[:8]}"
     results["live"] = {}
-    for backend in ("default", "locmem"):
+    for backend in BACKENDS:
         with lock(name, backend=backend, ttl=30, timeout=0) as lease:
             held = client.get("/locks/table/").content.decode()
             results["live"][backend] = {"token": lease.fencing_token, "held": held}
         results["live"][backend]["after"] = client.get("/locks/table/").content.decode()
     results["pid"] = os.getpid()
 
-    results["hold"] = {
-        backend: _hold_and_abandon(client, backend) for backend in ("default", "locmem")
-    }
+    results["hold"] = {backend: _hold_and_abandon(client, backend) for backend in BACKENDS}
 
-    results["fencing"] = []
-    for _ in range(2):
-        client.post("/fencing/", {"backend": "default"})
-        results["fencing"].append(client.session["shop:fencing"]["steps"])
+    results["fencing"] = {}
+    for backend in ("default", "pg"):
+        results["fencing"][backend] = []
+        for _ in range(2):
+            client.post("/fencing/", {"backend": backend})
+            results["fencing"][backend].append(client.session["shop:fencing"]["steps"])
 
-    client.post("/lock-many/", {"backend": "default"})
-    results["lock_many"] = client.session["shop:lock_many"]["transfers"]
+    results["lock_many"] = {}
+    for backend in ("default", "pg"):
+        client.post("/lock-many/", {"backend": backend})
+        results["lock_many"][backend] = client.session["shop:lock_many"]["transfers"]
+
+    results["fenced"] = {backend: _fenced_story(client, backend) for backend in EXPIRING}
+    refused = client.post("/fenced/", {"backend": "pg"}, follow=True)
+    results["fenced_pg_refused"] = "pg is not one of the available choices" in (
+        refused.content.decode()
+    )
 
     results["superuser_created"] = [ensure_superuser("admin", "first"), None]
     results["superuser_created"][1] = ensure_superuser("admin", "second")
@@ -210,7 +242,91 @@ def _drive_pages(client: Any) -> dict[str, Any]:
         "new": client.login(username="admin", password="second"),
     }
     results["admin_index"] = client.get("/admin/").status_code
+    results["admin_account"] = _edit_account_in_admin(client)
     return results
+
+
+def _fenced_story(client: Any, backend: str) -> dict[str, Any]:
+    """Run the fenced-writes page once; what it kept, showed, and what the rows hold."""
+    from demo_project.shop import demos
+    from demo_project.shop.models import Account, PlainAccount
+
+    demos.PAUSE_TTL = PAUSE_TTL
+    response = client.post("/fenced/", {"backend": backend})
+    page = client.get("/fenced/").content.decode()
+    result = client.session["shop:fenced"]
+    fenced, plain = result["stories"]
+    account = Account.objects.get(owner=demos.STORY_OWNER)
+    plain_account = PlainAccount.objects.get(owner=demos.STORY_OWNER)
+    return {
+        "status": response.status_code,
+        "fenced": fenced,
+        "plain": plain,
+        "raw": result["raw"],
+        "rows": {
+            "fenced": [str(account.balance), account.fencing_token],
+            "plain": str(plain_account.balance),
+        },
+        "page": {
+            "stale": "A's save raised StaleFencingToken" in page,
+            "lost": "is lost." in page,
+            "refused": "Refused: StaleFencingToken" in page,
+        },
+    }
+
+
+def _edit_account_in_admin(client: Any) -> dict[str, Any]:
+    """Edit the fenced account through the admin (logged in): once freely, once while
+    another holder has its lock."""
+    from demo_project.shop import demos
+    from demo_project.shop.admin import AccountAdmin
+    from demo_project.shop.models import Account
+    from distlocks import get_backend, lock
+
+    account = demos.story_account(Account)
+    url = f"/admin/shop/account/{account.pk}/change/"
+    name = account.get_fencing_lock_name()
+    before = account.fencing_token
+    form = client.get(url)
+    saved = client.post(url, {"owner": account.owner, "balance": "1234.56", "_save": "Save"})
+    account.refresh_from_db()
+    edited = {
+        "form_status": form.status_code,
+        "status": saved.status_code,
+        "location": saved.headers.get("Location"),
+        "balance": str(account.balance),
+        "token_went_up": account.fencing_token > before,
+        # The token stored is the last one issued for the row's lock: the admin's own.
+        "token_is_the_locks": account.fencing_token
+        == get_backend(AccountAdmin.fencing_backend).fencing_counter(name),
+    }
+
+    AccountAdmin.fencing_timeout = 0.3
+    token = account.fencing_token
+    with lock(name, backend=AccountAdmin.fencing_backend, ttl=30, timeout=0):
+        busy = client.post(url, {"owner": account.owner, "balance": "1.00", "_save": "Save"})
+    page = client.get(url).content.decode()
+    account.refresh_from_db()
+    busy_result = {
+        "status": busy.status_code,
+        "location": busy.headers.get("Location"),
+        "message": "Not saved: the row is locked by another holder right now" in page,
+        "balance": str(account.balance),
+        "token_unchanged": account.fencing_token == token,
+    }
+
+    added = client.post(
+        "/admin/shop/account/add/", {"owner": "Grace Hopper", "balance": "5.00", "_save": "Save"}
+    )
+    new = Account.objects.filter(owner="Grace Hopper").first()
+    return {
+        "edited": edited,
+        "busy": busy_result,
+        "added": [
+            added.status_code,
+            None if new is None else [str(new.balance), new.fencing_token],
+        ],
+    }
 
 
 def _poll(condition: Any, timeout: float = 10.0) -> bool:
@@ -238,9 +354,10 @@ def _hold_and_abandon(client: Any, backend: str) -> dict[str, Any]:
         current = server.inspect("demo:nightly-report")
         return current is not None and current.renewals >= 2
 
-    renewed = _poll(renewed_twice)
+    # PostgreSQL's listing does not count renewals (nothing expires there to renew).
+    renewed = _poll(renewed_twice) if server.expires_on_server else None
     released = _poll(lambda: server.inspect("demo:nightly-report") is None)
-    client.post("/locks/hold/", {"backend": backend, "mode": "abandon"})
+    abandon = client.post("/locks/hold/", {"backend": backend, "mode": "abandon"}, follow=True)
     abandoned = server.inspect("demo:crashed-worker")
     expired = _poll(lambda: server.inspect("demo:crashed-worker") is None)
     return {
@@ -249,6 +366,7 @@ def _hold_and_abandon(client: Any, backend: str) -> dict[str, Any]:
         "held_at_first": info is not None,
         "renewed": renewed,
         "released": released,
+        "abandon_refused": "Not taken: a lock on" in abandon.content.decode(),
         "abandoned_at_first": abandoned is not None,
         "abandoned_expired": expired,
     }
@@ -261,7 +379,7 @@ def demo() -> dict[str, Any]:
     return dict(json.loads(result.stdout.strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("backend", ["default", "locmem"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_charge_view_charges_exactly_once(demo: dict[str, Any], backend: str) -> None:
     race = demo["charge"][backend]["first"]
     assert race["status"] == 302
@@ -273,7 +391,7 @@ def test_charge_view_charges_exactly_once(demo: dict[str, Any], backend: str) ->
     assert len([token for token in race["tokens"] if token is not None]) == 1
 
 
-@pytest.mark.parametrize("backend", ["default", "locmem"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_charging_a_paid_invoice_again_charges_nothing(demo: dict[str, Any], backend: str) -> None:
     race = demo["charge"][backend]["again"]
     assert race["new_charges"] == 0
@@ -281,7 +399,7 @@ def test_charging_a_paid_invoice_again_charges_nothing(demo: dict[str, Any], bac
     assert "already paid" in race["outcomes"]
 
 
-@pytest.mark.parametrize("backend", ["default", "locmem"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_without_the_lock_every_worker_charges(demo: dict[str, Any], backend: str) -> None:
     # The demo's point: the same code without the lock double-charges.
     race = demo["charge"][backend]["unlocked"]
@@ -296,13 +414,48 @@ def test_pages_render(demo: dict[str, Any]) -> None:
         "/locks/": 200,
         "/fencing/": 200,
         "/lock-many/": 200,
+        "/fenced/": 200,
         "/admin/login/": 200,
     }
-    for link in ["/invoices/", "/locks/", "/fencing/", "/lock-many/", "/admin/"]:
+    for link in ["/invoices/", "/locks/", "/fencing/", "/lock-many/", "/fenced/", "/admin/"]:
         assert f'href="{link}"' in demo["index"]
 
 
-@pytest.mark.parametrize("backend", ["default", "locmem"])
+def _section(page: str, heading: str) -> str:
+    return page.split(f"<h2>{heading}</h2>", 1)[1].split("<h2>", 1)[0]
+
+
+def test_index_lists_what_exists_and_what_does_not(demo: dict[str, Any]) -> None:
+    index = demo["index"]
+    shown = _section(index, "Try it")
+    assert "Fenced writes" in shown
+    assert "FencedModelAdmin" in shown
+    assert "PostgreSQL" in shown
+    not_shown = _section(index, "In distlocks, not shown here yet")
+    assert "alock()" in not_shown
+    assert "PostgreSQL" not in not_shown
+    assert "Fenced" not in not_shown
+    coming = _section(index, "Not built yet")
+    for planned in [
+        "/admin/distlocks/livelock/",
+        "manage.py distlocks",
+        "Celery single execution",
+        "Redlock",
+        "Sentinel",
+        "Cluster",
+        "rwlock()",
+        "semaphore()",
+        "Metrics",
+    ]:
+        assert planned in coming, planned
+    assert "Fenced" not in coming
+    assert "PostgreSQL" not in coming
+    backends = _section(index, "Backends configured")
+    assert "<code>distlocks.backends.postgres.PostgresBackend</code>" in backends
+    assert "PostgreSQL database test_distlocks_demo_" in backends
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_live_locks_page_lists_held_locks(demo: dict[str, Any], backend: str) -> None:
     live = demo["live"][backend]
     section = live["held"].split(f"<code>{backend}</code>", 1)[1].split("<h2>", 1)[0]
@@ -312,7 +465,7 @@ def test_live_locks_page_lists_held_locks(demo: dict[str, Any], backend: str) ->
     assert "test:live:" not in live["after"]
 
 
-@pytest.mark.parametrize("backend", ["default", "locmem"])
+@pytest.mark.parametrize("backend", EXPIRING)
 def test_hold_renews_then_releases_and_abandon_expires(demo: dict[str, Any], backend: str) -> None:
     assert demo["hold"][backend] == {
         "held_message": True,
@@ -321,16 +474,34 @@ def test_hold_renews_then_releases_and_abandon_expires(demo: dict[str, Any], bac
         # Its lease is far shorter than the hold: only renewal keeps it alive.
         "renewed": True,
         "released": True,
+        "abandon_refused": False,
         "abandoned_at_first": True,
         # Not renewed, so it ends by its TTL, like a crashed holder's lock.
         "abandoned_expired": True,
     }
 
 
-def test_fencing_tokens_only_increase(demo: dict[str, Any]) -> None:
-    tokens = [step["fencing_token"] for run in demo["fencing"] for step in run]
+def test_hold_on_pg_releases_and_abandon_is_refused(demo: dict[str, Any]) -> None:
+    assert demo["hold"]["pg"] == {
+        "held_message": True,
+        "busy_message": True,
+        "held_at_first": True,
+        "renewed": None,  # not checked: the pg listing does not count renewals
+        "released": True,
+        # A session lock has no TTL on the server: abandoned in this long-lived
+        # process, it would never end, so the page says so instead of taking it.
+        "abandon_refused": True,
+        "abandoned_at_first": False,
+        "abandoned_expired": True,
+    }
+
+
+@pytest.mark.parametrize("backend", ["default", "pg"])
+def test_fencing_tokens_only_increase(demo: dict[str, Any], backend: str) -> None:
+    runs = demo["fencing"][backend]
+    tokens = [step["fencing_token"] for run in runs for step in run]
     assert tokens == sorted(set(tokens)), tokens
-    for run in demo["fencing"]:
+    for run in runs:
         evicted, after = run[-2]["fencing_token"], run[-1]["fencing_token"]
         # The force-release moved the counter: the evicted holder's token is outdated
         # at once, and the next holder's is higher still.
@@ -339,10 +510,81 @@ def test_fencing_tokens_only_increase(demo: dict[str, Any]) -> None:
         assert "raised LockLost" in run[-2]["note"]
 
 
-def test_lock_many_crossing_transfers_both_finish(demo: dict[str, Any]) -> None:
-    transfers = demo["lock_many"]
+@pytest.mark.parametrize("backend", ["default", "pg"])
+def test_lock_many_crossing_transfers_both_finish(demo: dict[str, Any], backend: str) -> None:
+    transfers = demo["lock_many"][backend]
     assert [t["outcome"] for t in transfers] == ["done", "done"]
     assert [t["order"] for t in transfers] == [["account:alice", "account:bob"]] * 2
+
+
+@pytest.mark.parametrize("backend", EXPIRING)
+def test_paused_holder_cannot_overwrite_a_fenced_row(demo: dict[str, Any], backend: str) -> None:
+    run = demo["fenced"][backend]
+    assert run["status"] == 302
+    story = run["fenced"]
+    assert story["a_outcome"] == "StaleFencingToken", story
+    assert story["offered"] == story["a_token"]
+    assert story["stored"] == story["b_token"]
+    assert story["offered"] < story["stored"]
+    # A really outlived its lease: B only got the lock once it had run out.
+    assert story["held_after_pause"] is False
+    assert story["paused_for"] >= PAUSE_TTL
+    assert story["ttl"] == PAUSE_TTL
+    # The row kept B's write (and token), as the database says too.
+    start = Decimal(story["start_balance"])
+    assert Decimal(story["final_balance"]) == start + Decimal("50.00")
+    assert story["final_token"] == story["b_token"]
+    assert story["b_update_kept"] is True
+    assert [step["who"] for step in story["steps"]] == ["A", "B", "A"]
+    assert run["rows"]["fenced"][1] == story["b_token"]
+    assert run["page"]["stale"] is True
+
+
+@pytest.mark.parametrize("backend", EXPIRING)
+def test_paused_holder_overwrites_a_plain_row(demo: dict[str, Any], backend: str) -> None:
+    """The control: the same story on a plain model loses B's deposit."""
+    story = demo["fenced"][backend]["plain"]
+    assert story["a_outcome"] == "saved", story
+    assert story["held_after_pause"] is False
+    assert story["a_token"] < story["b_token"]
+    start = Decimal(story["start_balance"])
+    assert Decimal(story["final_balance"]) == start + Decimal("10.00")
+    assert story["b_update_kept"] is False
+    assert demo["fenced"][backend]["rows"]["plain"] == story["final_balance"]
+    assert demo["fenced"][backend]["page"]["lost"] is True
+
+
+@pytest.mark.parametrize("backend", EXPIRING)
+def test_raw_sql_lowering_the_token_is_refused(demo: dict[str, Any], backend: str) -> None:
+    raw = demo["fenced"][backend]["raw"]
+    assert raw["outcome"] == "StaleFencingToken", raw
+    assert raw["offered"] == raw["stored"] - 1
+    assert raw["after"] == raw["before"]
+    assert raw["trigger_tables"] == ["shop_account"]
+    assert demo["fenced"][backend]["page"]["refused"] is True
+
+
+def test_fenced_page_does_not_offer_pg(demo: dict[str, Any]) -> None:
+    assert demo["fenced_pg_refused"] is True
+
+
+def test_admin_edits_the_fenced_account_under_its_lock(demo: dict[str, Any]) -> None:
+    admin = demo["admin_account"]
+    edited = admin["edited"]
+    assert edited["form_status"] == 200
+    assert (edited["status"], edited["location"]) == (302, "/admin/shop/account/")
+    assert edited["balance"] == "1234.56"
+    assert edited["token_went_up"] is True
+    assert edited["token_is_the_locks"] is True
+    # While another holder has the row's lock, the admin saves nothing and says why.
+    busy = admin["busy"]
+    assert busy["status"] == 302
+    assert busy["location"].endswith("/change/")
+    assert busy["message"] is True
+    assert busy["balance"] == "1234.56"
+    assert busy["token_unchanged"] is True
+    # A new row needs no lock: it starts at token 0.
+    assert admin["added"] == [302, ["5.00", 0]]
 
 
 def test_superuser_is_created_then_reset(demo: dict[str, Any]) -> None:
@@ -503,6 +745,10 @@ def test_run_starts_servers_serves_the_site_and_cleans_up() -> None:
         assert status == 200
         assert "Charge an invoice once" in index
         assert _get(f"{base}locks/")[0] == 200
+        status, fenced = _get(f"{base}fenced/")
+        assert status == 200
+        # The runner created the accounts the page writes.
+        assert "Ada Lovelace" in fenced
         status, page = _login(base, "admin")
         assert status == 200
         assert "Site administration" in page

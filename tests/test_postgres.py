@@ -328,3 +328,11 @@ def test_forked_child_does_not_share_the_parents_sessions(name: str) -> None:
     assert lease.held()
     assert pg().inspect(name).owner == lease.owner
     lease.release()
+
+
+def test_a_dropped_unrenewed_lease_is_released(name: str) -> None:
+    import gc
+
+    lock(name, backend="pg", auto_renew=False).acquire()  # dropped at once
+    gc.collect()
+    wait_for(lambda: pg().inspect(name) is None, what="released after the drop")

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from demo_project.shop.models import Charge, Invoice
+from demo_project.shop.models import Account, Charge, Invoice, PlainAccount
+from distlocks.admin import FencedModelAdmin
 
 
 class ChargeInline(admin.TabularInline):
@@ -22,3 +23,19 @@ class InvoiceAdmin(admin.ModelAdmin):
 class ChargeAdmin(admin.ModelAdmin):
     list_display = ["invoice", "amount", "worker", "backend", "fencing_token", "created_at"]
     list_filter = ["backend"]
+
+
+@admin.register(Account)
+class AccountAdmin(FencedModelAdmin):
+    """Saving an account here takes its row lock (shop.account:<pk>) on the same
+    backend as the fenced-writes page, and writes with that lease's token."""
+
+    fencing_backend = "default"
+    list_display = ["owner", "balance", "fencing_token", "updated_at"]
+    readonly_fields = ["fencing_token", "updated_at"]
+
+
+@admin.register(PlainAccount)
+class PlainAccountAdmin(admin.ModelAdmin):
+    list_display = ["owner", "balance", "updated_at"]
+    readonly_fields = ["updated_at"]

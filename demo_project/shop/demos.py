@@ -1,8 +1,8 @@
 """The demonstrations behind the shop pages, kept apart from the views.
 
 Every function here uses only the public distlocks API (``lock``, ``lock_many``,
-``get_backend``, the ``Lease`` attributes and the exceptions) and returns plain
-dataclasses that the views keep in the session and the templates show.
+``get_backend``, the ``Lease`` attributes, ``FencedModel`` and the exceptions) and
+returns plain dataclasses that the views keep in the session and the templates show.
 """
 
 from __future__ import annotations
@@ -13,15 +13,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
+from typing import Any
 
 from django.conf import settings
-from django.db import connections, transaction
+from django.db import connection, connections, transaction
 from django.utils import timezone
 
-from demo_project.shop.models import Charge, Invoice
-from distlocks import get_backend, lock, lock_many
+from demo_project.shop.models import Account, Charge, Invoice, PlainAccount
+from distlocks import Lock, get_backend, lock, lock_many
 from distlocks.backends.base import LockInfo
-from distlocks.exceptions import LockError, LockLost, LockNotAcquired
+from distlocks.exceptions import LockError, LockLost, LockNotAcquired, StaleFencingToken
+from distlocks.fencing import unfenced
 from distlocks.lease import Lease
 
 CHARGED = "charged"
@@ -293,6 +295,228 @@ def release_quietly(release: Callable[[], object]) -> None:
         release()
 
 
+# -- fenced writes: the paused holder ------------------------------------------------
+
+#: Lease of holder A: short, and never renewed, so that its pause outlasts it.
+PAUSE_TTL = 1.0
+#: Longest any party of the story waits for another (a bound, never a pacing sleep).
+STORY_LIMIT = 15.0
+#: The owner of the account rows that the story writes.
+STORY_OWNER = "Ada Lovelace"
+STORY_BALANCE = Decimal("100.00")
+DEPOSIT_A = Decimal("10.00")
+DEPOSIT_B = Decimal("50.00")
+STALE = "StaleFencingToken"
+SAVED = "saved"
+
+
+@dataclass
+class StoryStep:
+    """One line of the paused-holder story."""
+
+    who: str
+    action: str
+    fencing_token: int | None = None
+
+
+@dataclass
+class Story:
+    """The paused-holder story, run once on a fenced or a plain account."""
+
+    fenced: bool
+    backend: str
+    lock_name: str
+    ttl: float
+    steps: list[StoryStep] = field(default_factory=list)
+    start_balance: str = ""
+    final_balance: str = ""
+    final_token: int | None = None
+    a_token: int | None = None
+    b_token: int | None = None
+    #: ``STALE``, ``SAVED``, or the error that stopped the story.
+    a_outcome: str = ""
+    offered: int | None = None
+    stored: int | None = None
+    #: How long A was paused, and whether its lease was still valid when it woke.
+    paused_for: float = 0.0
+    held_after_pause: bool | None = None
+    b_waited: float = 0.0
+    #: Whether the row ends with B's deposit in it.
+    b_update_kept: bool = False
+
+
+def story_account(model: type[Account] | type[PlainAccount]) -> Account | PlainAccount:
+    """The account row the story writes (created on first use)."""
+    row = model.objects.filter(owner=STORY_OWNER).order_by("pk").first()
+    if row is None:
+        # Setup, not a lock holder's write: no token to offer yet (it starts at 0).
+        with unfenced():
+            row = model.objects.create(owner=STORY_OWNER, balance=STORY_BALANCE)
+    return row
+
+
+def _row_lock(row: Account | PlainAccount, **kwargs: Any) -> Lock:
+    """The row's lock: ``fenced_lock()`` for a fenced row, the same scheme by hand
+    for a plain one."""
+    if isinstance(row, Account):
+        return row.fenced_lock(**kwargs)
+    return lock(row.lock_name, **kwargs)
+
+
+def paused_holder(backend: str = "default", *, fenced: bool = True) -> Story:
+    """Holder A takes the row's lock (``PAUSE_TTL``, ``auto_renew=False``), reads the
+    balance and pauses; B gets the lock once A's lease has run out, deposits and
+    saves; then A wakes up and saves its own deposit with its old token.
+
+    On the fenced account A's save raises ``StaleFencingToken`` and B's deposit
+    stays; on the plain account A's save goes through and B's deposit is lost.
+    """
+    model = Account if fenced else PlainAccount
+    row = story_account(model)
+    ttl = PAUSE_TTL
+    name = _row_lock(row, backend=backend).name
+    story = Story(fenced=fenced, backend=backend, lock_name=name, ttl=ttl)
+    paused, wake = threading.Event(), threading.Event()
+
+    def step(who: str, action: str, token: int | None = None) -> None:
+        story.steps.append(StoryStep(who, action, token))
+
+    def holder_a() -> None:
+        try:
+            lease = _row_lock(
+                row, backend=backend, ttl=ttl, timeout=STORY_LIMIT, auto_renew=False
+            ).acquire()
+            story.a_token = token = lease.fencing_token
+            mine = model.objects.get(pk=row.pk)
+            story.start_balance = str(mine.balance)
+            lease.ensure_held()  # the last local check: the lease is valid here
+            step(
+                "A",
+                f"takes {name!r} ({ttl:g} s lease, not renewed), reads {mine.balance}, "
+                f"checks ensure_held(): fine",
+                token,
+            )
+            began = time.monotonic()
+            paused.set()
+            # The pause: a GC pause, a stalled disk or network. It ends when B is done,
+            # which cannot happen before A's lease has run out on the server.
+            wake.wait(STORY_LIMIT)
+            story.paused_for = round(time.monotonic() - began, 2)
+            story.held_after_pause = lease.held()
+            mine.balance += DEPOSIT_A
+            try:
+                if fenced:
+                    # The token read before the pause: the write that was already on its
+                    # way when the lease ran out.
+                    mine.save(fencing_token=token)
+                else:
+                    mine.save()
+                story.a_outcome = SAVED
+            except StaleFencingToken as exc:
+                story.a_outcome = STALE
+                story.offered, story.stored = exc.offered, exc.stored
+            with contextlib.suppress(LockError):
+                lease.release()  # a no-op on the server: the lease is no longer A's
+        except Exception as exc:  # shown on the page rather than lost in a thread
+            story.a_outcome = f"{type(exc).__name__}: {exc}"
+        finally:
+            paused.set()
+            connections.close_all()
+
+    thread = threading.Thread(target=holder_a, name="holder-A")
+    thread.start()
+    try:
+        paused.wait(STORY_LIMIT)
+        if story.a_outcome:  # A failed before its pause
+            return story
+        began = time.monotonic()
+        # B waits in the lock's queue; it gets the lock when A's lease runs out.
+        with _row_lock(row, backend=backend, ttl=10, timeout=ttl + STORY_LIMIT) as lease:
+            story.b_waited = round(time.monotonic() - began, 2)
+            story.b_token = lease.fencing_token
+            theirs = model.objects.get(pk=row.pk)
+            read = theirs.balance
+            theirs.balance += DEPOSIT_B
+            if fenced:
+                theirs.save(fencing_token=lease)
+            else:
+                theirs.save()
+            step(
+                "B",
+                f"waits {story.b_waited:g} s for the lock, gets it, reads {read}, "
+                f"deposits {DEPOSIT_B}: saves {theirs.balance}",
+                lease.fencing_token,
+            )
+    except LockError as exc:
+        story.a_outcome = story.a_outcome or f"B failed: {type(exc).__name__}: {exc}"
+    finally:
+        wake.set()
+        thread.join(STORY_LIMIT + ttl)
+
+    after = model.objects.get(pk=row.pk)
+    story.final_balance = str(after.balance)
+    story.final_token = getattr(after, "fencing_token", None)
+    expected_with_b = Decimal(story.start_balance or 0) + DEPOSIT_B
+    story.b_update_kept = after.balance == expected_with_b
+    still = "still valid" if story.held_after_pause else "no longer valid"
+    if story.a_outcome == STALE:
+        result = f"StaleFencingToken (offered {story.offered}, stored {story.stored})"
+    elif story.a_outcome == SAVED:
+        result = "saved: it overwrote B's write"
+    else:
+        result = story.a_outcome
+    step(
+        "A",
+        f"wakes after {story.paused_for:g} s (its lease is {still}), deposits {DEPOSIT_A} "
+        f"on the {story.start_balance} it read: {result}",
+        story.a_token,
+    )
+    return story
+
+
+@dataclass
+class RawWrite:
+    """A raw SQL UPDATE that tries to lower a fenced row's token."""
+
+    sql: str
+    outcome: str
+    offered: int | None = None
+    stored: int | None = None
+    before: tuple[str, int] = ("", 0)
+    after: tuple[str, int] = ("", 0)
+    #: Tables of this database that carry the distlocks fencing trigger.
+    trigger_tables: list[str] = field(default_factory=list)
+
+
+def raw_sql_lowering() -> RawWrite:
+    """``UPDATE ... SET fencing_token = <stored - 1>`` through a plain cursor: the
+    PostgreSQL trigger refuses it, and distlocks reports StaleFencingToken."""
+    row = story_account(Account)
+    table = connection.ops.quote_name(Account._meta.db_table)
+    lower = row.fencing_token - 1
+    sql = f"UPDATE {table} SET balance = 0, fencing_token = {lower} WHERE id = {row.pk}"
+    result = RawWrite(sql=sql, outcome="", before=(str(row.balance), row.fencing_token))
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {table} SET balance = 0, fencing_token = %s WHERE id = %s",
+                [lower, row.pk],
+            )
+        result.outcome = "written"
+    except StaleFencingToken as exc:
+        result.outcome = STALE
+        result.offered, result.stored = exc.offered, exc.stored
+    row.refresh_from_db()
+    result.after = (str(row.balance), row.fencing_token)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT c.relname FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid"
+            " WHERE t.tgname = 'distlocks_fencing' AND NOT t.tgisinternal ORDER BY 1"
+        )
+        result.trigger_tables = [table_name for (table_name,) in cursor.fetchall()]
+    return result
+
+
 SAMPLE_INVOICES = [
     ("Ada Lovelace", Decimal("120.00")),
     ("Grace Hopper", Decimal("75.50")),
@@ -301,7 +525,10 @@ SAMPLE_INVOICES = [
 
 
 def create_sample_invoices() -> int:
-    """Create a few unpaid invoices if there are none; returns how many were created."""
+    """Create a few unpaid invoices if there are none, and the accounts of the
+    fenced-writes page; returns how many invoices were created."""
+    story_account(Account)
+    story_account(PlainAccount)
     if Invoice.objects.exists():
         return 0
     Invoice.objects.bulk_create(

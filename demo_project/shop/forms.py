@@ -6,6 +6,7 @@ from django import forms
 from django.conf import settings
 
 from demo_project.shop.demos import MAX_WORKERS
+from distlocks import get_backend
 
 
 def backend_choices() -> list[tuple[str, str]]:
@@ -16,13 +17,23 @@ def backend_choices() -> list[tuple[str, str]]:
     ]
 
 
+def expiring_backend_choices() -> list[tuple[str, str]]:
+    """The backends whose server frees a lock when its lease runs out."""
+    return [
+        (alias, label) for alias, label in backend_choices() if get_backend(alias).expires_on_server
+    ]
+
+
 class BackendForm(forms.Form):
     backend = forms.ChoiceField(initial="default")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Read on each use, so the choices follow the settings.
-        self.fields["backend"].choices = backend_choices()  # type: ignore[attr-defined]
+        self.fields["backend"].choices = self.choices()  # type: ignore[attr-defined]
+
+    def choices(self) -> list[tuple[str, str]]:
+        return backend_choices()
 
 
 class ChargeForm(BackendForm):
@@ -34,3 +45,10 @@ class ChargeForm(BackendForm):
 
 class HoldForm(BackendForm):
     mode = forms.ChoiceField(choices=[("hold", "hold, then release"), ("abandon", "abandon")])
+
+
+class PausedHolderForm(BackendForm):
+    """The paused-holder story needs a lease that the server ends when it runs out."""
+
+    def choices(self) -> list[tuple[str, str]]:
+        return expiring_backend_choices()

@@ -18,4 +18,5 @@ urlpatterns = [
     path("locks/hold/", views.locks_hold, name="locks_hold"),
     path("fencing/", views.fencing, name="fencing"),
     path("lock-many/", views.lock_many_view, name="lock_many"),
+    path("fenced/", views.fenced, name="fenced"),
 ]

@@ -17,9 +17,10 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
 
 from demo_project.shop import demos
-from demo_project.shop.forms import BackendForm, ChargeForm, HoldForm
-from demo_project.shop.models import Invoice
-from distlocks import lock
+from demo_project.shop.admin import AccountAdmin
+from demo_project.shop.forms import BackendForm, ChargeForm, HoldForm, PausedHolderForm
+from demo_project.shop.models import Account, Invoice, PlainAccount
+from distlocks import get_backend, lock
 from distlocks.exceptions import LockError, LockNotAcquired
 
 #: How long the "hold" button keeps its lock before releasing it.
@@ -50,9 +51,9 @@ FEATURES = [
     ),
     Feature(
         "Live locks",
-        "Every lock held right now on each backend (get_backend(alias).iter_locks()): "
-        "who holds it, its fencing token, when it expires, and how often its lease "
-        "was renewed automatically.",
+        "Every lock held right now on each backend, Redis, PostgreSQL advisory locks and "
+        "in-process (get_backend(alias).iter_locks()): who holds it, its fencing token, "
+        "when it expires, and how often its lease was renewed automatically.",
         "shop:locks",
     ),
     Feature(
@@ -67,28 +68,38 @@ FEATURES = [
         "crossing transfers cannot deadlock.",
         "shop:lock_many",
     ),
+    Feature(
+        "Fenced writes",
+        "A FencedModel row refuses a write whose fencing token is older than the one it "
+        "stored: a holder paused past its lease cannot overwrite the next holder's write, "
+        "and on PostgreSQL a trigger refuses it even from raw SQL. Accounts are edited in "
+        "the admin under the row's lock (FencedModelAdmin).",
+        "shop:fenced",
+    ),
 ]
 
 COMING = [
     Feature(
-        "Admin page of live locks",
-        "/admin/distlocks/livelock/ with stuck-lock detection and an audited force-release.",
-    ),
-    Feature(
-        "Fenced model writes",
-        "FencedModel: the database itself rejects a write whose fencing token is stale.",
+        "Admin page of live locks and a management command",
+        "/admin/distlocks/livelock/ with stuck-lock detection and an audited "
+        "force-release; manage.py distlocks list|inspect|release.",
     ),
     Feature(
         "Celery single execution",
         "At most one run of a task per key, with the lease renewed while it runs.",
     ),
-    Feature("Redlock and more primitives", "RedlockBackend, rwlock(), semaphore()."),
+    Feature(
+        "Redlock, Redis Cluster and Sentinel",
+        "RedlockBackend over several independent Redis masters; RedisBackend on a Cluster "
+        "or behind Sentinel.",
+    ),
+    Feature("rwlock() and semaphore()", "Shared/exclusive locks, and N holders at a time."),
+    Feature("Metrics", "Optional Prometheus metrics of acquisitions, waits and losses."),
 ]
 
 #: In distlocks already, but no page of this demo shows them yet.
 NOT_SHOWN = [
     Feature("alock()", "The asyncio form: async with alock(name, ttl=30) as lease."),
-    Feature("PostgreSQL backend", "Advisory locks: distlocks.backends.postgres.PostgresBackend."),
 ]
 
 
@@ -96,13 +107,24 @@ def _seconds(delta: dt.timedelta | None) -> str:
     return "-" if delta is None else f"{delta.total_seconds():.1f} s"
 
 
+def _server(config: dict[str, Any]) -> str:
+    """Where a backend keeps its locks, for the index page."""
+    if "DATABASE" in config:
+        alias = config["DATABASE"]
+        database = settings.DATABASES[alias]
+        mode = (config.get("OPTIONS") or {}).get("mode", "session")
+        return (
+            f"PostgreSQL database {database['NAME']} on {database['HOST']}:{database['PORT']} "
+            f"(DATABASES[{alias!r}]), {mode} mode"
+        )
+    if str(config.get("BACKEND", "")).endswith(".LocMemBackend"):
+        return "this process's memory"
+    return str(config.get("LOCATION", ""))
+
+
 def _configured_backends() -> list[dict[str, str]]:
     return [
-        {
-            "alias": alias,
-            "backend": str(config.get("BACKEND", "")),
-            "location": str(config.get("LOCATION", "")) or "this process's memory",
-        }
+        {"alias": alias, "backend": str(config.get("BACKEND", "")), "location": _server(config)}
         for alias, config in settings.DISTLOCKS_BACKENDS.items()
     ]
 
@@ -255,6 +277,16 @@ def locks_hold(request: HttpRequest) -> HttpResponse:
     alias = form.cleaned_data["backend"]
     abandon = form.cleaned_data["mode"] == "abandon"
     name = "demo:crashed-worker" if abandon else "demo:nightly-report"
+    expires = get_backend(alias).expires_on_server
+    if abandon and not expires:
+        messages.warning(
+            request,
+            f"Not taken: a lock on {alias!r} has no TTL on the server. It ends when its "
+            f"holder's connection closes, which happens at once when a worker process "
+            f"dies; this web server lives on, so an abandoned lock would stay until the "
+            f"site stops.",
+        )
+        return redirect("shop:locks")
     # A crashed worker's renewals die with it. Here the process lives on, so the
     # abandoned lease must not be renewed, or it would never expire.
     ttl, auto_renew = (ABANDON_TTL, False) if abandon else (HOLD_TTL, True)
@@ -279,10 +311,16 @@ def locks_hold(request: HttpRequest) -> HttpResponse:
         timer = threading.Timer(HOLD_SECONDS, demos.release_quietly, args=[lease.release])
         timer.daemon = True
         timer.start()
+        renewal = (
+            "renewed automatically"
+            if expires
+            # Nothing expires on the server: renewal only confirms the connection.
+            else "whose renewal checks that the lock's connection still holds it,"
+        )
         messages.success(
             request,
             f"Holding {name!r} on {alias!r} (fencing token {lease.fencing_token}) with a "
-            f"{HOLD_TTL} s lease, renewed automatically about every {HOLD_TTL / 3:g} s; "
+            f"{HOLD_TTL} s lease, {renewal} about every {HOLD_TTL / 3:g} s; "
             f"released in {HOLD_SECONDS} s.",
         )
     return redirect("shop:locks")
@@ -346,5 +384,50 @@ def lock_many_view(request: HttpRequest) -> HttpResponse:
             "form": BackendForm(initial={"backend": result["backend"]} if result else None),
             "result": result,
             "work_ms": int(demos.TRANSFER_WORK * 1000),
+        },
+    )
+
+
+# -- fenced writes ----------------------------------------------------------------
+
+
+@require_http_methods(["GET", "POST"])
+def fenced(request: HttpRequest) -> HttpResponse:
+    if request.method == "POST":
+        form = PausedHolderForm(request.POST)
+        if form.is_valid():
+            alias = form.cleaned_data["backend"]
+            # One after the other: each story holds its own row's lock.
+            stories = [
+                demos.paused_holder(alias, fenced=True),
+                demos.paused_holder(alias, fenced=False),
+            ]
+            request.session["shop:fenced"] = {
+                "backend": alias,
+                "stories": [asdict(story) for story in stories],
+                "raw": asdict(demos.raw_sql_lowering()),
+            }
+        else:
+            messages.error(request, f"Invalid request: {form.errors.as_text()}")
+        return redirect("shop:fenced")
+    result = request.session.get("shop:fenced")
+    return render(
+        request,
+        "shop/fenced.html",
+        {
+            "form": PausedHolderForm(initial={"backend": result["backend"]} if result else None),
+            "result": result,
+            "account": demos.story_account(Account),
+            "plain_account": demos.story_account(PlainAccount),
+            "ttl": demos.PAUSE_TTL,
+            "deposit_a": demos.DEPOSIT_A,
+            "deposit_b": demos.DEPOSIT_B,
+            "admin_backend": AccountAdmin.fencing_backend,
+            "admin_timeout": AccountAdmin.fencing_timeout,
+            "not_expiring": [
+                alias
+                for alias in settings.DISTLOCKS_BACKENDS
+                if not get_backend(alias).expires_on_server
+            ],
         },
     )
