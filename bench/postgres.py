@@ -2,7 +2,8 @@
 
 All of them work in :data:`bench.settings.BENCH_DATABASE` on the throwaway server,
 which the runner creates (:func:`prepare_database`) and migrates (:func:`migrate`:
-distlocks needs its registry table) before any implementation is built. Advisory
+distlocks needs its registry table, the save workloads of :mod:`bench.saves` the
+tables of :mod:`bench.benchapp`) before any implementation is built. Advisory
 locks are scoped to one database, and each implementation prefixes its lock names
 with its own name, so they never take each other's locks.
 
@@ -64,15 +65,21 @@ def clean_database(env: Env) -> None:
     """Drop the registry rows of the run's lock names, as the Redis keys are dropped.
 
     The rows hold the fencing counters of names only the benchmark uses; without
-    them, every run starts from the same empty table.
+    them, every run starts from the same empty table. The save workloads delete
+    their rows themselves; their tables are vacuumed too, so the dead row versions
+    of thousands of saves do not carry over to the next run.
     """
     import psycopg
+    from psycopg import sql
 
+    from bench.benchapp.models import FencedRow, PlainRow
     from distlocks.backends.postgres import TABLE
 
     with psycopg.connect(bench_conninfo(env), autocommit=True, connect_timeout=5) as conn:
         conn.execute(f"DELETE FROM {TABLE} WHERE name LIKE %s", (NAME_PATTERN,))
         conn.execute(f"VACUUM {TABLE}")
+        for model in (PlainRow, FencedRow):
+            conn.execute(sql.SQL("VACUUM {}").format(sql.Identifier(model._meta.db_table)))
 
 
 def server_version(env: Env) -> str:

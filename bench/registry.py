@@ -26,6 +26,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -261,6 +262,9 @@ def load_registry() -> None:
     import bench.implementations
     import bench.postgres
     import bench.workloads  # noqa: F401
+
+    # Imported after the lock workloads, so the save workloads run (and are listed) last.
+    import_module("bench.saves")
 
 
 def floor_of(family: str, names: Iterable[str]) -> str | None:

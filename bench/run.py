@@ -45,8 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--iterations",
         type=int,
         metavar="N",
-        help="cycles per implementation in 'cycle' (default 5000); 'handoff' measures "
-        "N/20 hand-offs; the throughput workloads are timed",
+        help="cycles per implementation in 'cycle' and saves in the 'fenced-save' "
+        "workloads (default 5000); 'handoff' measures N/20 hand-offs; the throughput "
+        "workloads are timed",
     )
     parser.add_argument(
         "--output",

@@ -29,9 +29,11 @@ TIME_ZONE = "UTC"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 # django-pglock's advisory() needs only a database connection, not its models.
+# bench.benchapp holds the tables of the fenced-save workloads (migrated with the rest).
 INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "distlocks",
+    "bench.benchapp",
 ]
 
 

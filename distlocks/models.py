@@ -212,12 +212,13 @@ class FencedModel(models.Model):
         # pre_save() may change the instance (auto_now); keep what to restore.
         before = {f.attname: getattr(self, f.attname) for f in fields}
         values = {f.attname: f.pre_save(self, False) for f in fields}
-        base = type(self)._base_manager.using(using).filter(pk=self.pk)
+        # One filter() call: building the WHERE clause is most of the ORM's cost here.
+        manager = type(self)._base_manager.using(using)
         rows = models.QuerySet.update(
-            base.filter(fencing_token__lte=token), fencing_token=token, **values
+            manager.filter(pk=self.pk, fencing_token__lte=token), fencing_token=token, **values
         )
         if rows == 0:
-            stored = base.values_list("fencing_token", flat=True).first()
+            stored = manager.filter(pk=self.pk).values_list("fencing_token", flat=True).first()
             for attname, value in before.items():
                 setattr(self, attname, value)
             if stored is None:  # the row is gone: do what Django's save would

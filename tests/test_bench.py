@@ -24,6 +24,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 load_registry()
 
+#: The workloads that save rows instead of taking locks, and what their rows are compared with.
+SAVE_WORKLOADS = ("fenced-save", "fenced-save-fields")
+LOCK_FLOORS = {"redis": "floor", "postgres": "pg-floor"}
+LOCK_REFERENCES = {"redis": "distlocks", "postgres": "distlocks-pg"}
+SAVE_FLOORS = {"postgres": "plain-save"}
+SAVE_REFERENCES = {"postgres": "fenced-save"}
+
 
 def _expected_rows() -> dict[str, list[str]]:
     return {
@@ -90,20 +97,23 @@ def test_json_has_the_expected_structure(smoke_run: tuple[str, Path]) -> None:
     assert set(report["implementations"]) == set(IMPLEMENTATIONS)
 
     assert list(report["workloads"]) == list(WORKLOADS)
+    assert set(SAVE_WORKLOADS) <= set(WORKLOADS)
     for name, section in report["workloads"].items():
         assert section["metric"] in ("latency", "throughput")
         assert section["params"]["rounds"] >= 1
-        # Every row is compared with the floor and the distlocks row of its own server.
-        assert section["floor"] == {"redis": "floor", "postgres": "pg-floor"}
-        assert section["reference"] == {"redis": "distlocks", "postgres": "distlocks-pg"}
+        # Every row is compared with the floor and the distlocks row of its own server;
+        # in the save workloads, the floor is a plain save and distlocks' row a fenced one.
+        saves = name in SAVE_WORKLOADS
+        assert section["floor"] == (SAVE_FLOORS if saves else LOCK_FLOORS)
+        assert section["reference"] == (SAVE_REFERENCES if saves else LOCK_REFERENCES)
         assert list(section["results"]) == _expected_rows()[name]
         for impl, row in section["results"].items():
             assert row["n"] > 0, (name, impl)
             for key in ("median_us", "p99_us", "ops_per_s", "x_floor", "distlocks_over_it"):
                 assert isinstance(row[key], float) and row[key] > 0, (name, impl, key)
-        for floor, reference in (("floor", "distlocks"), ("pg-floor", "distlocks-pg")):
+        for family, floor in section["floor"].items():
             assert section["results"][floor]["x_floor"] == 1.0
-            assert section["results"][reference]["distlocks_over_it"] == 1.0
+            assert section["results"][section["reference"][family]]["distlocks_over_it"] == 1.0
 
     targets = {target["id"]: target for target in report["targets"]}
     assert {
@@ -112,6 +122,8 @@ def test_json_has_the_expected_structure(smoke_run: tuple[str, Path]) -> None:
         "redis-handoff-p50",
         "pg-cycle-vs-floor",
         "pg-handoff-p50",
+        "fenced-save-vs-plain",
+        "fenced-save-fields-vs-plain",
     } <= set(targets)
     assert all(isinstance(target["met"], bool) for target in targets.values())
     # A Redis target never weighs a PostgreSQL peer, and the reverse.
@@ -137,6 +149,44 @@ def test_postgres_runs_in_its_own_migrated_database(smoke_run: tuple[str, Path])
         rows = conn.execute(f"SELECT count(*) FROM {TABLE} WHERE name LIKE %s", (NAME_PATTERN,))
         # ...and the run dropped the rows of its lock names afterwards.
         assert rows.fetchone() == (0,)
+
+
+def test_fenced_save_workloads_save_rows(smoke_run: tuple[str, Path]) -> None:
+    stdout, out = smoke_run
+    report: dict[str, Any] = json.loads((out / "latest.json").read_text())
+    rows = {"plain-save", "fenced-save", "fenced-table-django-save"}
+    for name in SAVE_WORKLOADS:
+        section = report["workloads"][name]
+        # Only the save implementations take part in them, and they in no lock workload.
+        assert set(section["results"]) == rows
+    assert report["workloads"]["fenced-save"]["params"]["update_fields"] is None
+    assert report["workloads"]["fenced-save-fields"]["params"]["update_fields"] == [
+        "number",
+        "label",
+    ]
+    for name in set(WORKLOADS) - set(SAVE_WORKLOADS):
+        assert not rows & set(report["workloads"][name]["results"]), name
+    assert "Fenced save median <= 1.1x a plain save() of the same row" in stdout
+
+
+def test_bench_tables_are_migrated_fenced_and_left_empty(smoke_run: tuple[str, Path]) -> None:
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    from bench.settings import BENCH_DATABASE
+    from distlocks.fencing import TRIGGER_NAME
+    from distlocks.testing.servers import DATABASE_URL_ENV
+
+    url = make_conninfo(os.environ[DATABASE_URL_ENV], dbname=BENCH_DATABASE)
+    with psycopg.connect(url, autocommit=True) as conn:
+        for table in ("benchapp_plainrow", "benchapp_fencedrow"):
+            # Migrated, and the workloads deleted the rows they saved.
+            assert conn.execute(f"SELECT count(*) FROM {table}").fetchone() == (0,)
+        triggers = conn.execute(
+            "SELECT tgrelid::regclass::text FROM pg_trigger WHERE tgname = %s", (TRIGGER_NAME,)
+        ).fetchall()
+        # migrate installed the fencing trigger on the fenced table only.
+        assert triggers == [("benchapp_fencedrow",)]
 
 
 def test_markdown_and_chart_are_written(smoke_run: tuple[str, Path]) -> None:

@@ -1,0 +1,1 @@
+"""The benchmark's own Django app: the rows of the ``fenced-save`` workloads."""
