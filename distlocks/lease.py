@@ -87,6 +87,7 @@ class BaseLease:
         self._last_renew_error = ""
         self._release_requested = False
         self._freed_on_server = False
+        self._ended = {"ended": False}
         self._depth = 1
         self._mutex = threading.RLock()
 
@@ -154,6 +155,7 @@ class BaseLease:
         """Hook run once when the lease ends (released or lost)."""
         from distlocks.reentrancy import forget
 
+        self._ended["ended"] = True
         forget(self)
         if self.auto_renew and type(self) is Lease:
             from distlocks.renewal import renewer

@@ -122,11 +122,14 @@ class Renewer:
                     )
 
 
-def _ident(lease: Lease) -> tuple[Any, str, str]:
-    return (lease._backend, lease.name, lease.owner)
+def _ident(lease: Lease) -> tuple[Any, str, str, dict[str, bool]]:
+    # The dict is shared with the lease, which marks it when it ends.
+    return (lease._backend, lease.name, lease.owner, lease._ended)
 
 
-def _free_dropped(backend: Any, name: str, owner: str) -> None:
+def _free_dropped(backend: Any, name: str, owner: str, ended: dict[str, bool]) -> None:
+    if ended["ended"]:
+        return  # released or lost before it was collected: nothing to do
     logger.warning("Lock %r was dropped without release(); releasing it", name)
     try:
         backend.release(name, owner)

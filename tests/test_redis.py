@@ -41,37 +41,6 @@ def round_trips(client: redis.Redis) -> dict[str, int]:
     return {k: v for k, v in calls.items() if k not in SCRIPT_INNER | MEASUREMENT}
 
 
-def test_acquire_is_one_round_trip(redis_client: redis.Redis, name: str) -> None:
-    """Counted on the server: each acquire is exactly one EVALSHA and nothing else."""
-    backend = get_backend("redis")
-    assert isinstance(backend, RedisBackend)
-    holder = current_holder()
-    # Warm up: connect and load the scripts once.
-    assert backend.acquire(name, "warm", 5, holder).acquired
-    assert backend.extend(name, "warm", 5)
-    assert backend.release(name, "warm")
-
-    redis_client.config_resetstat()
-    for i in range(10):
-        assert backend.acquire(f"{name}:{i}", f"owner-{i}", 5, holder).acquired
-    assert round_trips(redis_client) == {"evalsha": 10}
-
-    redis_client.config_resetstat()
-    for i in range(10):
-        assert backend.extend(f"{name}:{i}", f"owner-{i}", 5)
-        assert backend.release(f"{name}:{i}", f"owner-{i}")
-    assert round_trips(redis_client) == {"evalsha": 20}
-
-
-def test_public_api_cycle_is_two_round_trips(redis_client: redis.Redis, name: str) -> None:
-    with lock(name, backend="redis", ttl=5):
-        pass  # warm up
-    redis_client.config_resetstat()
-    with lock(name, backend="redis", ttl=5):
-        pass
-    assert round_trips(redis_client) == {"evalsha": 2}
-
-
 @pytest.mark.parametrize("lock_name", ["plain", "with{brace", "with}brace", "}x", "{}", "ü:ñ"])
 def test_keys_of_one_lock_share_a_cluster_slot(lock_name: str) -> None:
     backend = get_backend("redis")
@@ -251,3 +220,50 @@ def test_iter_locks_with_glob_characters_in_the_prefix(name: str) -> None:
             assert [i.name for i in get_backend().iter_locks() if i.name == name] == []
             with lock(name):
                 assert [i.name for i in get_backend().iter_locks() if i.name == name] == [name]
+
+
+@pytest.fixture
+def quiet_redis(tmp_path: Path) -> Iterator[tuple[str, redis.Redis]]:
+    """A server of its own: renewals of other tests' leases must not be counted."""
+    server = RedisServer(tmp_path).start()
+    config = redis_config(LOCATION=server.url)
+    client = redis.Redis.from_url(server.url)
+    with override_settings(DISTLOCKS_BACKENDS={**config, "redis": config["default"]}):
+        yield "redis", client
+    client.close()
+    server.stop()
+
+
+def test_acquire_is_one_round_trip(quiet_redis: tuple[str, redis.Redis], name: str) -> None:
+    """Counted on the server: each acquire is exactly one EVALSHA and nothing else."""
+    _, redis_client = quiet_redis
+    backend = get_backend("redis")
+    assert isinstance(backend, RedisBackend)
+    holder = current_holder()
+    # Warm up: connect and load the scripts once.
+    assert backend.acquire(name, "warm", 5, holder).acquired
+    assert backend.extend(name, "warm", 5)
+    assert backend.release(name, "warm")
+
+    redis_client.config_resetstat()
+    for i in range(10):
+        assert backend.acquire(f"{name}:{i}", f"owner-{i}", 5, holder).acquired
+    assert round_trips(redis_client) == {"evalsha": 10}
+
+    redis_client.config_resetstat()
+    for i in range(10):
+        assert backend.extend(f"{name}:{i}", f"owner-{i}", 5)
+        assert backend.release(f"{name}:{i}", f"owner-{i}")
+    assert round_trips(redis_client) == {"evalsha": 20}
+
+
+def test_public_api_cycle_is_two_round_trips(
+    quiet_redis: tuple[str, redis.Redis], name: str
+) -> None:
+    _, redis_client = quiet_redis
+    with lock(name, backend="redis", ttl=5):
+        pass  # warm up
+    redis_client.config_resetstat()
+    with lock(name, backend="redis", ttl=5):
+        pass
+    assert round_trips(redis_client) == {"evalsha": 2}
