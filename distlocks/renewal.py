@@ -36,7 +36,9 @@ class Renewer:
 
     def __init__(self, alias: str = "") -> None:
         self.alias = alias
-        self._heap: list[tuple[float, int, weakref.ref[Lease], tuple[Any, str, str]]] = []
+        self._heap: list[
+            tuple[float, int, weakref.ref[Lease], tuple[Any, str, str, dict[str, bool]]]
+        ] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
