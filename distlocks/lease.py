@@ -16,7 +16,6 @@ gone, or that cannot reach the server before the lease runs out, marks it lost.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import logging
 import threading
@@ -36,6 +35,12 @@ logger = logging.getLogger(__name__)
 HELD = "held"
 RELEASED = "released"
 LOST = "lost"
+
+# Steps of a release or renewal (see BaseLease._release_step / _renew_step).
+RELEASE = "release"
+EXTEND = "extend"
+FREE_LOST = "free-lost"
+NOTHING = "nothing"
 
 #: Renew when this fraction of the ttl has passed.
 RENEW_FRACTION = 1 / 3
@@ -162,17 +167,69 @@ class BaseLease:
 
             renewer(self.backend).finished()
 
-    def _free_on_server(self) -> None:
-        """Give back whatever the server still keeps for a lease known to be lost
-        locally (a Redis key not yet expired, a pinned PostgreSQL connection).
-        Ownership is checked there, so a newer holder is never touched."""
-        if self._freed_on_server:
-            return
+    # -- release, renewal and extension, split into the decision (here), the
+    # server call (blocking in Lease, awaited in AsyncLease) and the bookkeeping of
+    # its answer (here), so both flavours follow exactly the same rules.
+
+    def _release_step(self) -> str:
+        """What a release must do: ``RELEASE``, ``FREE_LOST`` or ``NOTHING``."""
+        self.held()  # notices a lease that ran out
+        if self._state == LOST:
+            # Lost locally, but the server may still keep something (a Redis key
+            # not yet expired, a pinned PostgreSQL connection): give it back once.
+            # Ownership is checked there, so a newer holder is never touched.
+            if self._freed_on_server:
+                return NOTHING
+            self._freed_on_server = True
+            return FREE_LOST
+        if self._state != HELD:
+            return NOTHING
+        if self._depth > 1:
+            self._depth -= 1
+            return NOTHING
+        self._release_requested = True
+        return RELEASE
+
+    def _released(self, freed: bool) -> bool:
         self._freed_on_server = True
-        try:
-            self._backend.release(self.name, self.owner)
-        except Exception:
-            logger.warning("Could not free lost lock %r on the server", self.name, exc_info=True)
+        if not freed:
+            self._mark_lost("the server no longer had it at release")
+            return False
+        self._state = RELEASED
+        return True
+
+    def _renew_step(self) -> tuple[str, float | None]:
+        """What a renewal must do (``EXTEND``, ``FREE_LOST`` or ``NOTHING``) and, if
+        nothing, when to look again (None: never)."""
+        if self._renewal_allowed():
+            return EXTEND, None
+        remaining = self.remaining() if self._state == HELD else None
+        if remaining and not self._release_requested:
+            # Past max_hold: wake once more at the deadline to report the loss.
+            return NOTHING, time.monotonic() + remaining
+        if self._state == LOST and not self._freed_on_server:
+            self._freed_on_server = True
+            return FREE_LOST, None
+        return NOTHING, None
+
+    def _renew_result(self, started: float, outcome: bool | LockError) -> float | None:
+        """Record a renewal's answer; returns when to renew next (None: stop)."""
+        if isinstance(outcome, LockError):
+            return self._renewal_failed(outcome)
+        if not outcome:
+            self._mark_lost(
+                "the server no longer had it at renewal (expired, deleted or force-released)"
+            )
+            self._freed_on_server = True
+            return None
+        self._renewed(started, self.ttl)
+        return self._renewal_due()
+
+    def _extended(self, started: float, ttl: float, ok: bool) -> None:
+        if not ok:
+            self._mark_lost("the server no longer had it when it was extended")
+            raise LockLost(self, self._lost_reason)  # type: ignore[arg-type]
+        self._renewed(started, ttl)
 
     # -- renewal bookkeeping, shared by both flavours ---------------------------
 
@@ -210,7 +267,7 @@ class BaseLease:
         self.ttl = ttl
         self.renewals += 1
         self._last_renew_error = ""
-        if self._backend.supports_expiry:
+        if self._valid_until is not None:  # a lease with a deadline gets a new one
             self._valid_until = started + ttl
             self.expires_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=ttl)
 
@@ -227,10 +284,7 @@ class Lease(BaseLease):
         with self._mutex:
             self.ensure_held()
             started = time.monotonic()
-            if not self._backend.extend(self.name, self.owner, ttl):
-                self._mark_lost("the server no longer had it when it was extended")
-                raise LockLost(self, self._lost_reason)
-            self._renewed(started, ttl)
+            self._extended(started, ttl, self._backend.extend(self.name, self.owner, ttl))
 
     def release(self) -> bool:
         """Free the lock if this lease still holds it.
@@ -242,22 +296,11 @@ class Lease(BaseLease):
         cannot be reached; the lease then ends by expiry.
         """
         with self._mutex:
-            self.held()  # notices a lease that ran out
-            if self._state == LOST:
-                self._free_on_server()
+            step = self._release_step()
+            if step == FREE_LOST:
+                self._backend.release_quietly(self.name, self.owner)
+            if step != RELEASE or not self._released(self._backend.release(self.name, self.owner)):
                 return False
-            if self._state != HELD:
-                return False
-            if self._depth > 1:
-                self._depth -= 1
-                return False
-            self._release_requested = True
-            freed = self._backend.release(self.name, self.owner)
-            self._freed_on_server = True
-            if not freed:
-                self._mark_lost("the server no longer had it at release")
-                return False
-            self._state = RELEASED
         self._on_finished()
         signals.lock_released.send(sender=Lease, lease=self)
         return True
@@ -265,27 +308,18 @@ class Lease(BaseLease):
     def _renew_once(self) -> float | None:
         """Called by the renewal thread; returns when to call it again (or None)."""
         with self._mutex:
-            if not self._renewal_allowed():
-                # Past max_hold: wake once more at the deadline to report the loss.
-                remaining = self.remaining() if self._state == HELD else None
-                if remaining and not self._release_requested:
-                    return time.monotonic() + remaining
-                if self._state == LOST:
-                    self._free_on_server()
-                return None
+            step, when = self._renew_step()
+            if step == FREE_LOST:
+                self._backend.release_quietly(self.name, self.owner)
+            if step != EXTEND:
+                return when
             started = time.monotonic()
+            outcome: bool | LockError
             try:
-                ok = self._backend.extend(self.name, self.owner, self.ttl)
+                outcome = self._backend.extend(self.name, self.owner, self.ttl)
             except LockError as exc:
-                return self._renewal_failed(exc)
-            if not ok:
-                self._mark_lost(
-                    "the server no longer had it at renewal (expired, deleted or force-released)"
-                )
-                self._freed_on_server = True
-                return None
-            self._renewed(started, self.ttl)
-        return self._renewal_due()
+                outcome = exc
+            return self._renew_result(started, outcome)
 
 
 class AsyncLease(BaseLease):
@@ -310,27 +344,18 @@ class AsyncLease(BaseLease):
 
     async def _arenew_once(self) -> float | None:
         async with self._alock:
-            if not self._renewal_allowed():
-                remaining = self.remaining() if self._state == HELD else None
-                if remaining and not self._release_requested:
-                    return time.monotonic() + remaining
-                if self._state == LOST and not self._freed_on_server:
-                    self._freed_on_server = True
-                    with contextlib.suppress(Exception):
-                        await self._backend.arelease(self.name, self.owner)
-                return None
+            step, when = self._renew_step()
+            if step == FREE_LOST:
+                await self._backend.arelease_quietly(self.name, self.owner)
+            if step != EXTEND:
+                return when
             started = time.monotonic()
+            outcome: bool | LockError
             try:
-                ok = await self._backend.aextend(self.name, self.owner, self.ttl)
+                outcome = await self._backend.aextend(self.name, self.owner, self.ttl)
             except LockError as exc:
-                return self._renewal_failed(exc)
-            if not ok:
-                self._mark_lost(
-                    "the server no longer had it at renewal (expired, deleted or force-released)"
-                )
-                return None
-            self._renewed(started, self.ttl)
-        return self._renewal_due()
+                outcome = exc
+            return self._renew_result(started, outcome)
 
     def _stop_renewal(self) -> None:
         task, self._renew_task = self._renew_task, None
@@ -358,35 +383,29 @@ class AsyncLease(BaseLease):
         async with self._alock:
             self.ensure_held()
             started = time.monotonic()
-            if not await self._backend.aextend(self.name, self.owner, ttl):
-                self._mark_lost("the server no longer had it when it was extended")
-                raise LockLost(self, self._lost_reason)  # type: ignore[arg-type]
-            self._renewed(started, ttl)
+            ok = await self._backend.aextend(self.name, self.owner, ttl)
+            self._extended(started, ttl, ok)
 
     async def release(self) -> bool:
         """Free the lock if this lease still holds it; same rules as :meth:`Lease.release`."""
         async with self._alock:
-            self.held()
-            if self._state == LOST and not self._freed_on_server:
-                self._freed_on_server = True
-                try:
-                    await self._backend.arelease(self.name, self.owner)
-                except Exception:
-                    logger.warning("Could not free lost lock %r", self.name, exc_info=True)
+            step = self._release_step()
+            if step == FREE_LOST:
+                await self._backend.arelease_quietly(self.name, self.owner)
+            if step != RELEASE:
                 return False
-            if self._state != HELD:
-                return False
-            if self._depth > 1:
-                self._depth -= 1
-                return False
-            self._release_requested = True
             self._stop_renewal()
-            freed = await self._backend.arelease(self.name, self.owner)
-            self._freed_on_server = True
-            if not freed:
-                self._mark_lost("the server no longer had it at release")
+            if not self._released(await self._backend.arelease(self.name, self.owner)):
                 return False
-            self._state = RELEASED
         self._on_finished()
         signals.lock_released.send(sender=AsyncLease, lease=self)
         return True
+
+
+def release_dropped(backend: BaseBackend, name: str, owner: str, ended: dict[str, bool]) -> None:
+    """Release the lock of a lease its holder dropped without releasing it (nobody can
+    release it any more); ``ended`` is the lease's own flag, set when it ended."""
+    if ended["ended"]:
+        return  # released or lost before it was collected: nothing to do
+    logger.warning("Lock %r was dropped without release(); releasing it", name)
+    backend.release_quietly(name, owner)

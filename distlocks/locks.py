@@ -22,7 +22,7 @@ from distlocks.backends.base import AcquireResult, BaseBackend, Holder
 from distlocks.conf import conf
 from distlocks.exceptions import LockError, LockLost, LockNotAcquired
 from distlocks.handler import backends, check_alias
-from distlocks.lease import AsyncLease, BaseLease, Lease
+from distlocks.lease import AsyncLease, BaseLease, Lease, release_dropped
 from distlocks.renewal import renewer
 from distlocks.validation import validate_name, validate_timeout, validate_ttl
 
@@ -57,30 +57,57 @@ def new_owner() -> str:
     return uuid.uuid4().hex
 
 
-class _Wait:
-    """The waiting policy of one acquisition: deadline, and how long to block next."""
+class _Attempt:
+    """One acquisition: its owner, waiting policy and wait-queue registration.
 
-    def __init__(self, backend: BaseBackend, timeout: float | None, deadline: float | None):
+    The blocking and the asyncio loops share it and differ only in how they call
+    the backend. Waits are measured on the monotonic clock.
+    """
+
+    def __init__(
+        self,
+        backend: BaseBackend,
+        name: str,
+        *,
+        ttl: float,
+        timeout: float | None,
+        deadline: float | None,
+        fair: bool,
+        options: Mapping[str, Any],
+    ) -> None:
         self.backend = backend
+        self.name = name
+        self.ttl = ttl
         self.timeout = timeout
         if deadline is None and timeout is not None:
             deadline = time.monotonic() + timeout
         self.deadline = deadline
+        self.fair = fair
+        self.options = options
+        self.owner = new_owner()
+        self.holder = current_holder()
         self.interval = FIRST_POLL_INTERVAL
+        #: True while the backend may list this caller as a waiter (to be undone).
+        self.registered = False
 
     def budget(self) -> float:
         """How long this caller may still wait, for the backend's waiter registration."""
         if self.timeout == 0:
             return 0.0
-        if self.deadline is None:
-            return 3600.0
-        return max(0.0, self.deadline - time.monotonic())
+        budget = 3600.0 if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        self.registered = self.registered or budget > 0
+        return budget
 
-    def next_wait(self, result: AcquireResult) -> float | None:
-        """Seconds to block before the next attempt, or None when the time is up."""
+    def granted(self, result: AcquireResult) -> bool:
+        if result.acquired:
+            self.registered = False  # the grant itself removed the registration
+        return result.acquired
+
+    def next_wait(self, result: AcquireResult) -> float:
+        """Seconds to block before the next attempt; LockNotAcquired when time is up."""
         now = time.monotonic()
         if self.deadline is not None and now >= self.deadline:
-            return None
+            raise LockNotAcquired(self.name, self.backend.alias, self.timeout)
         if self.backend.wakes_on_release:
             # The release wakes us; the timer only covers a holder that dies
             # without releasing (its lease runs out) and lost wake-ups.
@@ -95,28 +122,36 @@ class _Wait:
             wait = min(wait, self.deadline - now)
         return max(wait, 0.0)
 
+    def lease_kwargs(self, result: AcquireResult, started: float) -> dict[str, Any]:
+        if not self.backend.expires_on_server:
+            # Nothing expires on the server, and the call may have waited in its
+            # queue: the local lease starts at the grant.
+            started = time.monotonic()
+        return {
+            "backend": self.backend,
+            "name": self.name,
+            "owner": self.owner,
+            "fencing_token": result.fencing_token,
+            "ttl": self.ttl,
+            "started": started,
+            "remaining": result.remaining,
+            "on_lost": self.options.get("on_lost"),
+            "auto_renew": self.options.get("auto_renew", True),
+            "max_hold": self.options.get("max_hold"),
+        }
 
-def _lease_kwargs(
-    backend: BaseBackend,
-    name: str,
-    owner: str,
-    ttl: float,
-    started: float,
-    result: AcquireResult,
-    options: Mapping[str, Any],
-) -> dict[str, Any]:
-    return {
-        "backend": backend,
-        "name": name,
-        "owner": owner,
-        "fencing_token": result.fencing_token,
-        "ttl": ttl,
-        "started": started,
-        "remaining": result.remaining,
-        "on_lost": options.get("on_lost"),
-        "auto_renew": options.get("auto_renew", True),
-        "max_hold": options.get("max_hold"),
-    }
+    def guard(self, lease: BaseLease) -> None:
+        """A lease that nothing renews and the server never ends: if its holder drops
+        it without releasing, release it then (off the collector's thread)."""
+        if lease._renewal_due() is None and not self.backend.expires_on_server:
+            weakref.finalize(
+                lease, _in_thread, release_dropped,
+                self.backend, self.name, self.owner, lease._ended,
+            )  # fmt: skip
+
+
+def _in_thread(func: Callable[..., object], *args: Any) -> None:
+    threading.Thread(target=func, args=args, name="distlocks-cleanup", daemon=True).start()
 
 
 def acquire_lease(
@@ -131,41 +166,27 @@ def acquire_lease(
 ) -> Lease:
     """Acquire ``name`` on ``backend``, waiting up to ``timeout`` seconds.
 
-    Waits are measured on the monotonic clock. ``deadline`` (monotonic) overrides
-    ``timeout`` when several locks share one budget.
+    ``deadline`` (monotonic) overrides ``timeout`` when several locks share one budget.
     """
-    owner = new_owner()
-    holder = current_holder()
-    policy = _Wait(backend, timeout, deadline)
-    registered = False
+    attempt = _Attempt(
+        backend, name, ttl=ttl, timeout=timeout, deadline=deadline, fair=fair, options=options
+    )
+    owner, holder = attempt.owner, attempt.holder
     try:
         while True:
             started = time.monotonic()
-            budget = policy.budget()
-            result = backend.acquire(name, owner, ttl, holder, wait=budget, fair=fair)
-            registered = registered or budget > 0
-            if result.acquired:
-                registered = False
-                if not backend.expires_on_server:
-                    # Nothing expires on the server, and the call may have waited in
-                    # its queue: the local lease starts at the grant.
-                    started = time.monotonic()
-                lease = Lease(**_lease_kwargs(backend, name, owner, ttl, started, result, options))
+            result = backend.acquire(name, owner, ttl, holder, wait=attempt.budget(), fair=fair)
+            if attempt.granted(result):
                 break
-            wait = policy.next_wait(result)
-            if wait is None:
-                raise LockNotAcquired(name, backend.alias, timeout)
-            backend.wait(name, wait, owner=owner, fair=fair)
+            backend.wait(name, attempt.next_wait(result), owner=owner, fair=fair)
     finally:
-        if registered:
+        if attempt.registered:
             _leave_quietly(backend, name, owner)
+    lease = Lease(**attempt.lease_kwargs(result, started))
     due = lease._renewal_due()
     if due is not None:
         renewer(backend.alias).add(lease, due)
-    elif not backend.expires_on_server:
-        # Not renewed, and nothing on the server ends it: if the holder drops the
-        # lease without releasing it, release it then (off the collector's thread).
-        weakref.finalize(lease, _release_dropped, backend, name, owner)
+    attempt.guard(lease)
     try:
         signals.lock_acquired.send(sender=Lease, lease=lease)
     except BaseException:
@@ -174,17 +195,6 @@ def acquire_lease(
             lease.release()
         raise
     return lease
-
-
-def _release_dropped(backend: BaseBackend, name: str, owner: str) -> None:
-    def release() -> None:
-        try:
-            if backend.release(name, owner):
-                logger.warning("Lock %r was dropped without release(); released it", name)
-        except Exception:
-            logger.warning("Could not release dropped lock %r", name, exc_info=True)
-
-    threading.Thread(target=release, name="distlocks-release-dropped", daemon=True).start()
 
 
 def _leave_quietly(backend: BaseBackend, name: str, owner: str) -> None:
@@ -206,37 +216,27 @@ async def aacquire_lease(
     **options: Any,
 ) -> AsyncLease:
     """The asyncio counterpart of :func:`acquire_lease`."""
-    owner = new_owner()
-    holder = current_holder()
-    policy = _Wait(backend, timeout, deadline)
-    registered = False
+    attempt = _Attempt(
+        backend, name, ttl=ttl, timeout=timeout, deadline=deadline, fair=fair, options=options
+    )
+    owner, holder = attempt.owner, attempt.holder
     try:
         while True:
             started = time.monotonic()
-            budget = policy.budget()
+            budget = attempt.budget()
             result = await backend.aacquire(name, owner, ttl, holder, wait=budget, fair=fair)
-            registered = registered or budget > 0
-            if result.acquired:
-                registered = False
-                if not backend.expires_on_server:
-                    # Nothing expires on the server, and the call may have waited in
-                    # its queue: the local lease starts at the grant.
-                    started = time.monotonic()
-                lease = AsyncLease(
-                    **_lease_kwargs(backend, name, owner, ttl, started, result, options)
-                )
+            if attempt.granted(result):
                 break
-            wait = policy.next_wait(result)
-            if wait is None:
-                raise LockNotAcquired(name, backend.alias, timeout)
-            await backend.await_release(name, wait, owner=owner, fair=fair)
+            await backend.await_release(name, attempt.next_wait(result), owner=owner, fair=fair)
     finally:
-        if registered:
+        if attempt.registered:
             try:
                 await backend.aleave_queue(name, owner)
             except Exception:
                 logger.warning("Could not leave the wait queue of %r", name, exc_info=True)
+    lease = AsyncLease(**attempt.lease_kwargs(result, started))
     lease._start_renewal()
+    attempt.guard(lease)
     try:
         signals.lock_acquired.send(sender=AsyncLease, lease=lease)
     except BaseException:
@@ -289,7 +289,19 @@ async def afinish_lease(lease: AsyncLease, body_failed: bool) -> None:
 
 
 class _LockBase:
-    """Arguments and validation shared by :class:`Lock` and :class:`AsyncLock`."""
+    """Arguments and validation shared by :class:`Lock` and :class:`AsyncLock`.
+
+    ``ttl``: lease length in seconds (default ``DISTLOCKS_DEFAULT_TTL``).
+    ``timeout``: how long to wait for a busy lock; ``0`` tries once, ``None`` waits
+    forever (default ``DISTLOCKS_DEFAULT_TIMEOUT``).
+    ``auto_renew``: extend the lease at about ttl/3 while it is held.
+    ``reentrant``: the same thread (or asyncio task) may take it again; released at
+    the outermost exit, with the same fencing token.
+    ``fair``: waiters are served in arrival order.
+    ``max_hold``: stop renewing after this many seconds, so a hung holder loses it.
+    ``on_lost``: called with the lease if it is lost while held.
+    Arguments are checked here, at the call, with a message saying what to change.
+    """
 
     def __init__(
         self,
@@ -354,7 +366,7 @@ class _LockBase:
 class Lock(_LockBase):
     """A lock on one name: a context manager, a decorator, or explicit ``acquire()``.
 
-    Build it with :func:`distlocks.lock`. The object holds no lease itself between
+    Built as ``lock(name, ...)``. The object holds no lease itself between
     uses, so one decorated function may run in many threads at once, each
     acquiring its own lease.
     """
@@ -434,7 +446,9 @@ class Lock(_LockBase):
 
 class AsyncLock(_LockBase):
     """The asyncio lock: ``async with alock(...) as lease``, a decorator for coroutine
-    functions, or ``await alock(...).acquire()``."""
+    functions, or ``await alock(...).acquire()``. Same arguments and semantics as
+    :class:`Lock`; renewal runs as an asyncio task of the lease, and reentrancy is
+    per asyncio task."""
 
     async def acquire(self, *, timeout: float | None = _DEFAULT) -> AsyncLease:
         """Acquire a lease, waiting up to ``timeout`` seconds without blocking the loop."""
@@ -512,71 +526,10 @@ class AsyncLock(_LockBase):
         return wrapper
 
 
-def lock(
-    name: str,
-    *,
-    backend: str = "default",
-    ttl: float | None = None,
-    timeout: float | None = _DEFAULT,
-    auto_renew: bool = True,
-    reentrant: bool = False,
-    fair: bool = False,
-    max_hold: float | None = None,
-    on_lost: Callable[[Lease], object] | None = None,
-) -> Lock:
-    """A lock on ``name``, used as ``with lock(...) as lease:``, as a decorator, or
-    through ``lock(...).acquire()``.
-
-    ``ttl``: lease length in seconds (default ``DISTLOCKS_DEFAULT_TTL``).
-    ``timeout``: how long to wait for a busy lock; ``0`` tries once, ``None`` waits
-    forever (default ``DISTLOCKS_DEFAULT_TIMEOUT``).
-    ``auto_renew``: extend the lease at about ttl/3 while it is held.
-    ``reentrant``: the same thread may take it again; released at the outermost exit.
-    ``fair``: waiters are served in arrival order.
-    ``max_hold``: stop renewing after this many seconds, so a hung holder loses it.
-    ``on_lost``: called with the lease if it is lost while held.
-    """
-    return Lock(
-        name,
-        backend=backend,
-        ttl=ttl,
-        timeout=timeout,
-        auto_renew=auto_renew,
-        reentrant=reentrant,
-        fair=fair,
-        max_hold=max_hold,
-        on_lost=on_lost,
-    )
-
-
-def alock(
-    name: str,
-    *,
-    backend: str = "default",
-    ttl: float | None = None,
-    timeout: float | None = _DEFAULT,
-    auto_renew: bool = True,
-    reentrant: bool = False,
-    fair: bool = False,
-    max_hold: float | None = None,
-    on_lost: Callable[[AsyncLease], object] | None = None,
-) -> AsyncLock:
-    """The asyncio form of :func:`lock`: ``async with alock(...) as lease:``.
-
-    Same arguments and semantics; renewal runs as an asyncio task of the lease,
-    and reentrancy is per asyncio task.
-    """
-    return AsyncLock(
-        name,
-        backend=backend,
-        ttl=ttl,
-        timeout=timeout,
-        auto_renew=auto_renew,
-        reentrant=reentrant,
-        fair=fair,
-        max_hold=max_hold,
-        on_lost=on_lost,
-    )
+#: ``lock(name, ...)``: build a :class:`Lock` (the public spelling).
+lock = Lock
+#: ``alock(name, ...)``: build an :class:`AsyncLock` (the public spelling).
+alock = AsyncLock
 
 
 def _ordered_names(names: Iterable[str]) -> list[str]:

@@ -22,6 +22,8 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from distlocks.lease import release_dropped
+
 if TYPE_CHECKING:
     from distlocks.lease import Lease
 
@@ -99,7 +101,7 @@ class Renewer:
                     # now, so do it here (outside the lock) rather than renew it.
                     self._cond.release()
                     try:
-                        _free_dropped(*ident)
+                        release_dropped(*ident)
                     finally:
                         self._cond.acquire()
                     continue
@@ -127,16 +129,6 @@ class Renewer:
 def _ident(lease: Lease) -> tuple[Any, str, str, dict[str, bool]]:
     # The dict is shared with the lease, which marks it when it ends.
     return (lease._backend, lease.name, lease.owner, lease._ended)
-
-
-def _free_dropped(backend: Any, name: str, owner: str, ended: dict[str, bool]) -> None:
-    if ended["ended"]:
-        return  # released or lost before it was collected: nothing to do
-    logger.warning("Lock %r was dropped without release(); releasing it", name)
-    try:
-        backend.release(name, owner)
-    except Exception:
-        logger.warning("Could not release dropped lock %r", name, exc_info=True)
 
 
 _renewers: dict[str, Renewer] = {}

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import datetime as dt
 import functools
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -21,6 +22,7 @@ from typing import Any, ClassVar, TypeVar
 
 from django.core.checks import CheckMessage, Error
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _executor_lock = threading.Lock()
 
@@ -85,8 +87,9 @@ class BaseBackend(ABC):
     ``DISTLOCKS_BACKENDS``; ``config`` is that entry as written in settings.
     """
 
-    #: False for backends whose locks have no expiry (held until released).
-    supports_expiry: ClassVar[bool] = True
+    #: False when every call returns at once (an in-process backend): the async
+    #: methods then run inline instead of in a worker thread.
+    calls_block: ClassVar[bool] = True
     #: Config keys this backend understands, besides ``BACKEND``.
     config_keys: ClassVar[frozenset[str]] = frozenset({"OPTIONS"})
 
@@ -204,6 +207,8 @@ class BaseBackend(ABC):
         return executor
 
     async def _in_thread(self, waiting: bool, func: Callable[..., T], *args: Any, **kw: Any) -> T:
+        if not self.calls_block:
+            return func(*args, **kw)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
             self._executor(waiting), functools.partial(func, *args, **kw)
@@ -241,6 +246,24 @@ class BaseBackend(ABC):
     async def aleave_queue(self, name: str, owner: str) -> None:
         """Async :meth:`leave_queue`."""
         await self._in_thread(False, self.leave_queue, name, owner)
+
+    def release_quietly(self, name: str, owner: str) -> bool:
+        """:meth:`release` for clean-up paths: a failure is logged, never raised."""
+        try:
+            return self.release(name, owner)
+        except Exception:
+            logger.warning("Could not release lock %r on backend %r", name, self.alias,
+                           exc_info=True)  # fmt: skip
+            return False
+
+    async def arelease_quietly(self, name: str, owner: str) -> bool:
+        """Async :meth:`release_quietly`."""
+        try:
+            return await self.arelease(name, owner)
+        except Exception:
+            logger.warning("Could not release lock %r on backend %r", name, self.alias,
+                           exc_info=True)  # fmt: skip
+            return False
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release client resources (connection pools); the backend is not used again."""

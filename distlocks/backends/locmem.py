@@ -45,6 +45,11 @@ class _Store:
         self.counters[name] = token
         return token
 
+    def may_take(self, name: str, owner: str, fair: bool) -> bool:
+        """``name`` is free and, for a fair waiter, it is its turn (under ``cond``)."""
+        queue = self.queues.get(name)
+        return self.live(name) is None and (not fair or not queue or queue[0] == owner)
+
     def live(self, name: str) -> _Entry | None:
         entry = self.locks.get(name)
         if entry is not None and time.monotonic() >= entry.valid_until:
@@ -76,6 +81,7 @@ class LocMemBackend(BaseBackend):
         return problems
 
     wakes_on_release = True
+    calls_block = False  # a few dict updates under a lock: async calls run inline
 
     def acquire(
         self,
@@ -169,34 +175,8 @@ class LocMemBackend(BaseBackend):
     def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
         store = self._store
         with store.cond:
-            queue = store.queues.get(name)
-            its_turn = not fair or not queue or queue[0] == owner
-            if store.live(name) is not None or not its_turn:
+            if not store.may_take(name, owner, fair):
                 store.cond.wait(timeout)
-
-    # asyncio: every operation is a few dict updates under a lock, so it runs inline
-    # rather than in a worker thread (many waiting tasks would exhaust the pool).
-
-    async def aacquire(
-        self,
-        name: str,
-        owner: str,
-        ttl: float,
-        holder: Holder,
-        *,
-        wait: float = 0.0,
-        fair: bool = False,
-    ) -> AcquireResult:
-        return self.acquire(name, owner, ttl, holder, wait=wait, fair=fair)
-
-    async def arelease(self, name: str, owner: str) -> bool:
-        return self.release(name, owner)
-
-    async def aextend(self, name: str, owner: str, ttl: float) -> bool:
-        return self.extend(name, owner, ttl)
-
-    async def aleave_queue(self, name: str, owner: str) -> None:
-        self.leave_queue(name, owner)
 
     async def await_release(
         self, name: str, timeout: float, *, owner: str = "", fair: bool = False
@@ -207,9 +187,7 @@ class LocMemBackend(BaseBackend):
         store = self._store
         while time.monotonic() < deadline:
             with store.cond:
-                queue = store.queues.get(name)
-                its_turn = not fair or not queue or queue[0] == owner
-                if store.live(name) is None and its_turn:
+                if store.may_take(name, owner, fair):
                     return
             await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
             interval = min(interval * 2, 0.02)

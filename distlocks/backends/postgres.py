@@ -238,8 +238,6 @@ class PostgresBackend(BaseBackend):
         self.database: str = config.get("DATABASE", "default")
         self.mode: str = self.options.get("mode", "session")
         self.key_prefix: str = self.options.get("key_prefix", conf.KEY_PREFIX)
-        # Transaction-mode locks have no expiry of their own and cannot be renewed.
-        self.supports_expiry = self.mode == "session"  # type: ignore[misc]
         self._pool: _Pool | None = None
         self._pool_lock = threading.Lock()
         self._held: dict[str, _Held] = {}

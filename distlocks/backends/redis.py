@@ -439,25 +439,36 @@ class RedisBackend(BaseBackend):
     def _errors(self, action: str, name: str) -> Iterator[None]:
         try:
             yield
-        except _UNAVAILABLE as exc:
-            raise LockBackendUnavailable(
-                self.alias, f"{action} {name!r} failed: {type(exc).__name__}: {exc}"
-            ) from exc
-        except redis.ResponseError as exc:
-            if "READONLY" in str(exc) or "LOADING" in str(exc) or "MASTERDOWN" in str(exc):
-                # A replica (e.g. after a failover) or a server still loading its data.
+        except redis.RedisError as exc:
+            detail = f"{type(exc).__name__}: {exc}"
+            # A replica (e.g. after a failover) or a server still loading its data
+            # answers these, inside scripts too: an outage, not a bug.
+            if isinstance(exc, _UNAVAILABLE) or any(
+                word in str(exc) for word in ("READONLY", "LOADING", "MASTERDOWN")
+            ):
                 raise LockBackendUnavailable(
-                    self.alias, f"{action} {name!r} failed: {type(exc).__name__}: {exc}"
+                    self.alias, f"{action} {name!r} failed: {detail}"
                 ) from exc
             raise LockError(
                 f"Redis error while trying to {action} lock {name!r} on backend "
-                f"{self.alias!r}: {type(exc).__name__}: {exc}"
+                f"{self.alias!r}: {detail}"
             ) from exc
-        except redis.RedisError as exc:
-            raise LockError(
-                f"Redis error while trying to {action} lock {name!r} on backend "
-                f"{self.alias!r}: {type(exc).__name__}: {exc}"
-            ) from exc
+
+    @contextlib.contextmanager
+    def _acquiring(self, name: str, owner: str) -> Iterator[None]:
+        """:meth:`_errors` for an acquire, which a timeout leaves in doubt."""
+        try:
+            with self._errors("acquire", name):
+                yield
+        except LockBackendUnavailable as exc:
+            if isinstance(exc.__cause__, redis.TimeoutError):
+                # The script may have run and only the reply was lost: give the lock
+                # back rather than leave it held by a lease nobody knows about. In the
+                # background, so the caller hears of the outage after one timeout.
+                threading.Thread(
+                    target=self.release_quietly, args=(name, owner), daemon=True
+                ).start()
+            raise
 
     def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         client = self.client
@@ -506,18 +517,8 @@ class RedisBackend(BaseBackend):
         fair: bool = False,
     ) -> AcquireResult:
         keys, args = self._acquire_call(name, owner, ttl, holder, wait, fair)
-        try:
-            with self._errors("acquire", name):
-                return self._acquire_result(self._run("acquire", keys, args))
-        except LockBackendUnavailable as exc:
-            if isinstance(exc.__cause__, redis.TimeoutError):
-                # The script may have run and only the reply was lost: give the lock
-                # back rather than leave it held by a lease nobody knows about. In the
-                # background, so the caller hears of the outage after one timeout.
-                threading.Thread(
-                    target=self._release_quietly, args=(name, owner), daemon=True
-                ).start()
-            raise
+        with self._acquiring(name, owner):
+            return self._acquire_result(self._run("acquire", keys, args))
 
     async def aacquire(
         self,
@@ -530,18 +531,8 @@ class RedisBackend(BaseBackend):
         fair: bool = False,
     ) -> AcquireResult:
         keys, args = self._acquire_call(name, owner, ttl, holder, wait, fair)
-        try:
-            with self._errors("acquire", name):
-                return self._acquire_result(await self._arun("acquire", keys, args))
-        except LockBackendUnavailable as exc:
-            if isinstance(exc.__cause__, redis.TimeoutError):
-                with contextlib.suppress(LockError):
-                    await self.arelease(name, owner)
-            raise
-
-    def _release_quietly(self, name: str, owner: str) -> None:
-        with contextlib.suppress(LockError):
-            self.release(name, owner)
+        with self._acquiring(name, owner):
+            return self._acquire_result(await self._arun("acquire", keys, args))
 
     def _release_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
         k = self.all_keys(name)
