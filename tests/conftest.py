@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -10,6 +11,7 @@ import redis
 from distlocks import get_backend
 from distlocks.backends.base import BaseBackend
 from distlocks.handler import backends
+from distlocks.testing.servers import RedisServer
 
 #: Every backend alias the contract suite runs against.
 CONTRACT_BACKENDS = ["locmem", "redis", "pg"]
@@ -43,10 +45,6 @@ def shared_alias(request: pytest.FixtureRequest) -> str:
     return _prepare(request, str(request.param))
 
 
-def expires_on_server(alias: str) -> bool:
-    return get_backend(alias).expires_on_server
-
-
 @pytest.fixture
 def backend(alias: str) -> BaseBackend:
     return get_backend(alias)
@@ -56,6 +54,14 @@ def backend(alias: str) -> BaseBackend:
 def name(request: pytest.FixtureRequest) -> str:
     """A lock name no other test uses."""
     return f"{request.node.name[:80]}:{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis server of the test's own, to kill, restart or count commands on."""
+    server = RedisServer(tmp_path).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

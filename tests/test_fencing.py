@@ -7,7 +7,6 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -304,13 +303,6 @@ class TestModelCheck:
 
 
 # -- tokens never go backwards -----------------------------------------------------
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop()
 
 
 def test_tokens_survive_a_redis_restart_that_lost_everything(own_redis: RedisServer) -> None:

@@ -22,16 +22,7 @@ from distlocks.lease import Lease
 from distlocks.signals import lock_released
 from distlocks.testing.servers import RedisServer
 from tests import workers
-
-
-def wait_for(predicate, limit: float = 10.0, what: str = "condition") -> float:  # type: ignore[no-untyped-def]
-    """Poll ``predicate`` until true (bounded); return how long it took."""
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < limit, f"{what} not reached within {limit}s"
-        time.sleep(0.005)
-    return time.monotonic() - start
-
+from tests.waiting import wait_for
 
 # -- renewal ----------------------------------------------------------------------
 
@@ -117,13 +108,6 @@ def test_renewal_stops_at_release(alias: str, name: str) -> None:
     wait_for(lambda: all(entry[2]() is not lease for entry in renewer(alias)._heap), what="drop")
     assert lease.renewals == renewals
     assert get_backend(alias).inspect(name) is None
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop()
 
 
 def test_unreachable_server_during_renewal_loses_the_lease(

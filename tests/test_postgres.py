@@ -22,16 +22,9 @@ from distlocks.checks import check_settings
 from distlocks.exceptions import LockError, LockNotAcquired
 from distlocks.models import LockRegistry
 from tests import workers
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
-
-
-def wait_for(predicate, limit: float = 15.0, what: str = "condition") -> float:  # type: ignore[no-untyped-def]
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < limit, f"{what} not reached within {limit}s"
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def pg() -> PostgresBackend:

@@ -113,13 +113,6 @@ def test_connection_from_django_redis_cache(name: str) -> None:
         assert kwargs["socket_timeout"] == RedisBackend.DEFAULT_SOCKET_TIMEOUT
 
 
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop()
-
-
 def test_connection_over_a_unix_socket(own_redis: RedisServer, name: str) -> None:
     with override_settings(DISTLOCKS_BACKENDS=redis_config(LOCATION=own_redis.unix_url)):
         with lock(name) as lease:
