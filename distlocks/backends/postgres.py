@@ -30,6 +30,7 @@ Waiting uses the server's own lock queue (``pg_advisory_lock`` under a
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -397,6 +398,29 @@ class PostgresBackend(BaseBackend):
             + hint
         )
 
+    @contextlib.contextmanager
+    def _mapped_errors(self, action: str, name: str) -> Iterator[None]:
+        """Driver errors as distlocks errors: an outage, or a LockError with a hint."""
+        try:
+            yield
+        except psycopg.OperationalError as exc:
+            raise self._unavailable(action, name, exc) from exc
+        except psycopg.Error as exc:
+            raise self._driver_error(action, name, exc) from exc
+
+    @contextlib.contextmanager
+    def _pooled(self, action: str, name: str) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection for a short statement (inspection, force release):
+        back to the pool afterwards, closed if anything went wrong."""
+        conn = self._checkout(name)
+        try:
+            with self._mapped_errors(action, name):
+                yield conn
+        except BaseException:
+            self._discard(conn)
+            raise
+        self.pool.put(conn)
+
     def _checkout(self, name: str) -> psycopg.Connection[Any]:
         try:
             return self.pool.get()
@@ -449,19 +473,14 @@ class PostgresBackend(BaseBackend):
         params = self._params(name, owner, ttl, holder)
         conn = self._checkout(name)
         try:
-            if wait > 0:
-                token = self._acquire_blocking(conn, params, wait)
-            else:
-                row = conn.execute(_ACQUIRE.format(lock=TRY), params).fetchone()
-                token = None if row is None else int(row[0])
-        except psycopg.OperationalError as exc:
-            self._discard(conn)
-            raise self._unavailable("acquire", name, exc) from exc
-        except psycopg.Error as exc:
-            # Whatever happened, this connection must not keep a lock nobody owns.
-            self._discard(conn)
-            raise self._driver_error("acquire", name, exc) from exc
+            with self._mapped_errors("acquire", name):
+                if wait > 0:
+                    token = self._acquire_blocking(conn, params, wait)
+                else:
+                    row = conn.execute(_ACQUIRE.format(lock=TRY), params).fetchone()
+                    token = None if row is None else int(row[0])
         except BaseException:
+            # Whatever happened, this connection must not keep a lock nobody owns.
             self._discard(conn)
             raise
         if token is None:
@@ -534,15 +553,10 @@ class PostgresBackend(BaseBackend):
     def force_release(self, name: str) -> bool:
         key = self.key(name)
         classid, objid = key_parts(key)
-        try:
-            with psycopg.connect(**self._connect_kwargs()) as conn:
-                row = conn.execute(
-                    _FORCE_RELEASE, {"key": key, "classid": classid, "objid": objid}
-                ).fetchone()
-        except psycopg.OperationalError as exc:
-            raise self._unavailable("force-release", name, exc) from exc
-        except psycopg.Error as exc:
-            raise self._driver_error("force-release", name, exc) from exc
+        with self._pooled("force-release", name) as conn:
+            row = conn.execute(
+                _FORCE_RELEASE, {"key": key, "classid": classid, "objid": objid}
+            ).fetchone()
         return bool(row and row[0])
 
     def fencing_counter(self, name: str) -> int:
@@ -559,13 +573,10 @@ class PostgresBackend(BaseBackend):
 
     def _rows(self, where: str = "", params: tuple[Any, ...] = ()) -> list[LockInfo]:
         query = _LOCKS + where + " ORDER BY r.acquired_at"
-        try:
-            with psycopg.connect(**self._connect_kwargs()) as conn:
-                cur = conn.execute(query, params)
-                columns = [c.name for c in cur.description or ()]
-                rows = [dict(zip(columns, row, strict=True)) for row in cur.fetchall()]
-        except psycopg.OperationalError as exc:
-            raise self._unavailable("list", where or "locks", exc) from exc
+        with self._pooled("list", where or "locks") as conn:
+            cur = conn.execute(query, params)
+            columns = [c.name for c in cur.description or ()]
+            rows = [dict(zip(columns, row, strict=True)) for row in cur.fetchall()]
         return [self._info(row) for row in rows]
 
     def _info(self, row: Mapping[str, Any]) -> LockInfo:
