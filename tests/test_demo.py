@@ -33,6 +33,7 @@ import pytest
 import redis
 
 from distlocks.testing.servers import DATABASE_URL_ENV, REDIS_URL_ENV
+from tests.waiting import wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 8
@@ -675,27 +676,6 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    """Running, as opposed to gone or a zombie (an exited process nobody reaped yet:
-    a container's first process may never reap orphans)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-
-
-def _wait_gone(pids: list[int], limit: float = 15.0) -> list[int]:
-    """The pids still running after up to ``limit`` seconds (bounded, not slept)."""
-    deadline = time.monotonic() + limit
-    while (alive := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return alive
-
-
 def _login(base: str, password: str) -> tuple[int, str]:
     """Log in to the admin over HTTP; the final status and page."""
     jar = http.cookiejar.CookieJar()
@@ -754,7 +734,7 @@ def test_run_starts_servers_serves_the_site_and_cleans_up() -> None:
         assert "Site administration" in page
 
         assert demo.interrupt() == 0
-    assert not _wait_gone(servers + site)
+    assert not wait_gone(servers + site)
     assert not run_dir.exists()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psycopg
@@ -14,18 +13,7 @@ import pytest
 import redis
 
 from distlocks.testing import servers
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it is gone for our purposes.
-    try:
-        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") == -1
-    except OSError:
-        return False
+from tests.waiting import process_alive, wait_gone
 
 
 def test_session_servers_accept_connections() -> None:
@@ -41,6 +29,7 @@ import os, sys, time
 for var in ("DISTLOCKS_TEST_REDIS_URL", "DISTLOCKS_TEST_DATABASE_URL"):
     os.environ.pop(var, None)
 from distlocks.testing import servers
+from tests.waiting import process_alive, wait_gone
 servers.ensure_test_servers()
 s = servers.started_servers()
 print(s.redis.pid, s.postgres.pid, s.base_dir, flush=True)
@@ -57,21 +46,14 @@ def _start_child() -> tuple[subprocess.Popen[str], int, int, Path]:
     return child, int(redis_pid), int(pg_pid), Path(base_dir)
 
 
-def _wait_gone(pids: list[int], limit: float = 15.0) -> None:
-    deadline = time.monotonic() + limit
-    while any(_alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, f"servers {pids} still running"
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
 def test_servers_stop_when_their_process_dies(signum: int) -> None:
     child, redis_pid, pg_pid, base_dir = _start_child()
-    assert _alive(redis_pid) and _alive(pg_pid)
+    assert process_alive(redis_pid) and process_alive(pg_pid)
     child.send_signal(signum)
     child.wait(30)
-    _wait_gone([redis_pid, pg_pid])
+    assert not wait_gone([redis_pid, pg_pid]), "servers still running"
     if signum == signal.SIGTERM:
         assert not base_dir.exists()  # cleaned up by the process itself
     else:

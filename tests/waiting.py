@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def wait_for(
@@ -15,3 +17,24 @@ def wait_for(
         assert time.monotonic() - start < limit, f"{what} not reached within {limit}s"
         time.sleep(0.005)
     return time.monotonic() - start
+
+
+def process_alive(pid: int) -> bool:
+    """Running, as opposed to gone or a zombie (an exited process nobody reaped yet:
+    a container's first process may never reap orphans)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], limit: float = 15.0) -> list[int]:
+    """The pids still running after up to ``limit`` seconds (empty when all ended)."""
+    deadline = time.monotonic() + limit
+    while (alive := [pid for pid in pids if process_alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
