@@ -149,8 +149,41 @@ class Distlocks(Implementation):
         backends.reset()
 
 
+class BackendLevel(Implementation):
+    """distlocks called one layer down, on the backend of ``backend_alias``: no Lease,
+    no signals, no renewal. Blocking is the public API's job, so these rows take part
+    in the non-blocking workloads only."""
+
+    backend_alias = "default"
+
+    def __init__(self, env: Env) -> None:
+        super().__init__(env)
+        from distlocks import get_backend
+        from distlocks.locks import current_holder
+
+        self.backend = get_backend(self.backend_alias)
+        self._holder = current_holder
+
+    def try_acquire(self, name: str, ttl: float) -> tuple[str, str] | None:
+        owner = uuid.uuid4().hex
+        if self.backend.acquire(name, owner, ttl, self._holder()).acquired:
+            return name, owner
+        return None
+
+    def release(self, handle: tuple[str, str]) -> None:
+        self.backend.release(*handle)
+
+    def acquire_blocking(self, name: str, ttl: float, timeout: float) -> tuple[str, str] | None:
+        raise NotImplementedError(f"{self.name} does not take part in blocking workloads")
+
+    def close(self) -> None:
+        from distlocks.handler import backends
+
+        backends.reset()
+
+
 @implementation
-class DistlocksBackend(Implementation):
+class DistlocksBackend(BackendLevel):
     """distlocks one layer down: ``RedisBackend.acquire`` / ``release``, no Lease, no signals.
 
     The gap between this row and ``distlocks`` is the cost of the public API layer;
@@ -167,30 +200,7 @@ class DistlocksBackend(Implementation):
     # Blocking is the public API's job; measuring it here would repeat the distlocks row.
     workloads = frozenset({"cycle", "throughput-threads", "throughput-processes"})
 
-    def __init__(self, env: Env) -> None:
-        super().__init__(env)
-        from distlocks import get_backend
-        from distlocks.locks import current_holder
-
-        self.backend = get_backend("default")
-        self._holder = current_holder
-
-    def try_acquire(self, name: str, ttl: float) -> tuple[str, str] | None:
-        owner = uuid.uuid4().hex
-        if self.backend.acquire(name, owner, ttl, self._holder()).acquired:
-            return name, owner
-        return None
-
-    def release(self, handle: tuple[str, str]) -> None:
-        self.backend.release(*handle)
-
-    def acquire_blocking(self, name: str, ttl: float, timeout: float) -> tuple[str, str] | None:
-        raise NotImplementedError("distlocks-backend does not take part in blocking workloads")
-
-    def close(self) -> None:
-        from distlocks.handler import backends
-
-        backends.reset()
+    backend_alias = "default"
 
 
 @implementation

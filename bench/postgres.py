@@ -19,9 +19,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import threading
-import uuid
 from typing import Any
 
+from bench.implementations import BackendLevel
 from bench.registry import BenchError, Env, Implementation, implementation
 
 #: A LIKE pattern matching every lock name the workloads use (see :mod:`bench.workloads`).
@@ -224,7 +224,7 @@ class DistlocksPg(Implementation):
 
 
 @implementation
-class DistlocksPgBackend(Implementation):
+class DistlocksPgBackend(BackendLevel):
     """distlocks one layer down: ``PostgresBackend.acquire`` / ``release``, no Lease.
 
     The gap to ``pg-floor`` is the registry upsert (fencing token and holder row) and
@@ -239,30 +239,7 @@ class DistlocksPgBackend(Implementation):
     distribution = "distlocks"
     workloads = frozenset({"cycle", "throughput-threads", "throughput-processes"})
 
-    def __init__(self, env: Env) -> None:
-        super().__init__(env)
-        from distlocks import get_backend
-        from distlocks.locks import current_holder
-
-        self.backend = get_backend("pg")
-        self._holder = current_holder
-
-    def try_acquire(self, name: str, ttl: float) -> tuple[str, str] | None:
-        owner = uuid.uuid4().hex
-        if self.backend.acquire(name, owner, ttl, self._holder()).acquired:
-            return name, owner
-        return None
-
-    def release(self, handle: tuple[str, str]) -> None:
-        self.backend.release(*handle)
-
-    def acquire_blocking(self, name: str, ttl: float, timeout: float) -> tuple[str, str] | None:
-        raise NotImplementedError("distlocks-pg-backend does not take part in blocking workloads")
-
-    def close(self) -> None:
-        from distlocks.handler import backends
-
-        backends.reset()
+    backend_alias = "pg"
 
 
 @implementation
