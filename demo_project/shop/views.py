@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from django import forms
 from django.conf import settings
 from django.contrib import messages
 from django.db.models import Count, Sum
@@ -329,33 +331,48 @@ def locks_hold(request: HttpRequest) -> HttpResponse:
 # -- (c) fencing tokens -----------------------------------------------------------
 
 
-@require_http_methods(["GET", "POST"])
-def fencing(request: HttpRequest) -> HttpResponse:
+def _backend_demo(
+    request: HttpRequest,
+    key: str,
+    form_class: type[forms.Form],
+    run: Callable[[str], dict[str, Any]],
+    context: Callable[[], dict[str, Any]] = dict,
+) -> HttpResponse:
+    """The pattern of the demo pages: a POST runs ``run(alias)`` on the chosen backend
+    and keeps its result in the session for one redirect; a GET shows the last one
+    with ``shop/<key>.html``."""
+    session_key = f"shop:{key}"
     if request.method == "POST":
-        form = BackendForm(request.POST)
+        form = form_class(request.POST)
         if form.is_valid():
             alias = form.cleaned_data["backend"]
             try:
-                steps = demos.fencing_rounds(alias)
+                request.session[session_key] = {"backend": alias, **run(alias)}
             except LockError as exc:
                 messages.error(request, str(exc))
-            else:
-                request.session["shop:fencing"] = {
-                    "backend": alias,
-                    "steps": [asdict(step) for step in steps],
-                }
         else:
             messages.error(request, f"Invalid request: {form.errors.as_text()}")
-        return redirect("shop:fencing")
-    result = request.session.get("shop:fencing")
+        return redirect(f"shop:{key}")
+    result = request.session.get(session_key)
     return render(
         request,
-        "shop/fencing.html",
+        f"shop/{key}.html",
         {
-            "form": BackendForm(initial={"backend": result["backend"]} if result else None),
+            "form": form_class(initial={"backend": result["backend"]} if result else None),
             "result": result,
-            "lock_name": demos.FENCING_LOCK,
+            **context(),
         },
+    )
+
+
+@require_http_methods(["GET", "POST"])
+def fencing(request: HttpRequest) -> HttpResponse:
+    return _backend_demo(
+        request,
+        "fencing",
+        BackendForm,
+        lambda alias: {"steps": [asdict(step) for step in demos.fencing_rounds(alias)]},
+        lambda: {"lock_name": demos.FENCING_LOCK},
     )
 
 
@@ -364,27 +381,14 @@ def fencing(request: HttpRequest) -> HttpResponse:
 
 @require_http_methods(["GET", "POST"])
 def lock_many_view(request: HttpRequest) -> HttpResponse:
-    if request.method == "POST":
-        form = BackendForm(request.POST)
-        if form.is_valid():
-            alias = form.cleaned_data["backend"]
-            transfers = demos.crossing_transfers(alias)
-            request.session["shop:lock_many"] = {
-                "backend": alias,
-                "transfers": [asdict(transfer) for transfer in transfers],
-            }
-        else:
-            messages.error(request, f"Invalid request: {form.errors.as_text()}")
-        return redirect("shop:lock_many")
-    result = request.session.get("shop:lock_many")
-    return render(
+    return _backend_demo(
         request,
-        "shop/lock_many.html",
-        {
-            "form": BackendForm(initial={"backend": result["backend"]} if result else None),
-            "result": result,
-            "work_ms": int(demos.TRANSFER_WORK * 1000),
+        "lock_many",
+        BackendForm,
+        lambda alias: {
+            "transfers": [asdict(transfer) for transfer in demos.crossing_transfers(alias)]
         },
+        lambda: {"work_ms": int(demos.TRANSFER_WORK * 1000)},
     )
 
 
@@ -393,30 +397,23 @@ def lock_many_view(request: HttpRequest) -> HttpResponse:
 
 @require_http_methods(["GET", "POST"])
 def fenced(request: HttpRequest) -> HttpResponse:
-    if request.method == "POST":
-        form = PausedHolderForm(request.POST)
-        if form.is_valid():
-            alias = form.cleaned_data["backend"]
-            # One after the other: each story holds its own row's lock.
-            stories = [
-                demos.paused_holder(alias, fenced=True),
-                demos.paused_holder(alias, fenced=False),
-            ]
-            request.session["shop:fenced"] = {
-                "backend": alias,
-                "stories": [asdict(story) for story in stories],
-                "raw": asdict(demos.raw_sql_lowering()),
-            }
-        else:
-            messages.error(request, f"Invalid request: {form.errors.as_text()}")
-        return redirect("shop:fenced")
-    result = request.session.get("shop:fenced")
-    return render(
+    def run(alias: str) -> dict[str, Any]:
+        # One after the other: each story holds its own row's lock.
+        stories = [
+            demos.paused_holder(alias, fenced=True),
+            demos.paused_holder(alias, fenced=False),
+        ]
+        return {
+            "stories": [asdict(story) for story in stories],
+            "raw": asdict(demos.raw_sql_lowering()),
+        }
+
+    return _backend_demo(
         request,
-        "shop/fenced.html",
-        {
-            "form": PausedHolderForm(initial={"backend": result["backend"]} if result else None),
-            "result": result,
+        "fenced",
+        PausedHolderForm,
+        run,
+        lambda: {
             "account": demos.story_account(Account),
             "plain_account": demos.story_account(PlainAccount),
             "ttl": demos.PAUSE_TTL,
