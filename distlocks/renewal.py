@@ -73,11 +73,6 @@ class Renewer:
                 heapq.heapify(self._heap)
                 self._finished = 0
 
-    def pending(self) -> int:
-        """Leases currently scheduled (released ones drop out at their next turn)."""
-        with self._cond:
-            return len(self._heap)
-
     def _next(self) -> Lease | None:
         """Wait for the next due lease; None when idle long enough to exit."""
         idle_since = time.monotonic()

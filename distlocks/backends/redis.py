@@ -606,11 +606,6 @@ class RedisBackend(BaseBackend):
         with self._errors("read the fencing counter of", name):
             return int(self.client.get(self.all_keys(name).fence) or 0)
 
-    def waiters(self, name: str) -> int:
-        """How many callers are registered as waiting for ``name``."""
-        with self._errors("count the waiters of", name):
-            return int(self.client.zcard(self.all_keys(name).waiters))
-
     # -- inspection -----------------------------------------------------------
 
     def _info(self, fields: Mapping[bytes, bytes], pttl: int) -> LockInfo:
