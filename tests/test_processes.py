@@ -17,8 +17,11 @@ WINDOW = 0.002
 def run_workers(alias: str | None, name: str, path: Path) -> int:
     path.write_text("0")
     ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(PROCESSES)
     procs = [
-        ctx.Process(target=workers.increment_file, args=(alias, name, str(path), ROUNDS, WINDOW))
+        ctx.Process(
+            target=workers.increment_file, args=(alias, name, str(path), ROUNDS, WINDOW, start)
+        )
         for _ in range(PROCESSES)
     ]
     for proc in procs:

@@ -11,6 +11,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 
 def setup_django() -> None:
@@ -20,14 +21,18 @@ def setup_django() -> None:
     django.setup()
 
 
-def increment_file(alias: str | None, name: str, path: str, rounds: int, window: float) -> None:
+def increment_file(
+    alias: str | None, name: str, path: str, rounds: int, window: float, start: Any
+) -> None:
     """Read an integer from ``path``, wait ``window`` seconds, write it back plus one.
 
     With ``alias`` None the read-modify-write runs unprotected (the control case).
+    ``start`` is a barrier: all workers begin together, once set up, so they overlap.
     """
     setup_django()
     from distlocks import lock
 
+    start.wait(60)
     file = Path(path)
     for _ in range(rounds):
         if alias is None:
