@@ -6,6 +6,7 @@ occur and chained as ``__cause__``, so ``except LockError`` is enough.
 
 from __future__ import annotations
 
+import pickle
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -14,6 +15,27 @@ if TYPE_CHECKING:
 
 class LockError(Exception):
     """Base class of every distlocks error."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as its message and attributes, without calling __init__ again, so
+        # the error keeps its type through a Celery result or a process pool. An
+        # attribute that cannot travel (a lease) arrives as None.
+        state = {key: _portable(value) for key, value in self.__dict__.items()}
+        return (_rebuild, (type(self), self.args), state)
+
+
+def _rebuild(cls: type[LockError], args: tuple[Any, ...]) -> LockError:
+    error = cls.__new__(cls)
+    error.args = args
+    return error
+
+
+def _portable(value: Any) -> Any:
+    try:
+        pickle.dumps(value)
+    except Exception:
+        return None
+    return value
 
 
 class LockNotAcquired(LockError):
@@ -33,7 +55,12 @@ class LockNotAcquired(LockError):
 class LockLost(LockError):
     """The lease ended before its holder released it (expired, deleted, or force-released)."""
 
-    def __init__(self, lease: Lease | None = None, reason: str = "") -> None:
+    def __init__(self, lease: Lease | str | None = None, reason: str = "") -> None:
+        if isinstance(lease, str):
+            # Rebuilt from its message alone (as Celery's JSON result backend does).
+            self.lease, self.reason = None, reason
+            super().__init__(lease)
+            return
         self.lease = lease
         self.reason = reason
         if lease is not None:

@@ -305,6 +305,32 @@ class Lease(BaseLease):
         signals.lock_released.send(sender=Lease, lease=self)
         return True
 
+    def release_after(self, seconds: float) -> None:
+        """Let the lock run out ``seconds`` from now instead of freeing it now.
+
+        For "lock at least for": a short periodic job keeps its lock for the whole
+        period, so a node whose schedule runs late does not repeat it. The lease
+        ends here (renewal stops); the server keeps the lock until the new expiry.
+        Needs a backend whose locks expire on the server; raises :class:`LockLost`
+        if the lease is already gone.
+        """
+        if not self._backend.expires_on_server:
+            raise ValueError(
+                f"release_after() needs a backend whose locks expire on the server; "
+                f"backend {self.backend!r} frees its locks only when released or when "
+                f"the holder's connection ends. Use a Redis backend for this lock."
+            )
+        seconds = validate_ttl(seconds)
+        with self._mutex:
+            self.ensure_held()
+            if self._depth > 1:
+                raise ValueError("release_after() cannot end a reentrant lease held twice.")
+            started = time.monotonic()
+            self._extended(started, seconds, self._backend.extend(self.name, self.owner, seconds))
+            self._release_requested = True
+            self._state = RELEASED
+        self._on_finished()
+
     def _renew_once(self) -> float | None:
         """Called by the renewal thread; returns when to call it again (or None)."""
         with self._mutex:

@@ -99,6 +99,19 @@ DISTLOCKS_BACKENDS = {
 }
 DISTLOCKS_KEY_PREFIX = "distlocks-test"
 
+
+def _redis_db(url: str, db: int) -> str:
+    return urlsplit(url)._replace(path=f"/{db}").geturl()
+
+
+# Celery (tests/celery_app.py): the broker and the results are databases of the test
+# Redis server, so worker processes started by tests share them.
+CELERY_BROKER_URL = _redis_db(REDIS_URL, 1)
+CELERY_RESULT_BACKEND = _redis_db(REDIS_URL, 2)
+CELERY_TASK_DEFAULT_QUEUE = "distlocks-tests"
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -32,3 +32,22 @@ class PlainCounter(models.Model):
 
     def __str__(self) -> str:
         return str(self.value)
+
+
+class TaskRun(models.Model):
+    """One run of a test Celery task, written by the worker process that ran it.
+
+    ``started``/``ended`` are ``time.monotonic()`` readings: the clock is system-wide
+    on Linux, so the intervals of different worker processes can be compared.
+    """
+
+    run = models.CharField(max_length=64, db_index=True)  # the test that enqueued it
+    task_id = models.CharField(max_length=64)
+    attempt = models.IntegerField(default=0)
+    pid = models.IntegerField()
+    fencing_token = models.BigIntegerField(null=True)
+    started = models.FloatField()
+    ended = models.FloatField(null=True)
+
+    def __str__(self) -> str:
+        return f"{self.run} {self.task_id} #{self.attempt}"

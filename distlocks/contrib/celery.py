@@ -1,0 +1,561 @@
+"""Celery single execution: at most one run of a task per key at a time.
+
+Two locks are involved, both named from the task's arguments:
+
+* the **run lock**, taken by the worker around the task body, renewed while the
+  body runs and released when it returns. Its lease is the task's
+  :func:`current_lease` (``self.lease`` in a bound task), for fenced writes;
+* with ``unique_while``, a **queue marker** taken by ``apply_async()`` before the
+  message is published, so that a duplicate call returns the
+  :class:`~celery.result.AsyncResult` of the task already waiting (or running)
+  instead of queueing another. It lasts for the countdown or eta plus
+  ``unique_ttl``; the worker removes it when the run starts, after taking the run
+  lock, so at every moment from enqueue to the end of the run one of the two is held.
+
+Both carry the Celery task id in their holder metadata. That is how a duplicate
+finds the task to return, how a redelivered message (``acks_late`` after a worker
+died) recognises its own earlier delivery and waits for that lease to run out
+instead of skipping, and how the admin page shows which task holds a lock.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import inspect
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, fields
+from decimal import Decimal
+from typing import Any, ClassVar
+from uuid import UUID
+
+from django.core.exceptions import ImproperlyConfigured
+
+from distlocks import fencing
+from distlocks.backends.base import BaseBackend
+from distlocks.exceptions import LockError, LockNotAcquired
+from distlocks.handler import backends, check_alias
+from distlocks.lease import Lease
+from distlocks.locks import Lock, current_holder, finish_lease, holder_extra
+from distlocks.validation import MAX_NAME_LENGTH, validate_name, validate_timeout, validate_ttl
+
+try:
+    from celery import Task, shared_task
+    from celery.local import Proxy
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "distlocks.contrib.celery needs Celery 5.4 or later: pip install 'distlocks[celery]'."
+    ) from exc
+
+try:
+    from celery.contrib.django.task import DjangoTask as _TaskBase
+except ImportError:  # pragma: no cover - Celery without its Django task class
+    _TaskBase = Task
+
+__all__ = [
+    "AlreadyRunning",
+    "SingleExecution",
+    "SingleExecutionTask",
+    "current_lease",
+    "single_execution",
+]
+
+logger = logging.getLogger(__name__)
+
+ON_DUPLICATE = ("skip", "raise", "retry")
+UNIQUE_WHILE = ("queued", "queued_or_running")
+#: Appended to the run lock's name to name the queue marker.
+QUEUED_SUFFIX = ":queued"
+#: Prefix of the default (hashed) run lock names.
+KEY_PREFIX = "celery:"
+_DIGEST_LENGTH = 32
+
+_current: ContextVar[Lease | None] = ContextVar("distlocks_celery_lease", default=None)
+#: Run locks held by the current context, so a nested (eager) run of the same key,
+#: such as an eager ``self.retry()``, does not wait for its own lock.
+_running: ContextVar[frozenset[str]] = ContextVar("distlocks_celery_running", default=frozenset())
+
+
+def current_lease() -> Lease | None:
+    """The run lock's lease of the single-execution task running in this context.
+
+    ``None`` outside such a task. Pass it to fenced writes
+    (``obj.save(fencing_token=current_lease())``) and check it with ``ensure_held()``.
+    """
+    return _current.get()
+
+
+class AlreadyRunning(LockNotAcquired):
+    """Another run of the task with the same key holds the run lock
+    (raised with ``on_duplicate="raise"``, and the retry reason with ``"retry"``)."""
+
+    def __init__(self, task: str, name: str, backend: str, holder_task_id: str = "") -> None:
+        LockError.__init__(self, task, name, backend, holder_task_id)
+        self.task = task
+        self.name = name
+        self.backend = backend
+        self.timeout = 0
+        #: The Celery task id of the run holding the lock, where known.
+        self.holder_task_id = holder_task_id
+
+    def __str__(self) -> str:
+        by = f" by task {self.holder_task_id}" if self.holder_task_id else ""
+        return (
+            f"Task {self.task!r} is already running with the same key: lock {self.name!r} "
+            f"on backend {self.backend!r} is held{by}."
+        )
+
+
+@dataclass(frozen=True)
+class SingleExecution:
+    """The options of a single-execution task, checked when the task is defined.
+
+    ``key``: a ``str.format`` template over the task's arguments (``"report:{day}"``;
+    the result is the lock name as it stands, so it can be shared with ``lock()``
+    calls and ``FencedModel`` rows), or a callable called with the task's arguments
+    as keywords (bound to its signature, defaults applied) and returning the name. By default: ``celery:<task name>:<hash of all arguments
+    bound to the signature>``, so positional and keyword calls give the same key.
+    ``ttl``: the run lock's lease, renewed while the task runs (default
+    ``DISTLOCKS_DEFAULT_TTL``); a worker that dies frees the lock within it.
+    ``backend``: the ``DISTLOCKS_BACKENDS`` alias.
+    ``timeout``: how long a run waits for a busy run lock before ``on_duplicate``.
+    ``on_duplicate``: ``"skip"`` (return None), ``"raise"`` (:class:`AlreadyRunning`)
+    or ``"retry"`` (``self.retry(countdown=retry_countdown)``).
+    ``unique_while``: ``"queued"`` or ``"queued_or_running"`` deduplicates
+    ``apply_async()``/``delay()``: a duplicate returns the existing ``AsyncResult``.
+    ``unique_ttl``: how long a queued marker outlives the countdown/eta, in case the
+    message is never run (a lost message, a purged queue).
+    ``lock_at_least_for``: keep the run lock this many seconds after the run
+    started even if it finished sooner (periodic tasks on several nodes).
+    """
+
+    key: str | Callable[..., str] | None = None
+    ttl: float | None = None
+    backend: str = "default"
+    timeout: float = 0.0
+    on_duplicate: str = "skip"
+    retry_countdown: float = 10.0
+    unique_while: str | None = None
+    unique_ttl: float = 3600.0
+    lock_at_least_for: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.key is not None and not (isinstance(self.key, str) or callable(self.key)):
+            raise TypeError(
+                f"key must be a str.format template or a callable returning the lock name, "
+                f"not {type(self.key).__name__}."
+            )
+        if isinstance(self.key, str) and not self.key:
+            raise ValueError("key must not be empty; leave it out for the default key.")
+        if self.ttl is not None:
+            validate_ttl(self.ttl)
+        if not isinstance(self.backend, str) or not self.backend:
+            raise TypeError(f"backend must be a DISTLOCKS_BACKENDS alias, not {self.backend!r}.")
+        if validate_timeout(self.timeout) is None:
+            raise ValueError("timeout must be a number of seconds; None would block a worker.")
+        if self.on_duplicate not in ON_DUPLICATE:
+            raise ValueError(
+                f"on_duplicate must be one of {', '.join(map(repr, ON_DUPLICATE))}, "
+                f"not {self.on_duplicate!r}."
+            )
+        validate_ttl(self.retry_countdown)
+        if self.unique_while is not None and self.unique_while not in UNIQUE_WHILE:
+            raise ValueError(
+                f"unique_while must be None, {UNIQUE_WHILE[0]!r} or {UNIQUE_WHILE[1]!r}, "
+                f"not {self.unique_while!r}."
+            )
+        validate_ttl(self.unique_ttl)
+        if self.lock_at_least_for is not None:
+            validate_ttl(self.lock_at_least_for)
+
+    @classmethod
+    def coerce(cls, value: Any) -> SingleExecution:
+        """Options given as a mapping (``single_execution={...}`` on a task) or as is."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"single_execution must be a dict of options, not {type(value).__name__}."
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise TypeError(
+                f"Unknown single_execution option(s) {', '.join(map(repr, unknown))}; "
+                f"the options are {', '.join(sorted(known))}."
+            )
+        return cls(**value)
+
+    @property
+    def lease_ttl(self) -> float:
+        from distlocks.conf import conf
+
+        return self.ttl if self.ttl is not None else validate_ttl(conf.DEFAULT_TTL)
+
+
+class SingleExecutionTask(_TaskBase):
+    """A Celery task class whose runs hold a lock named from their arguments.
+
+    Use it as ``@app.task(base=SingleExecutionTask, single_execution={...})`` (the
+    options of :class:`SingleExecution`), subclass it with a ``single_execution``
+    attribute, or let :func:`single_execution` build the task.
+    """
+
+    #: Options, as a dict or a :class:`SingleExecution`; checked when the class is made.
+    single_execution: ClassVar[Mapping[str, Any] | SingleExecution | None] = None
+    _single: ClassVar[SingleExecution] = SingleExecution()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._single = SingleExecution.coerce(cls.single_execution)
+
+    # -- keys -------------------------------------------------------------------
+
+    @property
+    def lease(self) -> Lease | None:
+        """The run lock's lease while this task runs in the current context."""
+        return current_lease()
+
+    def lock_name(self, args: Any = (), kwargs: Mapping[str, Any] | None = None) -> str:
+        """The run lock's name for a call with ``args`` and ``kwargs``.
+
+        Raises ``TypeError``/``ValueError`` saying what to change when the arguments do
+        not fit the task's signature or cannot be turned into a key.
+        """
+        bound = self._bind(tuple(args or ()), dict(kwargs or {}))
+        key = self._single.key
+        if key is None:
+            name = _default_name(self.name, bound.arguments)
+        elif isinstance(key, str):
+            try:
+                name = key.format_map(bound.arguments)
+            except (KeyError, AttributeError, IndexError) as exc:
+                raise ValueError(
+                    f"The key template {key!r} of task {self.name!r} does not fit its "
+                    f"arguments ({', '.join(bound.arguments) or 'none'}): {exc!r}."
+                ) from exc
+        else:
+            name = key(**bound.arguments)
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"The key callable of task {self.name!r} returned "
+                    f"{type(name).__name__}; it must return the lock name as a str."
+                )
+        try:
+            return validate_name(name)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"Task {self.name!r} made an unusable lock name: {exc}") from exc
+
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
+        signature = self.__dict__.get("_distlocks_signature")
+        if signature is None:
+            signature = self.__dict__["_distlocks_signature"] = inspect.signature(self.run)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"Task {self.name!r} cannot take these arguments: {exc}.") from exc
+        bound.apply_defaults()
+        return bound
+
+    def _lock_backend(self, needs_expiry: str = "") -> BaseBackend:
+        alias = self._single.backend
+        check_alias(alias)
+        backend = backends[alias]
+        if needs_expiry and not backend.expires_on_server:
+            raise ImproperlyConfigured(
+                f"Task {self.name!r} uses {needs_expiry}, which needs a backend whose locks "
+                f"expire on the server; backend {alias!r} frees a lock only when its holder "
+                f"releases it or disconnects. Give the task a Redis backend "
+                f"(single_execution backend=...)."
+            )
+        return backend
+
+    def _holder_task_id(self, backend: BaseBackend, name: str) -> str | None:
+        """The Celery task id recorded by the holder of ``name`` (None: free or unknown)."""
+        info = backend.inspect(name)
+        if info is None:
+            return None
+        return str(info.extra.get("celery_task_id") or "") or None
+
+    # -- enqueue ------------------------------------------------------------------
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Mapping[str, Any] | None = None,
+        task_id: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Publish the task; with ``unique_while``, return the existing task's result
+        instead of queueing a duplicate. Arguments that cannot make a key raise here,
+        before anything is published."""
+        single = self._single
+        name = self.lock_name(args, kwargs)
+        if single.unique_while is None:
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        backend = self._lock_backend(f"unique_while={single.unique_while!r}")
+        task_id = task_id or str(uuid.uuid4())
+        marker, owner = name + QUEUED_SUFFIX, _marker_owner(task_id)
+        ttl = single.unique_ttl + _publish_delay(options)
+        holder = current_holder()
+        holder = type(holder)(
+            holder.host, holder.pid, holder.thread,
+            {**holder.extra, "celery_task_id": task_id, "celery_task": self.name},
+        )  # fmt: skip
+        for _attempt in range(5):
+            if backend.acquire(marker, owner, ttl, holder, wait=0.0).acquired:
+                break
+            queued = self._holder_task_id(backend, marker)
+            if queued is not None:
+                logger.info("Task %s: duplicate of queued task %s, not queued", self.name, queued)
+                return self.AsyncResult(queued)
+            # The marker went away between the two calls (the run started): try again.
+        else:
+            raise LockNotAcquired(marker, backend.alias, 0)
+        if single.unique_while == "queued_or_running":
+            running = self._holder_task_id(backend, name)
+            # A retry of the running task publishes under its own id: let it through.
+            if running is not None and running != task_id:
+                backend.release_quietly(marker, owner)
+                logger.info("Task %s: duplicate of running task %s, not queued", self.name, running)
+                return self.AsyncResult(running)
+        try:
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        except BaseException:
+            # Not published: nothing may keep duplicates away.
+            backend.release_quietly(marker, owner)
+            raise
+
+    # -- run --------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        name = self.lock_name(args, kwargs)
+        if name in _running.get():
+            # A nested run of the same key in this context (an eager self.retry()):
+            # the outer run already holds the lock.
+            return super().__call__(*args, **kwargs)
+        task_id = self.request.id if not self.request.called_directly else None
+        extra = {"celery_task": self.name}
+        if task_id:
+            extra["celery_task_id"] = str(task_id)
+        # Locks taken inside the task record it too (the admin page shows it).
+        scope = holder_extra.set({**holder_extra.get(), **extra})
+        try:
+            try:
+                lease = self._take_run_lock(name, task_id)
+            finally:
+                if self._single.unique_while is not None and task_id:
+                    # The run lock (or the duplicate holding it) now covers this key.
+                    backend = self._lock_backend()
+                    backend.release_quietly(name + QUEUED_SUFFIX, _marker_owner(task_id))
+            if lease is None:
+                return self._duplicate(name)
+            return self._run(lease, name, args, kwargs)
+        finally:
+            holder_extra.reset(scope)
+
+    def _take_run_lock(self, name: str, task_id: str | None) -> Lease | None:
+        single = self._single
+        if single.lock_at_least_for is not None:
+            self._lock_backend("lock_at_least_for")
+        run_lock = Lock(name, backend=single.backend, ttl=single.lease_ttl)
+        try:
+            return run_lock.acquire(timeout=single.timeout)
+        except LockNotAcquired:
+            pass
+        if task_id and self._holder_task_id(self._lock_backend(), name) == task_id:
+            # An earlier delivery of this very message holds it: its worker died
+            # (acks_late redelivery) or still runs past the broker's visibility
+            # timeout. A dead holder's lease runs out within its ttl; wait for that,
+            # and treat a holder still alive after it as a duplicate.
+            logger.info(
+                "Task %s[%s]: an earlier delivery holds lock %r; waiting up to its ttl",
+                self.name, task_id, name,
+            )  # fmt: skip
+            try:
+                return run_lock.acquire(timeout=single.lease_ttl + 1.0)
+            except LockNotAcquired:
+                pass
+        return None
+
+    def _duplicate(self, name: str) -> Any:
+        single = self._single
+        holder = self._holder_task_id(self._lock_backend(), name) or ""
+        exc = AlreadyRunning(self.name, name, single.backend, holder)
+        if single.on_duplicate == "skip":
+            logger.info("Skipped task %s[%s]: %s", self.name, self.request.id, exc)
+            return None
+        if single.on_duplicate == "retry":
+            raise self.retry(countdown=single.retry_countdown, exc=exc)
+        raise exc
+
+    def _run(self, lease: Lease, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        fence = fencing.enter(lease)
+        current = _current.set(lease)
+        running = _running.set(_running.get() | {name})
+        started = time.monotonic()
+        try:
+            result = super().__call__(*args, **kwargs)
+        except BaseException:
+            _running.reset(running)
+            _current.reset(current)
+            fencing.leave(fence)
+            # Also for self.retry(): the lock is released and the retried run takes it again.
+            self._finish(lease, started, body_failed=True)
+            raise
+        _running.reset(running)
+        _current.reset(current)
+        fencing.leave(fence)
+        self._finish(lease, started, body_failed=False)
+        return result
+
+    def _finish(self, lease: Lease, started: float, *, body_failed: bool) -> None:
+        """Release the run lock, or with ``lock_at_least_for`` leave it to expire then.
+
+        A lease lost while the body ran raises LockLost here unless the body raised.
+        """
+        at_least = self._single.lock_at_least_for
+        if at_least is not None:
+            left = at_least - (time.monotonic() - started)
+            if left >= 0.01 and lease.held():
+                try:
+                    lease.release_after(left)
+                    return
+                except LockError:
+                    if not body_failed:
+                        raise
+                    logger.exception("Could not keep lock %r after task %s", lease.name, self.name)
+                    return
+        finish_lease(lease, body_failed=body_failed)
+
+
+def single_execution(
+    func: Callable[..., Any] | None = None,
+    /,
+    *,
+    key: str | Callable[..., str] | None = None,
+    ttl: float | None = None,
+    backend: str = "default",
+    timeout: float = 0.0,
+    on_duplicate: str = "skip",
+    retry_countdown: float = 10.0,
+    unique_while: str | None = None,
+    unique_ttl: float = 3600.0,
+    lock_at_least_for: float | None = None,
+    app: Any = None,
+    **task_options: Any,
+) -> Any:
+    """Make a Celery task of ``func`` that runs at most once at a time per key.
+
+    Use it in place of ``@shared_task`` (or ``@app.task`` with ``app=``); the
+    options are those of :class:`SingleExecution`, and any other keyword argument
+    (``bind``, ``name``, ``acks_late``, ``time_limit``...) goes to Celery::
+
+        @single_execution(key="report:{day}", ttl=60, bind=True)
+        def nightly_report(self, day): ...
+    """
+    options = SingleExecution(
+        key=key, ttl=ttl, backend=backend, timeout=timeout, on_duplicate=on_duplicate,
+        retry_countdown=retry_countdown, unique_while=unique_while, unique_ttl=unique_ttl,
+        lock_at_least_for=lock_at_least_for,
+    )  # fmt: skip
+    base = task_options.pop("base", SingleExecutionTask)
+    if not (isinstance(base, type) and issubclass(base, SingleExecutionTask)):
+        raise TypeError(f"base must be a subclass of SingleExecutionTask, not {base!r}.")
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        if isinstance(fn, Task) or issubclass(type(fn), Proxy):
+            raise TypeError(
+                "single_execution() makes the Celery task itself: use it in place of "
+                "@app.task/@shared_task (passing task options to it), or use "
+                "@app.task(base=SingleExecutionTask, single_execution={...})."
+            )
+        if not callable(fn):
+            raise TypeError(f"single_execution() decorates a function, not {fn!r}.")
+        factory = shared_task if app is None else app.task
+        return factory(base=base, single_execution=options, **task_options)(fn)
+
+    return decorate if func is None else decorate(func)
+
+
+# -- helpers ------------------------------------------------------------------
+
+
+def _marker_owner(task_id: str) -> str:
+    """The queue marker's owner: the task id, so a retry (same id) re-takes it."""
+    return f"celery-task:{task_id}"
+
+
+def _publish_delay(options: Mapping[str, Any]) -> float:
+    """Seconds until a message published with these options may run."""
+    eta = options.get("eta")
+    if eta is not None:
+        if isinstance(eta, str):
+            eta = dt.datetime.fromisoformat(eta)
+        if eta.tzinfo is None:
+            eta = eta.replace(tzinfo=dt.UTC)
+        return max(0.0, (eta - dt.datetime.now(dt.UTC)).total_seconds())
+    countdown = options.get("countdown")
+    return max(0.0, float(countdown)) if countdown else 0.0
+
+
+def _default_name(task_name: str, arguments: Mapping[str, Any]) -> str:
+    """``celery:<task name>:<digest>``: readable, stable, and short enough."""
+    encoded = json.dumps(
+        {param: _canonical(value, task_name, param) for param, value in arguments.items()},
+        sort_keys=True,
+        separators=(",", ":"),
+        allow_nan=False,
+    )
+    digest = hashlib.sha256(encoded.encode()).hexdigest()[:_DIGEST_LENGTH]
+    room = MAX_NAME_LENGTH - len(KEY_PREFIX) - len(digest) - 1
+    return f"{KEY_PREFIX}{task_name[:room]}:{digest}"
+
+
+def _canonical(value: Any, task: str, path: str) -> Any:
+    """``value`` as the JSON-like data a Celery message carries it as, so the key made
+    when publishing equals the key made by the worker from the decoded message.
+
+    Tuples become lists and sets sorted lists; Decimal, UUID and dates become
+    strings. Anything else is refused: its ``str()`` is not a stable identity.
+    """
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"Argument {path} of task {task!r} is {value!r}; it cannot be a key.")
+        return value
+    if isinstance(value, list | tuple):
+        return [_canonical(item, task, f"{path}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, set | frozenset):
+        items = [_canonical(item, task, f"{path}{{}}") for item in value]
+        return sorted(items, key=lambda item: json.dumps(item, sort_keys=True))
+    if isinstance(value, Mapping):
+        out = {}
+        for k, item in value.items():
+            if not isinstance(k, str | int | float | bool) and k is not None:
+                raise TypeError(
+                    f"Argument {path} of task {task!r} has a {type(k).__name__} dict key; "
+                    f"keys must be str, int, float, bool or None to make a lock key."
+                )
+            text = k if isinstance(k, str) else json.dumps(k)
+            out[text] = _canonical(item, task, f"{path}[{k!r}]")
+        return out
+    if isinstance(value, Decimal | UUID):
+        return str(value)
+    if isinstance(value, dt.date | dt.time):  # datetime is a date
+        return value.isoformat()
+    raise TypeError(
+        f"Argument {path} of task {task!r} is a {type(value).__module__}."
+        f"{type(value).__qualname__}, which cannot be turned into a lock key. Pass "
+        f"JSON-like values (str, int, float, bool, None, list, dict, Decimal, UUID, "
+        f"date/time), e.g. a model's pk instead of the instance, or give the task "
+        f"key=... naming the lock yourself."
+    )

@@ -1,0 +1,528 @@
+"""Celery single execution (distlocks.contrib.celery).
+
+The first part runs tasks in this process (``task.apply()``, Celery's own local
+execution, and ``apply_async()`` publishing to the real Redis broker with no worker
+listening). The second part starts two real worker processes (prefork, concurrency
+2) on the Redis broker; their tasks record each run in PostgreSQL, so overlaps,
+duplicates and redeliveries are checked from the outside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.test import override_settings
+from kombu.exceptions import OperationalError
+
+from distlocks import get_backend, lock
+from distlocks.contrib.celery import (
+    AlreadyRunning,
+    SingleExecutionTask,
+    current_lease,
+    single_execution,
+)
+from distlocks.exceptions import LockLost
+from distlocks.fencing import unfenced
+from distlocks.locks import holder_extra
+from tests.celery_app import app
+from tests.testapp import tasks
+from tests.testapp.models import Counter, TaskRun
+from tests.waiting import wait_for, wait_gone
+
+ROOT = Path(__file__).resolve().parent.parent
+#: A queue no worker consumes: messages published there stay put for inspection.
+IDLE_QUEUE = "distlocks-tests-idle"
+
+
+@pytest.fixture
+def broker() -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    client.delete(IDLE_QUEUE)
+    yield client
+    client.delete(IDLE_QUEUE)
+    client.close()
+
+
+def _free(name: str, alias: str = "default") -> None:
+    get_backend(alias).force_release(name)
+
+
+# -- tasks run in this process only ---------------------------------------------------
+
+calls: list[Any] = []
+
+
+@single_execution(app=app, name="local.keyed")
+def keyed(account: int, amount: Decimal = Decimal("1.50"), *, note: str = "") -> None:
+    calls.append(("keyed", account))
+
+
+@single_execution(app=app, name="local.templated", key="account:{account}")
+def templated(account: int, amount: int = 0) -> None:
+    calls.append(("templated", account))
+
+
+@single_execution(app=app, name="local.by_callable", key=lambda account, **_: f"acct-{account}")
+def by_callable(account: int, amount: int = 0) -> None:
+    calls.append(("by_callable", account))
+
+
+def _policy_task(policy: str, backend: str = "default") -> Any:
+    @single_execution(
+        app=app,
+        name=f"local.policy.{policy}.{backend}",
+        key="policy:{run}",
+        backend=backend,
+        on_duplicate=policy,
+        retry_countdown=0.01,
+        max_retries=2,
+    )
+    def body(run: str) -> str:
+        calls.append(("policy", run))
+        return "ran"
+
+    return body
+
+
+@single_execution(app=app, name="local.fenced", bind=True, key="testapp.counter:{pk}")
+def fenced_increment(self: Any, pk: int) -> int:
+    counter = Counter.objects.get(pk=pk)
+    counter.value += 1
+    counter.save()  # the token comes from the task's lease: its key is the row's lock name
+    assert self.lease is current_lease()
+    return current_lease().fencing_token  # type: ignore[union-attr]
+
+
+inside = threading.Event()
+resume = threading.Event()
+
+
+@single_execution(app=app, name="local.paused", key="paused:{run}", ttl=5, bind=True)
+def paused(self: Any, run: str) -> dict[str, Any]:
+    backend = get_backend("default")
+    info = backend.inspect(f"paused:{run}")
+    inside.set()
+    resume.wait(30)
+    return {"holder_task_id": info.extra.get("celery_task_id") if info else None}
+
+
+@single_execution(app=app, name="local.at_least", key="at-least:{run}", lock_at_least_for=30)
+def at_least(run: str) -> None:
+    calls.append(("at_least", run))
+
+
+@single_execution(app=app, name="local.queued", unique_while="queued", unique_ttl=0.5)
+def queued_once(item: int) -> None:
+    calls.append(("queued", item))
+
+
+@single_execution(
+    app=app, name="local.queued_or_running", key="qor:{item}",
+    unique_while="queued_or_running",
+)  # fmt: skip
+def queued_or_running(item: int) -> None:
+    calls.append(("qor", item))
+
+
+@single_execution(app=app, name="local.bad_template", key="x:{nope}")
+def bad_template(account: int) -> None:
+    calls.append(("bad_template", account))
+
+
+def _nothing(n: int = 0) -> None:
+    calls.append(("nothing", n))
+
+
+# -- keys ---------------------------------------------------------------------------
+
+
+def test_default_key_binds_arguments_to_the_signature() -> None:
+    name = keyed.lock_name((7,), {})
+    assert name.startswith("celery:local.keyed:")
+    # Positional, keyword and defaulted arguments give the same key.
+    assert keyed.lock_name((), {"account": 7}) == name
+    assert keyed.lock_name((7, Decimal("1.50")), {"note": ""}) == name
+    assert keyed.lock_name((7,), {"amount": Decimal("1.50")}) == name
+    # Any difference in the bound arguments gives another key.
+    assert keyed.lock_name((8,), {}) != name
+    assert keyed.lock_name((7, Decimal("1.5")), {}) != name
+    assert keyed.lock_name((7,), {"note": "x"}) != name
+
+
+def test_default_key_survives_the_message_encoding() -> None:
+    """Tuples and lists, dict order, and values the JSON serializer turns into
+    strings give the key the worker computes from the decoded message."""
+    day = dt.date(2026, 11, 21)
+    sent = keyed.lock_name(((1, 2), {"b": 1, "a": [day, uuid.UUID(int=5)]}), {})
+    received = keyed.lock_name(
+        ([1, 2], {"a": [day.isoformat(), str(uuid.UUID(int=5))], "b": 1}), {}
+    )
+    assert sent == received
+
+
+def test_template_and_callable_keys() -> None:
+    assert templated.lock_name((42,), {"amount": 5}) == "account:42"
+    assert templated.lock_name((), {"account": 42}) == "account:42"
+    assert by_callable.lock_name((), {"account": 3, "amount": 9}) == "acct-3"
+
+
+def test_arguments_that_cannot_make_a_key_fail_at_the_call(broker: redis.Redis) -> None:
+    with pytest.raises(TypeError, match=r"Argument account .*cannot be turned into a lock key"):
+        keyed.apply_async((object(),), queue=IDLE_QUEUE)
+    with pytest.raises(TypeError, match="cannot take these arguments"):
+        keyed.apply_async((1, 2, 3), queue=IDLE_QUEUE)
+    with pytest.raises(ValueError, match="does not fit its arguments"):
+        bad_template.apply_async((1,), queue=IDLE_QUEUE)
+    assert broker.llen(IDLE_QUEUE) == 0  # nothing was published
+
+
+def test_bad_options_are_refused_when_the_task_is_defined() -> None:
+    with pytest.raises(ValueError, match="on_duplicate must be one of"):
+        single_execution(on_duplicate="ignore")
+    with pytest.raises(ValueError, match="unique_while must be None"):
+        single_execution(unique_while="always")
+    with pytest.raises(ValueError, match="ttl must be > 0"):
+        single_execution(ttl=0)
+    with pytest.raises(TypeError, match=r"key must be a str\.format template"):
+        single_execution(key=42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="subclass of SingleExecutionTask"):
+        single_execution(base=object)
+    with pytest.raises(TypeError, match=r"in place of @app\.task"):
+        single_execution(app=app)(app.task(name="local.plain")(_nothing))
+    with pytest.raises(TypeError, match="Unknown single_execution option"):
+        type("Bad", (SingleExecutionTask,), {"single_execution": {"tll": 5}})
+
+
+@pytest.mark.django_db
+@override_settings(
+    DISTLOCKS_BACKENDS={
+        **settings.DISTLOCKS_BACKENDS,
+        "default": settings.DISTLOCKS_BACKENDS["pg"],
+    }
+)
+def test_options_needing_server_expiry_refuse_a_postgres_backend() -> None:
+    with pytest.raises(ImproperlyConfigured, match="expire on the server"):
+        queued_once.apply_async((1,))
+    with pytest.raises(ImproperlyConfigured, match="expire on the server"):
+        at_least.apply(("x",), throw=True)
+
+
+# -- running ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("alias", ["default", pytest.param("pg", marks=pytest.mark.django_db)])
+def test_duplicates_are_skipped_raised_or_retried(alias: str, request: Any) -> None:
+    if alias == "pg":
+        request.getfixturevalue("pg_ready")
+    run = uuid.uuid4().hex
+    calls.clear()
+    skip, fail, retry = (_policy_task(p, alias) for p in ("skip", "raise", "retry"))
+    with lock(f"policy:{run}", backend=alias, ttl=30, timeout=0):
+        assert skip.apply((run,)).get() is None
+        result = fail.apply((run,))
+        assert isinstance(result.result, AlreadyRunning)
+        assert f"policy:{run}" in str(result.result)
+        result = retry.apply((run,))  # retried twice (eagerly), then gives up
+        assert isinstance(result.result, AlreadyRunning)
+        assert result.state == "FAILURE"
+    assert calls == []  # no body ran while the lock was held
+    assert skip.apply((run,)).get() == "ran"
+    assert calls == [("policy", run)]
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("pg_ready")
+def test_the_task_reaches_its_lease_for_fenced_saves() -> None:
+    with unfenced():
+        counter = Counter.objects.create(value=0)
+    first = fenced_increment.apply((counter.pk,)).get()
+    second = fenced_increment.apply((counter.pk,)).get()
+    counter.refresh_from_db()
+    assert counter.value == 2
+    assert second > first
+    assert counter.fencing_token == second
+    assert current_lease() is None  # outside a task
+
+
+def test_holder_records_the_task_id_and_a_lost_lease_fails_the_task() -> None:
+    run = uuid.uuid4().hex
+    inside.clear()
+    resume.clear()
+    outcome: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: outcome.update(result=paused.apply((run,), task_id="task-123"))
+    )
+    thread.start()
+    try:
+        assert inside.wait(30)
+        assert get_backend("default").force_release(f"paused:{run}")
+    finally:
+        resume.set()
+        thread.join(30)
+    result = outcome["result"]
+    assert result.state == "FAILURE"
+    assert isinstance(result.result, LockLost)
+    assert holder_extra.get() == {}  # the task's metadata did not leak out
+
+
+def test_lock_at_least_for_keeps_the_lock_after_a_short_run() -> None:
+    run = uuid.uuid4().hex
+    calls.clear()
+    try:
+        at_least.apply((run,)).get()
+        info = get_backend("default").inspect(f"at-least:{run}")
+        assert info is not None, "the lock was freed when the run ended"
+        assert 20 < info.expires_in.total_seconds() <= 30
+        assert at_least.apply((run,)).get() is None  # a late node skips it
+        assert calls == [("at_least", run)]
+    finally:
+        _free(f"at-least:{run}")
+
+
+def test_a_duplicate_enqueue_returns_the_queued_task(broker: redis.Redis) -> None:
+    item = int(time.time_ns() % 1_000_000)
+    first = queued_once.apply_async((item,), countdown=5, queue=IDLE_QUEUE)
+    again = queued_once.apply_async((item,), queue=IDLE_QUEUE)
+    other = queued_once.apply_async((item + 1,), queue=IDLE_QUEUE)
+    assert again.id == first.id
+    assert other.id != first.id
+    assert broker.llen(IDLE_QUEUE) == 2
+    # The marker covers the countdown, although unique_ttl is only 0.5 s.
+    marker = get_backend("default").inspect(queued_once.lock_name((item,)) + ":queued")
+    assert marker is not None
+    assert marker.extra["celery_task_id"] == first.id
+    assert marker.expires_in.total_seconds() > 4.5
+
+
+def test_queued_or_running_returns_the_running_task(broker: redis.Redis) -> None:
+    item = int(time.time_ns() % 1_000_000)
+    token = holder_extra.set({"celery_task_id": "running-task"})
+    try:
+        with lock(f"qor:{item}", ttl=30, timeout=0):
+            assert queued_or_running.apply_async((item,), queue=IDLE_QUEUE).id == "running-task"
+    finally:
+        holder_extra.reset(token)
+    assert broker.llen(IDLE_QUEUE) == 0
+    assert get_backend("default").inspect(f"qor:{item}:queued") is None
+    # Nothing runs now: it is queued.
+    queued = queued_or_running.apply_async((item,), queue=IDLE_QUEUE)
+    assert broker.llen(IDLE_QUEUE) == 1
+    assert queued_or_running.apply_async((item,), queue=IDLE_QUEUE).id == queued.id
+
+
+def test_a_failed_publish_leaves_no_marker() -> None:
+    dead = Celery("dead-broker", broker="redis://127.0.0.1:9/0", set_as_current=False)
+    dead.conf.broker_connection_timeout = 0.5
+    task = single_execution(app=dead, name="local.dead", unique_while="queued")(_nothing)
+    with pytest.raises(OperationalError, match=r"(?i)refused|connect"):
+        task.apply_async((1,), retry=False)
+    assert get_backend("default").inspect(task.lock_name((1,)) + ":queued") is None
+
+
+# -- real workers on the Redis broker -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workers(pg_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[int]]:
+    """Two worker processes, prefork with concurrency 2 each."""
+    app.control.purge()
+    logs = tmp_path_factory.mktemp("celery")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
+    procs = []
+    for index in (1, 2):
+        log = (logs / f"worker{index}.log").open("w")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
+                 "--pool", "prefork", "--concurrency", "2", "-n", f"w{index}@%h",
+                 "--without-gossip", "--without-mingle", "--loglevel", "INFO",
+                 "--prefetch-multiplier", "1"],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        )  # fmt: skip
+
+    def ready() -> bool:
+        for proc in procs:
+            assert proc.poll() is None, _tails(logs)
+        return len(app.control.ping(timeout=0.5)) >= 2
+
+    try:
+        wait_for(ready, limit=90, what="two Celery workers answering ping")
+        yield [proc.pid for proc in procs]
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+
+
+def _tails(logs: Path) -> str:
+    return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs.glob("*.log"))
+
+
+def _rows(run: str) -> list[TaskRun]:
+    return list(TaskRun.objects.filter(run=run).order_by("started"))
+
+
+def _max_overlap(rows: list[TaskRun]) -> int:
+    """The largest number of runs in progress at one moment."""
+    events = sorted([(r.started, 1) for r in rows] + [(r.ended, -1) for r in rows])
+    depth = peak = 0
+    for _moment, step in events:
+        depth += step
+        peak = max(peak, depth)
+    return peak
+
+
+def _gate(client: redis.Redis, name: str) -> None:
+    client.rpush(name, "go")
+    client.expire(name, 60)
+
+
+@pytest.mark.django_db
+@pytest.mark.slow
+def test_duplicate_enqueues_never_run_concurrently(workers: list[int]) -> None:
+    run, control = uuid.uuid4().hex, uuid.uuid4().hex
+    for _ in range(50):
+        tasks.unguarded.delay(control, 0.05)
+        tasks.serialized.delay(run, 0.02)
+
+    def finished(key: str) -> bool:
+        return TaskRun.objects.filter(run=key, ended__isnull=False).count() == 50
+
+    wait_for(lambda: finished(control), limit=120, what="50 unguarded runs")
+    wait_for(lambda: finished(run), limit=120, what="50 serialized runs")
+    # The control shows the workers really run these tasks side by side...
+    assert _max_overlap(_rows(control)) >= 2
+    # ...and the run lock puts the 50 duplicates one after another.
+    rows = _rows(run)
+    assert _max_overlap(rows) == 1
+    assert all(a.ended <= b.started for a, b in itertools.pairwise(rows))
+    tokens = [r.fencing_token for r in rows]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 50
+    assert len({r.pid for r in rows}) >= 2  # runs were spread over processes
+
+
+@pytest.mark.django_db
+@pytest.mark.slow
+def test_duplicates_that_find_the_lock_taken_are_skipped(workers: list[int]) -> None:
+    run = uuid.uuid4().hex
+    results = [tasks.skipped.delay(run, 0.3) for _ in range(20)]
+    for result in results:
+        result.get(timeout=60)  # none failed; the skipped ones returned None
+    rows = _rows(run)
+    assert 1 <= len(rows) < 20
+    assert _max_overlap(rows) == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.slow
+def test_enqueue_time_deduplication_runs_exactly_one(
+    workers: list[int], redis_client: redis.Redis
+) -> None:
+    run, gate = uuid.uuid4().hex, f"gate:{uuid.uuid4().hex}"
+    results = [tasks.deduplicated.delay(run, gate) for _ in range(50)]
+    assert len({r.id for r in results}) == 1
+    wait_for(lambda: _rows(run), limit=60, what="the deduplicated task to start")
+    # While it runs, a duplicate still returns the running task.
+    assert tasks.deduplicated.delay(run, gate).id == results[0].id
+    _gate(redis_client, gate)
+    results[0].get(timeout=60)
+    rows = _rows(run)
+    assert len(rows) == 1 and rows[0].ended is not None
+    assert rows[0].task_id == results[0].id
+    # Once it has finished, the same call is queued (and runs) again.
+    again = tasks.deduplicated.delay(run, gate)
+    assert again.id != results[0].id
+    _gate(redis_client, gate)
+    again.get(timeout=60)
+    assert len(_rows(run)) == 2
+
+
+@pytest.mark.django_db
+@pytest.mark.slow
+def test_a_worker_killed_mid_task_frees_the_lock_and_the_redelivery_runs_once(
+    workers: list[int], redis_client: redis.Redis
+) -> None:
+    run, gate = uuid.uuid4().hex, f"gate:{uuid.uuid4().hex}"
+    result = tasks.crash_prone.delay(run, gate)
+    wait_for(lambda: _rows(run), limit=60, what="the task to start")
+    (first,) = _rows(run)
+    os.kill(first.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert wait_gone([first.pid]) == []
+    # acks_late + reject_on_worker_lost: the message comes back with the same id. Its
+    # run waits for the dead process's lease (ttl 2 s) instead of skipping or overlapping.
+    wait_for(lambda: len(_rows(run)) == 2, limit=60, what="the redelivered run")
+    second = _rows(run)[1]
+    print(f"lock freed and redelivery started {second.started - killed_at:.2f}s after SIGKILL")
+    assert second.task_id == first.task_id == result.id
+    assert second.started > killed_at
+    assert second.started - killed_at < 2 + 10  # within the ttl, with room for a loaded CI
+    assert second.fencing_token > first.fencing_token
+    _gate(redis_client, gate)
+    result.get(timeout=60)
+    rows = _rows(run)
+    assert [r.ended is not None for r in rows] == [False, True]  # ran to the end once
+
+
+@pytest.mark.django_db
+@pytest.mark.slow
+def test_self_retry_neither_deadlocks_nor_overlaps(
+    workers: list[int], redis_client: redis.Redis
+) -> None:
+    run = uuid.uuid4().hex
+    result = tasks.retried.delay(run)
+    assert result.get(timeout=60) is None
+    rows = _rows(run)
+    assert [r.attempt for r in rows] == [0, 1]
+    assert {r.task_id for r in rows} == {result.id}
+    assert rows[0].ended <= rows[1].started
+    # The retry re-took the queue marker under its own id: nothing is left behind.
+    backend = get_backend("default")
+    name = tasks.retried.lock_name((run,))
+    assert backend.inspect(name) is None
+    assert backend.inspect(name + ":queued") is None
+
+
+@pytest.mark.django_db
+@pytest.mark.slow
+def test_a_hard_time_limit_frees_the_lock_within_its_ttl(workers: list[int]) -> None:
+    run = uuid.uuid4().hex
+    blocked = tasks.time_limited.delay(run, True)
+    blocked.get(timeout=60, propagate=False)
+    assert blocked.state == "FAILURE"  # TimeLimitExceeded: the worker killed the process
+    failed_at = time.monotonic()
+    backend = get_backend("default")
+    waited = wait_for(
+        lambda: backend.inspect(f"limited:{run}") is None, limit=15, what="the lock to expire"
+    )
+    print(f"lock expired {waited:.2f}s after the hard time limit (ttl 2s)")
+    assert time.monotonic() - failed_at < 2 + 10
+    assert tasks.time_limited.delay(run, False).get(timeout=60) is None
+    rows = _rows(run)
+    assert [r.ended is not None for r in rows] == [False, True]
+    assert rows[1].fencing_token > rows[0].fencing_token
