@@ -283,6 +283,42 @@ def test_holder_records_the_task_id_and_a_lost_lease_fails_the_task() -> None:
     assert holder_extra.get() == {}  # the task's metadata did not leak out
 
 
+@single_execution(app=app, name="local.eager_retry", key="eager-retry:{run}", bind=True)
+def eager_retry(self: Any, run: str) -> int:
+    calls.append(("eager_retry", self.request.retries))
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return current_lease().fencing_token  # type: ignore[union-attr]
+
+
+def test_an_eager_retry_takes_the_lock_again() -> None:
+    calls.clear()
+    run = uuid.uuid4().hex
+    result = eager_retry.apply((run,))
+    if result.state == "RETRY":  # Celery < 5.5: apply() does not run the retry itself
+        assert calls == [("eager_retry", 0)]
+    else:  # the retry ran after the first run ended: it was not skipped as a duplicate
+        assert result.state == "SUCCESS", result.traceback
+        assert calls == [("eager_retry", 0), ("eager_retry", 1)]
+        assert isinstance(result.result, int)
+    assert get_backend("default").inspect(f"eager-retry:{run}") is None
+
+
+@single_execution(app=app, name="local.recursive", key="recursive", bind=True)
+def recursive(self: Any, depth: int) -> int:
+    """Calls itself in-process; same key, so the inner call must not wait for the outer."""
+    calls.append(("recursive", depth))
+    if depth:
+        return recursive.apply((depth - 1,), throw=True).get()
+    return current_lease().fencing_token  # type: ignore[union-attr]
+
+
+def test_a_task_calling_itself_in_process_reenters_its_lock() -> None:
+    calls.clear()
+    assert isinstance(recursive.apply((2,), throw=True).get(), int)
+    assert calls == [("recursive", 2), ("recursive", 1), ("recursive", 0)]
+
+
 def test_lock_at_least_for_keeps_the_lock_after_a_short_run() -> None:
     run = uuid.uuid4().hex
     calls.clear()
