@@ -346,6 +346,12 @@ def test_a_duplicate_enqueue_returns_the_queued_task(broker: redis.Redis) -> Non
     assert marker is not None
     assert marker.extra["celery_task_id"] == first.id
     assert marker.expires_in.total_seconds() > 4.5
+    # An eta is covered the same way.
+    eta = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=8)
+    later = queued_once.apply_async((item + 2,), eta=eta, queue=IDLE_QUEUE)
+    marker = get_backend("default").inspect(queued_once.lock_name((item + 2,)) + ":queued")
+    assert marker is not None and marker.extra["celery_task_id"] == later.id
+    assert marker.expires_in.total_seconds() > 7.5
 
 
 def test_queued_or_running_returns_the_running_task(broker: redis.Redis) -> None:
