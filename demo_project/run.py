@@ -4,8 +4,15 @@
    ``DISTLOCKS_TEST_REDIS_URL`` / ``DISTLOCKS_TEST_DATABASE_URL``).
 2. Create the ``distlocks_demo`` database if it is missing, migrate it, create
    or reset the ``admin`` superuser, add a few sample invoices.
-3. Run ``manage.py runserver`` (with its auto-reloader) as a child process until
-   Ctrl-C, then stop it, and the servers with it.
+3. Run ``manage.py runserver`` (with its auto-reloader), one Celery worker and two
+   Celery beat schedulers as child processes until Ctrl-C, then stop them, and
+   the servers with them.
+
+The two beats (``node-a`` and ``node-b``, each with its own schedule file) stand
+for two servers that both have the periodic job in their schedule: the Celery page
+shows it runs once per period although it is sent twice. The Celery processes'
+output is shown with their name in front; if one of them exits, the console says
+so at once.
 
 The servers belong to this process, not to runserver, so they stay up while
 the reloader restarts the site after a code change. Every step is idempotent:
@@ -18,13 +25,19 @@ variables read by :mod:`demo_project.settings`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import IO, Any
 from urllib.parse import urlsplit
 
 from distlocks.testing.servers import ensure_test_servers, started_servers
@@ -37,8 +50,16 @@ ADMIN_USERNAME = "admin"
 DEFAULT_ADMIN_PASSWORD = "admin"
 #: How long runserver may take to start listening (it runs the system checks first).
 START_TIMEOUT = 60.0
-#: How long runserver gets to exit after each signal before the next, harder one.
+#: How long the children get to exit after each signal before the next, harder one.
 STOP_GRACE = 10.0
+#: The Celery worker: one node, two prefork processes.
+WORKER_NAME = "demo-worker@%h"
+WORKER_CONCURRENCY = 2
+#: The beat schedulers, by the DEMO_NODE each one puts on the tasks it sends.
+BEAT_NODES = ("node-a", "node-b")
+#: What a Celery worker and a beat log once they are up (at --loglevel INFO).
+WORKER_READY = " ready."
+BEAT_READY = "beat: Starting..."
 
 
 def log(message: str) -> None:
@@ -133,24 +154,162 @@ def wait_until_listening(child: subprocess.Popen[bytes], port: int) -> bool:
     return False
 
 
-def stop_runserver(child: subprocess.Popen[bytes]) -> None:
-    """Stop runserver and its reloader child: SIGINT, then SIGTERM, then SIGKILL."""
-    # A second Ctrl-C must not cut this short and leave the server behind.
+class CeleryProcess:
+    """A Celery worker or beat started by the runner, its output shown with its name.
+
+    ``ready`` is set when the process logs that it is up; ``reported`` once the
+    runner has said that it exited.
+    """
+
+    def __init__(self, name: str, args: list[str], ready_text: str, env: dict[str, str]) -> None:
+        self.name = name
+        self.ready_text = ready_text
+        self.ready = threading.Event()
+        self.reported = False
+        self.process: subprocess.Popen[str] = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "demo_project", *args],
+            cwd=BASE_DIR,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            # Its own session, like runserver's; and it ends if this process is
+            # killed outright, rather than running on without its servers.
+            start_new_session=True,
+            preexec_fn=_terminate_with_parent(),
+        )
+        self._reader: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def start_reader(self) -> None:
+        """Copy the process's output to ours, line by line, with its name in front."""
+        assert self.process.stdout is not None
+        self._reader = threading.Thread(
+            target=self._copy, args=[self.process.stdout], name=f"output-{self.name}", daemon=True
+        )
+        self._reader.start()
+
+    def _copy(self, stream: IO[str]) -> None:
+        for line in stream:
+            if self.ready_text in line:
+                self.ready.set()
+            log(f"[{self.name}] {line.rstrip()}")
+
+    def finish_output(self) -> None:
+        """Wait (briefly) for the last lines of a stopped process."""
+        if self._reader is not None:
+            self._reader.join(2.0)
+
+
+def _terminate_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn asking the kernel for SIGTERM when the runner dies (Linux only).
+
+    prctl is looked up here, before the fork, so that the child only makes the call.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+
+#: A Celery process to start: name, ``celery`` arguments, ready text, environment.
+CeleryCommand = tuple[str, list[str], str, dict[str, str]]
+
+
+def celery_commands(schedule_dir: Path) -> list[CeleryCommand]:
+    """The worker and the beats."""
+    worker: CeleryCommand = (
+        "worker",
+        ["worker", "--pool", "prefork", "--concurrency", str(WORKER_CONCURRENCY),
+         "-n", WORKER_NAME, "--loglevel", "INFO", "--without-gossip", "--without-mingle"],
+        WORKER_READY,
+        {},
+    )  # fmt: skip
+    beats = [
+        (
+            f"beat {node}",
+            ["beat", "--schedule", str(schedule_dir / node), "--loglevel", "INFO"],
+            BEAT_READY,
+            {"DEMO_NODE": node},
+        )
+        for node in BEAT_NODES
+    ]
+    return [worker, *beats]
+
+
+def stop_children(children: Sequence[subprocess.Popen[Any]]) -> None:
+    """Stop each child and its process group (runserver's reloader child, a worker's
+    pool processes): SIGINT, then SIGTERM, then SIGKILL to those still running."""
+    # A second Ctrl-C must not cut this short and leave processes behind.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        running = list(children)
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child.pid, signum)
-            try:
-                child.wait(STOP_GRACE)
-            except subprocess.TimeoutExpired:
-                continue
-            # The reloader's child may outlive its parent for a moment.
+            for child in running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signum)
+            deadline = time.monotonic() + STOP_GRACE
+            still = []
+            for child in running:
+                try:
+                    child.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    still.append(child)
+            running = still
+            if not running:
+                break
+        for child in children:
+            # A group member may outlive its leader for a moment.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)
-            return
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def watch(site: subprocess.Popen[bytes], celery: list[CeleryProcess], site_url: str) -> int:
+    """Wait for runserver to exit; say at once when a Celery process exits, and when
+    all of them are up."""
+    announced = False
+    while (code := site.poll()) is None:
+        for proc in celery:
+            status = proc.process.poll()
+            if status is not None and not proc.reported:
+                proc.reported = True
+                proc.finish_output()
+                log(failure(proc.name, status))
+        if not announced and all(proc.ready.is_set() for proc in celery):
+            announced = True
+            log(
+                f"Celery is up: the worker and beats {' and '.join(BEAT_NODES)}. Watch the "
+                f"periodic job at {site_url}celery/"
+            )
+        time.sleep(0.2)
+    return code
+
+
+def failure(name: str, status: int) -> str:
+    rule = "!" * 72
+    what = (
+        "no task runs any more: the Celery page shows no new runs, and imports stay queued."
+        if name == "worker"
+        else "it no longer sends the periodic job (the other beat still does)."
+    )
+    return "\n".join(
+        [
+            rule,
+            f"  The Celery {name} exited with status {status}: {what}",
+            "  Its output is above. The site keeps running; press Ctrl-C and run make demo again.",
+            rule,
+        ]
+    )
 
 
 def banner(
@@ -158,12 +317,16 @@ def banner(
 ) -> str:
     site = f"http://{HOST}:{port}/"
     demo_database_url = urlsplit(database_url)._replace(path=f"/{database}").geturl()
+    from django.conf import settings
+
     password = "(the value of DEMO_ADMIN_PASSWORD)" if password_from_env else DEFAULT_ADMIN_PASSWORD
     servers = started_servers()
     if servers is not None and (servers.redis or servers.postgres):
-        stopping = "Press Ctrl-C to stop the site and its throwaway Redis and PostgreSQL."
+        stopping = "Press Ctrl-C to stop the site, Celery and the throwaway Redis and PostgreSQL."
     else:
-        stopping = "Press Ctrl-C to stop the site (the servers were given, they keep running)."
+        stopping = (
+            "Press Ctrl-C to stop the site and Celery (the servers were given, they keep running)."
+        )
     rule = "=" * 72
     return "\n".join(
         [
@@ -174,6 +337,8 @@ def banner(
             f"  Log in with      username: {ADMIN_USERNAME}   password: {password}",
             f"  Redis:           {redis_url}",
             f"  PostgreSQL:      {demo_database_url}",
+            f"  Celery:          1 worker ({WORKER_CONCURRENCY} processes) and 2 beats "
+            f"({', '.join(BEAT_NODES)}), broker {settings.CELERY_BROKER_URL}",
             f"  {stopping}",
             rule,
             "",
@@ -190,6 +355,9 @@ def main() -> int:
     # and atexit stops the servers, also when the servers were given (not started here).
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _exit_on_signal)
+    # A shell that starts us in the background (`make demo &`) makes SIGINT ignored;
+    # an explicit `kill -INT` should still stop the demo like Ctrl-C does.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     port = int(os.environ.get("DEMO_PORT") or DEFAULT_PORT)
     password = os.environ.get("DEMO_ADMIN_PASSWORD") or DEFAULT_ADMIN_PASSWORD
     # The demo's own settings, whatever a shell may have exported for another project.
@@ -211,21 +379,36 @@ def main() -> int:
         log(f"Created database {DATABASE_NAME!r}.")
     debug = prepare_site(password)
 
-    child = start_runserver(port, insecure=not debug)
+    # The beats' schedule files; removed with everything else at the end.
+    schedule_dir = Path(tempfile.mkdtemp(prefix="distlocks-demo-beat-"))
+    celery: list[CeleryProcess] = []
+    children: list[subprocess.Popen[Any]] = []
     try:
+        # Every child is started before any thread of ours exists (preexec_fn and
+        # threads do not mix); the output readers start after.
+        for name, args, ready_text, env in celery_commands(schedule_dir):
+            celery.append(CeleryProcess(name, args, ready_text, env))
+            children.append(celery[-1].process)
+        child = start_runserver(port, insecure=not debug)
+        children.append(child)
+        for proc in celery:
+            proc.start_reader()
         if not wait_until_listening(child, port):
             log("runserver did not start; see its output above.")
             return 1
         log(
             banner(port, password != DEFAULT_ADMIN_PASSWORD, redis_url, database_url, DATABASE_NAME)
         )
-        return child.wait()
+        return watch(child, celery, f"http://{HOST}:{port}/")
     except KeyboardInterrupt:
         log("\nStopping the demo...")
         return 0
     finally:
         # Also reached on SIGTERM/SIGHUP (SystemExit, see above).
-        stop_runserver(child)
+        stop_children(children)
+        for proc in celery:
+            proc.finish_output()
+        shutil.rmtree(schedule_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

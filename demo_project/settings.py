@@ -10,6 +10,9 @@ some other way, point these at servers of your own::
     DEMO_SECRET_KEY              a development-only key by default
     DEMO_DEBUG                   "1" by default; "0" to turn DEBUG off
     DEMO_ALLOWED_HOSTS           comma-separated, "127.0.0.1,localhost,[::1]" by default
+    DEMO_NODE                    the name a Celery beat puts on the tasks it sends
+                                 (the host name by default; the runner names its two
+                                 beats "node-a" and "node-b")
 
 or wrap the command: ``python -m distlocks.testing.servers -- python manage.py runserver``.
 This is a development site: never deploy it.
@@ -18,6 +21,7 @@ This is a development site: never deploy it.
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -54,6 +58,15 @@ def database_from_url(url: str, name: str) -> dict[str, Any]:
         "HOST": parts.hostname or "127.0.0.1",
         "PORT": parts.port or 5432,
     }
+
+
+def redis_database(url: str, db: int) -> str:
+    """The URL of database ``db`` on the Redis server of ``url``."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        query = "&".join(p for p in parts.query.split("&") if p and not p.startswith("db="))
+        return parts._replace(query="&".join(filter(None, [query, f"db={db}"]))).geturl()
+    return parts._replace(path=f"/{db}").geturl()
 
 
 REDIS_URL = os.environ.get(REDIS_URL_ENV) or "redis://127.0.0.1:6379/0"
@@ -126,6 +139,27 @@ DISTLOCKS_BACKENDS = {
 # Keeps the demo's keys apart from the test suite's when both share one Redis server.
 DISTLOCKS_KEY_PREFIX = "distlocks-demo"
 
+# Celery (demo_project/celery.py reads the CELERY_* names). The broker and the
+# results are databases of the demo's Redis of their own, apart from the locks in
+# database 0 and from the test suite's Celery (databases 1 and 2).
+CELERY_BROKER_URL = redis_database(REDIS_URL, 3)
+CELERY_RESULT_BACKEND = redis_database(REDIS_URL, 4)
+CELERY_TASK_DEFAULT_QUEUE = "distlocks-demo"
+CELERY_TASK_TRACK_STARTED = True
+CELERY_RESULT_EXPIRES = 3600
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+#: The name this process's beat puts on the tasks it sends.
+DEMO_NODE = os.environ.get("DEMO_NODE") or socket.gethostname()
+#: How often every beat sends the periodic job (seconds).
+DEMO_REPORT_PERIOD = 10.0
+CELERY_BEAT_SCHEDULE = {
+    "refresh-sales-report": {
+        "task": "shop.refresh_sales_report",
+        "schedule": DEMO_REPORT_PERIOD,
+        "kwargs": {"triggered_by": DEMO_NODE},
+    }
+}
+
 USE_TZ = True
 TIME_ZONE = "UTC"
 LANGUAGE_CODE = "en-us"
@@ -137,5 +171,6 @@ LOGGING = {
     "disable_existing_loggers": False,
     "handlers": {"console": {"class": "logging.StreamHandler"}},
     # distlocks logs a lost lease as a warning; the demo's console should show it.
-    "loggers": {"distlocks": {"handlers": ["console"], "level": "INFO"}},
+    # Not propagated: a Celery worker's root logger has a handler of its own.
+    "loggers": {"distlocks": {"handlers": ["console"], "level": "INFO", "propagate": False}},
 }

@@ -202,10 +202,12 @@ def _drive_pages(client: Any) -> dict[str, Any]:
             "/fencing/",
             "/lock-many/",
             "/fenced/",
+            "/celery/",
             "/admin/login/",
         ]
     }
     results["index"] = client.get("/").content.decode()
+    results["celery"] = _celery_page(client)
 
     name = f"test:live:{uuid.uuid4().hex[:8]}"
     results["live"] = {}
@@ -245,6 +247,89 @@ def _drive_pages(client: Any) -> dict[str, Any]:
     results["admin_index"] = client.get("/admin/").status_code
     results["admin_account"] = _edit_account_in_admin(client)
     return results
+
+
+def _summary(page: str) -> dict[str, int]:
+    """The counts the Celery page's table carries as data attributes."""
+    tag = re.search(r'<p id="job-summary"([^>]*)>', page)
+    assert tag is not None, page
+    return {key: int(value) for key, value in re.findall(r'data-(\w+)="(\d+)"', tag.group(1))}
+
+
+def _celery_page(client: Any) -> dict[str, Any]:
+    """The Celery page with no worker: the periodic job run twice in this process (as a
+    worker would, through Celery's own local execution), and the import button, whose
+    messages stay queued in the real broker."""
+    from django.conf import settings
+
+    from demo_project.celery import app
+    from demo_project.shop import tasks
+    from demo_project.shop.models import JobRun, SalesReport
+    from distlocks import get_backend
+
+    backend = get_backend(tasks.BACKEND)
+    report_lock = SalesReport.fencing_lock_name
+    import_lock = tasks.import_bank_statement.lock_name(("acme-checking",))
+    broker = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    queue = settings.CELERY_TASK_DEFAULT_QUEUE
+
+    def clean() -> None:
+        for name in (report_lock, import_lock, import_lock + ":queued"):
+            backend.force_release(name)
+        broker.delete(queue)
+
+    clean()
+    try:
+        before = client.get("/celery/table/").content.decode()
+        # Two nodes' triggers of one period: the first runs, the second finds the lock
+        # kept by lock_at_least_for and is skipped.
+        first = tasks.refresh_sales_report.apply(kwargs={"triggered_by": "node-a"})
+        second = tasks.refresh_sales_report.apply(kwargs={"triggered_by": "node-b"})
+        kept = backend.inspect(report_lock)
+        report = SalesReport.objects.get()
+        rows = {row.task_id: row for row in JobRun.objects.filter(job=tasks.REPORT_JOB)}
+        table = client.get("/celery/table/").content.decode()
+
+        clicks = []
+        for _ in range(2):
+            response = client.post("/celery/import/", {"account": "acme-checking"})
+            clicks.append({"status": response.status_code, **client.session["shop:celery_import"]})
+        page = client.get("/celery/").content.decode()
+        imports = client.get("/celery/imports/").content.decode()
+        queued = broker.llen(queue)
+        marker = backend.inspect(import_lock + ":queued")
+        bad = client.post("/celery/import/", {"account": "nobody"}, follow=True)
+        return {
+            "before": _summary(before),
+            "first": {"state": first.state, "result": first.result, "id": first.id},
+            "second": {"state": second.state, "result": second.result, "id": second.id},
+            "kept_seconds": None if kept is None else kept.expires_in.total_seconds(),
+            "rows": {
+                task_id: {
+                    "outcome": row.outcome,
+                    "triggered_by": row.triggered_by,
+                    "fencing_token": row.fencing_token,
+                    "holder_task_id": row.holder_task_id,
+                    "pid": row.pid,
+                }
+                for task_id, row in rows.items()
+            },
+            "report": {"fencing_token": report.fencing_token, "refreshed_by": report.refreshed_by},
+            "summary": _summary(table),
+            "table_skipped_line": "node-b at " in table and "<strong>skipped</strong>" in table,
+            "clicks": clicks,
+            "queued": queued,
+            "marker_task_id": None if marker is None else marker.extra.get("celery_task_id"),
+            "page_one_id": "One task id for 5 calls" in page,
+            "page_state": "PENDING" in page,
+            "imports_partial": imports.count(clicks[0]["ids"][0]) == 5,
+            "page_nav": 'href="/celery/">Celery</a>' in page,
+            "bad_account": "Select a valid choice" in bad.content.decode(),
+            "app_broker": app.conf.broker_url == settings.CELERY_BROKER_URL,
+        }
+    finally:
+        clean()
+        broker.close()
 
 
 def _fenced_story(client: Any, backend: str) -> dict[str, Any]:
@@ -416,9 +501,11 @@ def test_pages_render(demo: dict[str, Any]) -> None:
         "/fencing/": 200,
         "/lock-many/": 200,
         "/fenced/": 200,
+        "/celery/": 200,
         "/admin/login/": 200,
     }
-    for link in ["/invoices/", "/locks/", "/fencing/", "/lock-many/", "/fenced/", "/admin/"]:
+    links = ["/invoices/", "/locks/", "/fencing/", "/lock-many/", "/fenced/", "/celery/", "/admin/"]
+    for link in links:
         assert f'href="{link}"' in demo["index"]
 
 
@@ -436,11 +523,13 @@ def test_index_lists_what_exists_and_what_does_not(demo: dict[str, Any]) -> None
     assert "alock()" in not_shown
     assert "PostgreSQL" not in not_shown
     assert "Fenced" not in not_shown
+    assert "Celery single execution" in shown
+    assert "lock_at_least_for" in shown
     coming = _section(index, "Not built yet")
+    assert "Celery" not in coming
     for planned in [
         "/admin/distlocks/livelock/",
         "manage.py distlocks",
-        "Celery single execution",
         "Redlock",
         "Sentinel",
         "Cluster",
@@ -561,7 +650,8 @@ def test_raw_sql_lowering_the_token_is_refused(demo: dict[str, Any], backend: st
     assert raw["outcome"] == "StaleFencingToken", raw
     assert raw["offered"] == raw["stored"] - 1
     assert raw["after"] == raw["before"]
-    assert raw["trigger_tables"] == ["shop_account"]
+    # Every FencedModel table: the accounts, and the Celery page's sales report.
+    assert raw["trigger_tables"] == ["shop_account", "shop_salesreport"]
     assert demo["fenced"][backend]["page"]["refused"] is True
 
 
@@ -588,6 +678,48 @@ def test_admin_edits_the_fenced_account_under_its_lock(demo: dict[str, Any]) -> 
     assert admin["added"] == [302, ["5.00", 0]]
 
 
+def test_periodic_job_runs_once_when_two_nodes_trigger_it(demo: dict[str, Any]) -> None:
+    celery = demo["celery"]
+    assert celery["before"] == {"triggers": 0, "runs": 0, "skipped": 0, "failed": 0}
+    first, second = celery["first"], celery["second"]
+    assert first["state"] == second["state"] == "SUCCESS"
+    assert second["result"] is None  # skipped: on_duplicate="skip"
+    token = first["result"]["fencing_token"]
+    # The run is over, but lock_at_least_for keeps its lock for most of the period.
+    assert celery["kept_seconds"] is not None and 0 < celery["kept_seconds"] <= 8
+    rows = celery["rows"]
+    assert rows[first["id"]]["outcome"] == "ran"
+    assert rows[first["id"]]["triggered_by"] == "node-a"
+    assert rows[first["id"]]["fencing_token"] == token
+    # The skipped trigger was recorded by the task_postrun receiver, with the holder.
+    assert rows[second["id"]]["outcome"] == "skipped"
+    assert rows[second["id"]]["triggered_by"] == "node-b"
+    assert rows[second["id"]]["holder_task_id"] == first["id"]
+    assert rows[second["id"]]["fencing_token"] is None
+    # The run wrote the fenced report row with its lease's token.
+    assert celery["report"] == {"fencing_token": token, "refreshed_by": first["id"]}
+    assert celery["summary"] == {"triggers": 2, "runs": 1, "skipped": 1, "failed": 0}
+    assert celery["table_skipped_line"] is True
+
+
+def test_import_button_queues_one_task_for_five_calls(demo: dict[str, Any]) -> None:
+    celery = demo["celery"]
+    first, second = celery["clicks"]
+    assert first["status"] == second["status"] == 302
+    assert len(first["ids"]) == 5
+    assert len(set(first["ids"])) == 1
+    # No worker took it, so the second click finds it still queued.
+    assert second["ids"] == first["ids"]
+    assert celery["queued"] == 1  # one message in the real broker for ten delay() calls
+    assert celery["marker_task_id"] == first["ids"][0]
+    assert celery["page_one_id"] is True
+    assert celery["page_state"] is True
+    assert celery["imports_partial"] is True
+    assert celery["page_nav"] is True
+    assert celery["bad_account"] is True
+    assert celery["app_broker"] is True
+
+
 def test_superuser_is_created_then_reset(demo: dict[str, Any]) -> None:
     assert demo["superuser_created"] == [True, False]
     assert demo["login"] == {"old": False, "new": True}
@@ -611,6 +743,8 @@ class DemoProcess:
         self.output: list[str] = []
         #: runserver processes seen; a test that fails midway must not leave them running.
         self.site_pids: list[int] = []
+        #: Process groups of the Celery processes seen (a worker and its pool), likewise.
+        self.groups: list[int] = []
         self.process = subprocess.Popen(
             [sys.executable, "-m", "demo_project.run"],
             cwd=ROOT,
@@ -653,6 +787,9 @@ class DemoProcess:
         for pid in self.site_pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        for group in self.groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -662,6 +799,10 @@ def demo_process(env: dict[str, str]) -> Iterator[DemoProcess]:
         yield demo
     finally:
         demo.kill()
+
+
+def _cmdline(pid: int) -> str:
+    return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -674,6 +815,40 @@ def _children(pid: int) -> dict[int, str]:
                 child = int(stat.parent.name)
                 found[child] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
     return found
+
+
+def _session_members(sessions: set[int]) -> list[int]:
+    """Running processes (not zombies) whose session id is in ``sessions``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            state, _ppid, _group, session = stat.read_text().rsplit(")", 1)[1].split()[:4]
+            if int(session) in sessions and state != "Z":
+                found.append(int(stat.parent.name))
+    return found
+
+
+def _celery_children(demo: DemoProcess) -> tuple[int, list[int]]:
+    """The runner's Celery worker and beats (each leads a session of its own)."""
+    children = _children(demo.process.pid)
+    celery = {pid: cmd for pid, cmd in children.items() if "-m celery -A demo_project" in cmd}
+    demo.groups.extend(celery)
+    workers = [pid for pid, cmd in celery.items() if " worker " in cmd]
+    beats = [pid for pid, cmd in celery.items() if " beat " in cmd]
+    assert len(workers) == 1, children
+    assert len(beats) == 2, children
+    assert "--pool prefork --concurrency 2" in celery[workers[0]]
+    return workers[0], beats
+
+
+def _job_summary(base: str, done: Any, limit: float) -> dict[str, int]:
+    """The Celery page's counts, polled until ``done(counts)`` (at most ``limit`` s)."""
+    deadline = time.monotonic() + limit
+    while True:
+        counts = _summary(_get(f"{base}celery/table/")[1])
+        if done(counts) or time.monotonic() >= deadline:
+            return counts
+        time.sleep(0.5)
 
 
 def _login(base: str, password: str) -> tuple[int, str]:
@@ -733,9 +908,38 @@ def test_run_starts_servers_serves_the_site_and_cleans_up() -> None:
         assert status == 200
         assert "Site administration" in page
 
+        # One worker (prefork, two processes) and two beats, each with a schedule file.
+        worker, beats = _celery_children(demo)
+        schedules = [
+            Path(cmd.split("--schedule ", 1)[1].split()[0]) for cmd in map(_cmdline, beats)
+        ]
+        assert len({path.parent for path in schedules}) == 1 and len(set(schedules)) == 2
+        schedule_dir = schedules[0].parent
+        assert schedule_dir.is_dir()
+        demo.wait_for("Celery is up")
+        for name in ("[worker]", "[beat node-a]", "[beat node-b]"):
+            assert name in demo.text
+        pool = list(_children(worker))
+        assert len(pool) == 2, pool
+        # Both beats send the job every 10 s (the first a period after they start);
+        # it runs once per period, and the other trigger is skipped.
+        counts = _job_summary(
+            base, lambda c: c["runs"] >= 1 and c["skipped"] >= 1, limit=SUBPROCESS_TIMEOUT
+        )
+        assert counts["runs"] >= 1 and counts["skipped"] >= 1, counts
+        assert counts["triggers"] > counts["runs"], counts
+        assert counts["failed"] == 0, counts
+        table = _get(f"{base}celery/table/")[1]
+        assert "node-a" in table and "node-b" in table
+        demo.wait_for("Skipped task shop.refresh_sales_report")  # the worker's log says why
+
         assert demo.interrupt() == 0
-    assert not wait_gone(servers + site)
+    celery = [worker, *beats, *pool]
+    assert not wait_gone(servers + site + celery)
+    # Nothing is left in the Celery processes' sessions (a pool process included).
+    assert not wait_gone(_session_members({worker, *beats}))
     assert not run_dir.exists()
+    assert not schedule_dir.exists()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
@@ -754,7 +958,16 @@ def test_run_twice_on_given_servers_resets_the_admin_and_leaves_servers_up() -> 
             ]
             status, page = _login(base, password)
             assert "Site administration" in page, status
+            worker, beats = _celery_children(demo)
+            if password == "first-password":
+                # A worker that dies is reported at once; the site stays up.
+                demo.wait_for("Celery is up")
+                os.kill(worker, signal.SIGKILL)
+                demo.wait_for("The Celery worker exited with status -9")
+                assert _get(base)[0] == 200
             assert demo.interrupt() == 0
+            # Nothing is left, the killed worker's pool processes included.
+            assert not wait_gone(_session_members({worker, *beats}))
     # The servers were given, not started by the runner: they are still up.
     client = redis.Redis.from_url(os.environ[REDIS_URL_ENV])
     try:

@@ -6,6 +6,7 @@ from django import forms
 from django.conf import settings
 
 from demo_project.shop.demos import MAX_WORKERS
+from demo_project.shop.tasks import BANK_ACCOUNTS
 from distlocks import get_backend
 
 
@@ -52,3 +53,13 @@ class PausedHolderForm(BackendForm):
 
     def choices(self) -> list[tuple[str, str]]:
         return expiring_backend_choices()
+
+
+class ImportForm(forms.Form):
+    """Which account's bank statement the Celery page queues for import."""
+
+    account = forms.ChoiceField()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["account"].choices = [(name, name) for name in BANK_ACCOUNTS]  # type: ignore[attr-defined]

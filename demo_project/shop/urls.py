@@ -19,4 +19,8 @@ urlpatterns = [
     path("fencing/", views.fencing, name="fencing"),
     path("lock-many/", views.lock_many_view, name="lock_many"),
     path("fenced/", views.fenced, name="fenced"),
+    path("celery/", views.celery_page, name="celery"),
+    path("celery/table/", views.celery_table, name="celery_table"),
+    path("celery/imports/", views.celery_imports, name="celery_imports"),
+    path("celery/import/", views.celery_import, name="celery_import"),
 ]

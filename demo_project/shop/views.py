@@ -13,15 +13,22 @@ from typing import Any
 from django import forms
 from django.conf import settings
 from django.contrib import messages
-from django.db.models import Count, Sum
+from django.db.models import Count, Q, Sum
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
+from kombu.exceptions import OperationalError
 
-from demo_project.shop import demos
+from demo_project.shop import demos, tasks
 from demo_project.shop.admin import AccountAdmin
-from demo_project.shop.forms import BackendForm, ChargeForm, HoldForm, PausedHolderForm
-from demo_project.shop.models import Account, Invoice, PlainAccount
+from demo_project.shop.forms import (
+    BackendForm,
+    ChargeForm,
+    HoldForm,
+    ImportForm,
+    PausedHolderForm,
+)
+from demo_project.shop.models import Account, Invoice, JobRun, PlainAccount, SalesReport
 from distlocks import get_backend, lock
 from distlocks.exceptions import LockError, LockNotAcquired
 
@@ -33,6 +40,10 @@ HOLD_TTL: float = 6
 ABANDON_TTL: float = 15
 #: How often the live-locks page refreshes its table.
 REFRESH_SECONDS = 2
+#: How many times the Celery page's button calls delay().
+IMPORT_CALLS = 5
+#: How many runs of the periodic job the Celery page lists.
+RECENT_RUNS = 8
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,14 @@ FEATURES = [
         "the admin under the row's lock (FencedModelAdmin).",
         "shop:fenced",
     ),
+    Feature(
+        "Celery single execution",
+        "A periodic job sent by two beat schedulers runs once per period "
+        "(single_execution with lock_at_least_for) and writes a fenced row with its "
+        "lease's token; five delay() calls of an import queue it once "
+        "(unique_while='queued_or_running').",
+        "shop:celery",
+    ),
 ]
 
 COMING = [
@@ -85,10 +104,6 @@ COMING = [
         "Admin page of live locks and a management command",
         "/admin/distlocks/livelock/ with stuck-lock detection and an audited "
         "force-release; manage.py distlocks list|inspect|release.",
-    ),
-    Feature(
-        "Celery single execution",
-        "At most one run of a task per key, with the lease renewed while it runs.",
     ),
     Feature(
         "Redlock, Redis Cluster and Sentinel",
@@ -428,3 +443,126 @@ def fenced(request: HttpRequest) -> HttpResponse:
             ],
         },
     )
+
+
+# -- Celery single execution --------------------------------------------------------
+
+
+@dataclass
+class Period:
+    """A run of the periodic job and the triggers it made others skip."""
+
+    run: JobRun
+    skipped: list[JobRun]
+
+
+def _periods(rows: list[JobRun]) -> list[Period]:
+    """Attach each skipped trigger to the run that held the lock, newest run first.
+
+    A skipped trigger whose holder is not among ``rows`` gets a line of its own.
+    """
+    periods = [Period(row, []) for row in rows if row.outcome != JobRun.SKIPPED]
+    by_task = {period.run.task_id: period for period in periods}
+    for row in rows:
+        if row.outcome != JobRun.SKIPPED:
+            continue
+        holder = by_task.get(row.holder_task_id)
+        if holder is not None:
+            holder.skipped.insert(0, row)
+        else:
+            periods.append(Period(row, []))
+    periods.sort(key=lambda period: (period.run.started_at, period.run.pk), reverse=True)
+    return periods[:RECENT_RUNS]
+
+
+def _import_states(ids: list[str]) -> dict[str, str]:
+    """The result backend's state of each task id (STARTED while it runs, with
+    CELERY_TASK_TRACK_STARTED)."""
+    states = {}
+    for task_id in dict.fromkeys(ids):
+        try:
+            states[task_id] = tasks.import_bank_statement.AsyncResult(task_id).state
+        except Exception as exc:  # shown instead of a state: the backend is unreachable
+            states[task_id] = f"unknown ({type(exc).__name__}: {exc})"
+    return states
+
+
+def _job_context() -> dict[str, Any]:
+    """The periodic job's part of the Celery page."""
+    report_runs = JobRun.objects.filter(job=tasks.REPORT_JOB)
+    counts = report_runs.aggregate(
+        triggers=Count("pk"),
+        runs=Count("pk", filter=~Q(outcome=JobRun.SKIPPED) & Q(fencing_token__isnull=False)),
+        skipped=Count("pk", filter=Q(outcome=JobRun.SKIPPED)),
+        failed=Count("pk", filter=Q(outcome=JobRun.FAILED)),
+    )
+    return {
+        "counts": counts,
+        "periods": _periods(list(report_runs[: RECENT_RUNS * 4])),
+        "report": SalesReport.objects.first(),
+    }
+
+
+def _import_context(request: HttpRequest) -> dict[str, Any]:
+    """The imports' part: this session's last click, and the recent imports."""
+    queued = request.session.get("shop:celery_import")
+    if queued:
+        states = _import_states(queued["ids"])
+        queued = {
+            **queued,
+            "distinct": list(states),
+            "states": states,
+            "runs": list(JobRun.objects.filter(task_id__in=states).order_by("started_at")),
+        }
+    return {"queued": queued, "imports": list(JobRun.objects.filter(job=tasks.IMPORT_JOB)[:5])}
+
+
+@require_GET
+def celery_page(request: HttpRequest) -> HttpResponse:
+    context = {**_job_context(), **_import_context(request)}
+    context.update(
+        {
+            "refresh_seconds": REFRESH_SECONDS,
+            "form": ImportForm(),
+            "period": settings.DEMO_REPORT_PERIOD,
+            "at_least": tasks.REPORT_AT_LEAST_FOR,
+            "import_seconds": tasks.IMPORT_SECONDS,
+            "import_calls": IMPORT_CALLS,
+            "unique_ttl": tasks.IMPORT_UNIQUE_TTL,
+            "broker": settings.CELERY_BROKER_URL,
+            "lock_name": SalesReport.fencing_lock_name,
+        }
+    )
+    return render(request, "shop/celery.html", context)
+
+
+@require_GET
+def celery_table(request: HttpRequest) -> HttpResponse:
+    """The periodic job's table alone, fetched by the Celery page every few seconds."""
+    return render(request, "shop/_celery_table.html", _job_context())
+
+
+@require_GET
+def celery_imports(request: HttpRequest) -> HttpResponse:
+    """The imports' part alone, fetched by the Celery page every few seconds."""
+    return render(request, "shop/_celery_imports.html", _import_context(request))
+
+
+@require_POST
+def celery_import(request: HttpRequest) -> HttpResponse:
+    form = ImportForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, f"Invalid request: {form.errors.as_text()}")
+        return redirect("shop:celery")
+    account = form.cleaned_data["account"]
+    try:
+        ids = [tasks.import_bank_statement.delay(account).id for _ in range(IMPORT_CALLS)]
+    except (LockError, OperationalError) as exc:
+        messages.error(request, f"Not queued: {type(exc).__name__}: {exc}")
+        return redirect("shop:celery")
+    request.session["shop:celery_import"] = {
+        "account": account,
+        "ids": ids,
+        "queued_at": dt.datetime.now(dt.UTC).strftime("%H:%M:%S"),
+    }
+    return redirect("shop:celery")

@@ -104,10 +104,11 @@ class AlreadyRunning(LockNotAcquired):
         self.holder_task_id = holder_task_id
 
     def __str__(self) -> str:
-        by = f" by task {self.holder_task_id}" if self.holder_task_id else ""
+        by = f" (task {self.holder_task_id})" if self.holder_task_id else ""
         return (
-            f"Task {self.task!r} is already running with the same key: lock {self.name!r} "
-            f"on backend {self.backend!r} is held{by}."
+            f"Task {self.task!r} did not run: lock {self.name!r} on backend {self.backend!r} "
+            f"is held by another run with the same key{by}, in progress or kept by "
+            f"lock_at_least_for."
         )
 
 
@@ -118,8 +119,9 @@ class SingleExecution:
     ``key``: a ``str.format`` template over the task's arguments (``"report:{day}"``;
     the result is the lock name as it stands, so it can be shared with ``lock()``
     calls and ``FencedModel`` rows), or a callable called with the task's arguments
-    as keywords (bound to its signature, defaults applied) and returning the name. By default: ``celery:<task name>:<hash of all arguments
-    bound to the signature>``, so positional and keyword calls give the same key.
+    as keywords (bound to its signature, defaults applied) and returning the name.
+    By default: ``celery:<task name>:<hash of all arguments bound to the
+    signature>``, so positional and keyword calls give the same key.
     ``ttl``: the run lock's lease, renewed while the task runs (default
     ``DISTLOCKS_DEFAULT_TTL``); a worker that dies frees the lock within it.
     ``backend``: the ``DISTLOCKS_BACKENDS`` alias.
