@@ -14,9 +14,9 @@ from distlocks.handler import backends
 from distlocks.testing.servers import RedisServer
 
 #: Every backend alias the contract suite runs against.
-CONTRACT_BACKENDS = ["locmem", "redis", "pg"]
+CONTRACT_BACKENDS = ["locmem", "redis", "pg", "redlock"]
 #: Backends whose locks are shared between OS processes.
-CROSS_PROCESS_BACKENDS = ["redis", "pg"]
+CROSS_PROCESS_BACKENDS = ["redis", "pg", "redlock"]
 
 
 @pytest.fixture(scope="session")

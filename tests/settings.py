@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 from urllib.parse import unquote, urlsplit
 
-from distlocks.testing.servers import ensure_test_servers
+from distlocks.testing.servers import ensure_redlock_test_servers, ensure_test_servers
 
 REDIS_URL, DATABASE_URL = ensure_test_servers()
+# Redlock's three masters: the test Redis server and two more of its own.
+REDLOCK_URLS = [REDIS_URL, *ensure_redlock_test_servers(2)]
 
 
 def _database(url: str) -> dict[str, object]:
@@ -35,6 +37,8 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 ALLOWED_HOSTS = ["*"]
 ROOT_URLCONF = "tests.urls"
+# pytest-django's live_server needs it (its static-files handler reads it).
+STATIC_URL = "/static/"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 INSTALLED_APPS = [
@@ -95,6 +99,12 @@ DISTLOCKS_BACKENDS = {
         "BACKEND": "distlocks.backends.postgres.PostgresBackend",
         "DATABASE": "default",
         "OPTIONS": {"mode": "transaction"},
+    },
+    "redlock": {
+        "BACKEND": "distlocks.backends.redlock.RedlockBackend",
+        "LOCATION": REDLOCK_URLS,
+        # A prefix of its own: its first master is the "redis" alias's server.
+        "OPTIONS": {"key_prefix": "distlocks-test-redlock"},
     },
 }
 DISTLOCKS_KEY_PREFIX = "distlocks-test"

@@ -488,3 +488,35 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# -- Redlock: more independent Redis masters ----------------------------------------
+
+REDLOCK_URLS_ENV = "DISTLOCKS_TEST_REDLOCK_URLS"
+
+
+def ensure_redlock_test_servers(count: int = 2) -> list[str]:
+    """URLs of ``count`` more throwaway Redis servers, the extra masters of a Redlock
+    backend in tests (the first master is the server of :func:`ensure_test_servers`).
+
+    Servers listed (comma-separated) in ``DISTLOCKS_TEST_REDLOCK_URLS`` are used as
+    they are; the ones started here are added to it, so worker processes reuse them.
+    They are stopped with the other servers of this process.
+    """
+    global _servers
+    with _lock:
+        urls = [url for url in os.environ.get(REDLOCK_URLS_ENV, "").split(",") if url]
+        if len(urls) < count:
+            if _servers is None:
+                _servers = ServerSet()
+                _install_signal_cleanup()
+            for index in range(len(urls), count):
+                base_dir = _servers.base_dir / f"redlock-{index}"
+                base_dir.mkdir(exist_ok=True)
+                server = RedisServer(base_dir).start()
+                # Runs before ServerSet.close (atexit is last in, first out), which
+                # removes the directories.
+                atexit.register(server.stop)
+                urls.append(server.url)
+            os.environ[REDLOCK_URLS_ENV] = ",".join(urls)
+        return urls[:count]

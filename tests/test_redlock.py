@@ -1,0 +1,576 @@
+"""RedlockBackend specifics: quorum, validity, fencing across masters, failures.
+
+The contract suite (tests/test_locks.py and friends) also runs on the "redlock" alias
+of tests/settings.py; the tests here start masters of their own, to kill, pause and
+restart them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from django.test import override_settings
+
+from distlocks import alock, get_backend, lock
+from distlocks.backends.redlock import RedlockBackend, quorum
+from distlocks.checks import check_settings
+from distlocks.exceptions import LockBackendUnavailable, LockLost, LockNotAcquired
+from distlocks.locks import current_holder
+from distlocks.testing.servers import RedisServer
+from tests.waiting import wait_for
+
+REDLOCK = "distlocks.backends.redlock.RedlockBackend"
+TIMEOUT = 0.5  # socket timeout of the backends built here
+
+
+def start_masters(base: Path, count: int) -> list[RedisServer]:
+    # From this thread: a server gets a kill signal when the thread that started it ends.
+    return [RedisServer(base / f"m{i}").start() for i in range(count)]
+
+
+@pytest.fixture
+def masters(tmp_path: Path) -> Iterator[list[RedisServer]]:
+    """Three independent Redis masters of this test's own."""
+    servers = start_masters(tmp_path, 3)
+    yield servers
+    stop_all(servers)
+
+
+def stop_all(servers: list[RedisServer]) -> None:
+    for server in servers:
+        if server.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(server.pid, signal.SIGCONT)  # a paused server cannot stop
+        server.stop()
+
+
+def config(servers: list[RedisServer], **options: Any) -> dict[str, Any]:
+    return {
+        "BACKEND": REDLOCK,
+        "LOCATION": [server.url for server in servers],
+        "OPTIONS": {"socket_timeout": TIMEOUT, "socket_connect_timeout": TIMEOUT, **options},
+    }
+
+
+@contextlib.contextmanager
+def redlock(servers: list[RedisServer], **options: Any) -> Iterator[RedlockBackend]:
+    """Settings with a "rl" alias over ``servers``; yields its backend."""
+    backends = {"default": {"BACKEND": "distlocks.backends.locmem.LocMemBackend"}}
+    backends["rl"] = config(servers, **options)
+    with override_settings(DISTLOCKS_BACKENDS=backends):
+        backend = get_backend("rl")
+        assert isinstance(backend, RedlockBackend)
+        yield backend
+
+
+def raw(server: RedisServer) -> redis.Redis:
+    return redis.Redis.from_url(server.url, socket_timeout=5)
+
+
+def lock_keys_present(backend: RedlockBackend, servers: list[RedisServer], name: str) -> list[int]:
+    """Indexes of the (reachable) masters that hold a lock entry for ``name``."""
+    found = []
+    for index, server in enumerate(servers):
+        if server.process is None or server.process.poll() is not None:
+            continue
+        client = raw(server)
+        try:
+            if client.exists(backend.masters[index].all_keys(name).lock):
+                found.append(index)
+        finally:
+            client.close()
+    return found
+
+
+@contextlib.contextmanager
+def paused(server: RedisServer) -> Iterator[None]:
+    """The server stops answering (SIGSTOP) but keeps its connections open: a hang."""
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+
+
+def test_the_session_masters_are_exported_for_worker_processes() -> None:
+    from django.conf import settings
+
+    from distlocks.testing.servers import REDLOCK_URLS_ENV
+
+    assert settings.DISTLOCKS_BACKENDS["redlock"]["LOCATION"] == settings.REDLOCK_URLS
+    assert settings.REDLOCK_URLS[0] == settings.REDIS_URL
+    assert os.environ[REDLOCK_URLS_ENV].split(",") == settings.REDLOCK_URLS[1:]
+    assert len(set(settings.REDLOCK_URLS)) == 3
+
+
+def test_quorum_is_a_strict_majority() -> None:
+    assert [quorum(n) for n in (3, 4, 5, 6, 7)] == [2, 3, 3, 4, 4]
+
+
+# -- failures of masters ------------------------------------------------------------
+
+
+def test_one_master_down_still_grants_and_releases(masters: list[RedisServer], name: str) -> None:
+    with redlock(masters) as backend:
+        masters[2].kill()
+        with lock(name, backend="rl", ttl=10, timeout=0) as lease:
+            info = backend.inspect(name)
+            assert info is not None and info.owner == lease.owner
+            assert info.fencing_token == lease.fencing_token
+            assert info.extra["masters"] == "2/3"
+            assert lock_keys_present(backend, masters, name) == [0, 1]
+            with pytest.raises(LockNotAcquired):  # still exclusive
+                lock(name, backend="rl", timeout=0).acquire()
+        assert lease.state == "released"
+        assert backend.inspect(name) is None
+        assert lock_keys_present(backend, masters, name) == []
+
+
+def test_two_masters_down_refuse_with_a_clear_error(masters: list[RedisServer], name: str) -> None:
+    with redlock(masters) as backend:
+        masters[1].kill()
+        masters[2].kill()
+        with pytest.raises(LockBackendUnavailable) as excinfo:
+            lock(name, backend="rl", timeout=5).acquire()
+        message = str(excinfo.value)
+        assert excinfo.value.backend == "rl"
+        assert "only 1 of 3 Redis masters answered and a quorum needs 2" in message
+        assert f"127.0.0.1:{masters[1].port}" in message and "ConnectionError" in message
+        assert isinstance(excinfo.value.__cause__, LockBackendUnavailable)
+        # The one master that granted its part gave it back.
+        assert lock_keys_present(backend, masters, name) == []
+        with pytest.raises(LockBackendUnavailable, match="only 1 of 3"):
+            backend.inspect(name)
+
+
+def test_five_masters_tolerate_two_failures_not_three(tmp_path: Path, name: str) -> None:
+    servers = start_masters(tmp_path, 5)
+    try:
+        with redlock(servers) as backend:
+            assert backend.quorum == 3
+            servers[0].kill()
+            servers[3].kill()
+            with lock(name, backend="rl", timeout=0) as lease:
+                assert backend.inspect(name).extra["masters"] == "3/5"  # type: ignore[union-attr]
+            assert lease.state == "released"
+            servers[4].kill()
+            with pytest.raises(LockBackendUnavailable, match=r"only 2 of 5 .* quorum needs 3"):
+                lock(name, backend="rl", timeout=0).acquire()
+    finally:
+        stop_all(servers)
+
+
+def test_a_hung_master_costs_at_most_the_socket_timeout(
+    masters: list[RedisServer], name: str
+) -> None:
+    """A master that stops answering is waited for no longer than the socket timeout,
+    and a dead one (connection refused) not at all."""
+    with redlock(masters):
+        with lock(name, backend="rl"):
+            pass  # connections are open and pooled
+        with paused(masters[1]):
+            start = time.monotonic()
+            with lock(name, backend="rl", ttl=10, timeout=0) as lease:
+                acquired_after = time.monotonic() - start
+                assert lease.held()
+            # The acquire waited for the hung master (a round waits for every master)...
+            assert acquired_after >= TIMEOUT
+            # ...but no longer than its socket timeout (never the hang itself).
+            assert acquired_after < TIMEOUT + 2.0, acquired_after
+            # Two hung masters: no quorum, reported within the timeout too.
+            with paused(masters[2]):
+                start = time.monotonic()
+                with pytest.raises(LockBackendUnavailable, match="only 1 of 3") as excinfo:
+                    lock(name, backend="rl", timeout=10).acquire()
+                assert time.monotonic() - start < TIMEOUT + 2.0
+                assert "TimeoutError" in str(excinfo.value) or "did not answer" in str(
+                    excinfo.value
+                )
+
+
+def test_validity_is_the_ttl_less_elapsed_time_and_drift(
+    masters: list[RedisServer], name: str
+) -> None:
+    with redlock(masters, drift_factor=0.02, drift_margin=0.005) as backend:
+        ttl = 5.0
+        assert backend.drift(ttl) == pytest.approx(0.105)
+        fast = backend.acquire(name, "fast", ttl, current_holder())
+        assert fast.acquired and fast.remaining is not None
+        assert fast.remaining <= ttl - backend.drift(ttl)
+        assert backend.release(name, "fast") is True
+        with paused(masters[2]):
+            start = time.monotonic()
+            slow = backend.acquire(name, "slow", ttl, current_holder())
+            elapsed = time.monotonic() - start
+        assert slow.acquired and slow.remaining is not None
+        # The round waited for the hung master: that time came off the lease.
+        assert slow.remaining <= ttl - TIMEOUT - backend.drift(ttl)
+        assert slow.remaining >= ttl - elapsed - backend.drift(ttl)
+        assert backend.release(name, "slow") is True
+
+
+def test_a_grant_that_comes_too_late_is_given_back(masters: list[RedisServer], name: str) -> None:
+    """ttl shorter than the round took: the quorum granted it, but nothing of the lease
+    would be left, so the attempt fails and no master keeps anything."""
+    with redlock(masters) as backend, paused(masters[2]):
+        result = backend.acquire(name, "late", 0.2, current_holder())
+        assert not result.acquired
+        assert lock_keys_present(backend, masters[:2], name) == []
+
+
+def test_a_failed_attempt_leaves_no_partial_keys(masters: list[RedisServer], name: str) -> None:
+    with redlock(masters) as backend:
+        # Another owner holds the lock on masters 1 and 2 only (a quorum).
+        for index in (1, 2):
+            assert backend.masters[index].acquire(name, "other", 30, current_holder()).acquired
+        result = backend.acquire(name, "mine", 30, current_holder())
+        assert not result.acquired
+        assert result.remaining is not None and 0 < result.remaining <= 30
+        # Master 0 granted its part; the failed attempt gave it back.
+        wait_for(lambda: lock_keys_present(backend, masters, name) == [1, 2], what="give back")
+        info = backend.inspect(name)
+        assert info is not None and info.owner == "other"
+
+
+def test_a_late_give_back_never_frees_a_later_grant(masters: list[RedisServer], name: str) -> None:
+    """An attempt fails while its request to a hung master is still on its way; that
+    master then grants it, and the owner's next attempt too (same owner: retry-safe).
+    The first attempt's give-back reaches the master after the second attempt was
+    granted: it must not free the entry that grant counts on, or a third caller could
+    collect a quorum while the lease is held."""
+    with redlock(masters, socket_timeout=5.0, socket_connect_timeout=5.0) as backend:
+        a, b, c = backend.masters
+        holder = current_holder()
+        assert backend.inspect(name) is None  # connections to every master are open
+        assert a.acquire(name, "other-a", 30, holder).acquired
+        assert b.acquire(name, "other-b", 30, holder).acquired
+        second: list[Any] = []
+        second_done = threading.Event()
+        given_back = threading.Event()
+        give_back_on = backend._give_back_on
+
+        def late(index: int, *args: Any) -> bool:
+            if index == 2:  # hold the first attempt's give-back on C until the end
+                assert second_done.wait(30)
+            try:
+                return give_back_on(index, *args)
+            finally:
+                given_back.set()
+
+        def second_attempt() -> None:
+            second.append(backend.acquire(name, "O", 30, holder))
+            second_done.set()
+
+        backend._give_back_on = late  # type: ignore[method-assign]
+        assert masters[2].pid is not None
+        os.kill(masters[2].pid, signal.SIGSTOP)
+        try:
+            # A and B refuse: decided without C, whose request waits in its socket.
+            assert not backend.acquire(name, "O", 30, holder).acquired
+            assert b.release(name, "other-b")
+            thread = threading.Thread(target=second_attempt)
+            thread.start()
+            wait_for(lambda: b.inspect(name) is not None, what="second attempt under way")
+        finally:
+            os.kill(masters[2].pid, signal.SIGCONT)
+        thread.join(30)
+        assert second and second[0].acquired  # B and C (C granted both attempts)
+        assert given_back.wait(10), "the first attempt never gave back on C"
+        # The late give-back left the second grant's entry alone...
+        assert raw(masters[2]).hget(c.all_keys(name).lock, "owner") == b"O"
+        # ...so with A free again, nobody else collects a quorum.
+        assert a.release(name, "other-a")
+        assert not backend.acquire(name, "X", 30, holder).acquired
+        assert backend.release(name, "O") is True
+
+
+def test_partial_leftovers_are_not_reported_as_locks(masters: list[RedisServer], name: str) -> None:
+    with redlock(masters) as backend:
+        assert backend.masters[0].acquire(name, "stray", 30, current_holder()).acquired
+        assert backend.inspect(name) is None
+        assert [i for i in backend.iter_locks() if i.name == name] == []
+        # The stray entry blocks one master only: a quorum is still there to take.
+        with lock(name, backend="rl", timeout=0) as lease:
+            listed = [i for i in backend.iter_locks() if i.name == name]
+            assert [i.owner for i in listed] == [lease.owner]
+            assert listed[0].extra["masters"] == "2/3"
+
+
+def test_split_votes_resolve(masters: list[RedisServer], name: str) -> None:
+    """Many callers at once split the masters between them; retries after a random pause
+    still serve everyone, one at a time."""
+    with redlock(masters):
+        inside = 0
+        most = 0
+        done = 0
+        guard = threading.Lock()
+
+        def worker() -> None:
+            nonlocal inside, most, done
+            for _ in range(5):
+                with lock(name, backend="rl", ttl=10, timeout=60):
+                    with guard:
+                        inside += 1
+                        most = max(most, inside)
+                    time.sleep(0.001)
+                    with guard:
+                        inside -= 1
+                        done += 1
+
+        threads = [threading.Thread(target=worker) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert (done, most) == (30, 1)
+
+
+# -- fencing tokens -----------------------------------------------------------------
+
+
+def test_tokens_increase_across_masters_restarting_empty(
+    masters: list[RedisServer], name: str
+) -> None:
+    with redlock(masters) as backend:
+        tokens = []
+        for restart in ([], [0], [1, 2], [0, 1, 2]):
+            for index in restart:
+                port = masters[index].port
+                masters[index].kill()
+                masters[index].start(port=port)  # no persistence: empty
+            with lock(name, backend="rl", timeout=0) as lease:
+                tokens.append(lease.fencing_token)
+            assert backend.fencing_counter(name) == lease.fencing_token
+        assert tokens == sorted(set(tokens))
+
+
+def test_the_grant_raises_every_quorum_counter_to_its_token(
+    masters: list[RedisServer], name: str
+) -> None:
+    """One master's counter is far ahead (of its clock and of the others): the token is
+    that master's, and the other masters of the quorum are raised to it. So when that
+    master later loses everything, the next token is still higher. Without the raise,
+    the other masters would mint from their clocks, below the earlier token."""
+    with redlock(masters) as backend:
+        ahead = (time.time_ns() // 1000) + 3_600_000_000  # an hour ahead of the clocks
+        client = raw(masters[1])
+        client.set(backend.masters[1].all_keys(name).fence, ahead)
+        client.close()
+        with lock(name, backend="rl", timeout=0) as first:
+            assert first.fencing_token == ahead + 1
+            for index, server in enumerate(masters):
+                keys = backend.masters[index].all_keys(name)
+                master = raw(server)
+                assert int(master.hget(keys.lock, "token")) == first.fencing_token
+                assert int(master.get(keys.fence)) == first.fencing_token
+                master.close()
+        port = masters[1].port
+        masters[1].kill()
+        masters[1].start(port=port)
+        with lock(name, backend="rl", timeout=0) as second:
+            assert second.fencing_token > first.fencing_token
+
+
+def test_force_release_moves_the_counter_on(masters: list[RedisServer], name: str) -> None:
+    with redlock(masters) as backend:
+        lease = lock(name, backend="rl").acquire()
+        assert backend.force_release(name) is True
+        assert backend.fencing_counter(name) > lease.fencing_token
+        assert backend.inspect(name) is None
+        assert lease.release() is False and lease.state == "lost"
+        masters[0].kill()
+        assert backend.force_release(name) is False  # two answers are enough
+        masters[1].kill()
+        with pytest.raises(LockBackendUnavailable, match="force-release"):
+            backend.force_release(name)
+        with pytest.raises(LockBackendUnavailable, match="fencing counter"):
+            backend.fencing_counter(name)
+
+
+# -- renewal ------------------------------------------------------------------------
+
+
+def test_renewal_by_quorum_and_loss_when_the_quorum_goes(
+    masters: list[RedisServer], name: str
+) -> None:
+    lost = threading.Event()
+    ttl = 1.0
+    with redlock(masters) as backend:
+        with pytest.raises(LockLost) as excinfo:
+            with lock(name, backend="rl", ttl=ttl, on_lost=lambda _: lost.set()) as lease:
+                masters[0].kill()
+                renewals = lease.renewals
+                # Two masters still renew it, past several lease lengths' worth of time.
+                wait_for(lambda: lease.renewals >= renewals + 4, what="renewals by two")
+                assert lease.held()
+                assert backend.inspect(name).extra["masters"] == "2/3"  # type: ignore[union-attr]
+                masters[1].kill()
+                killed_at = time.monotonic()
+                assert lost.wait(ttl + 5)
+                # Not before the lease ran out: the masters might have come back.
+                assert time.monotonic() - killed_at >= ttl / 3
+                assert not lease.held()
+        assert excinfo.value.lease is lease
+        assert "only 1 of 3 Redis masters answered" in lease.lost_reason
+
+
+def test_renewal_extends_every_master_by_the_ttl_and_the_drift(
+    masters: list[RedisServer], name: str
+) -> None:
+    with redlock(masters) as backend:
+        lease = lock(name, backend="rl", ttl=20, auto_renew=False).acquire()
+        try:
+            lease.extend(100)
+            for index, server in enumerate(masters):
+                client = raw(server)
+                key = backend.masters[index].all_keys(name).lock
+                # The master keeps it for longer than the lease counts on...
+                assert client.pttl(key) > 100_000
+                assert client.pttl(key) <= round((100 + backend.drift(100)) * 1000)
+                # ...and reports the ttl asked for.
+                assert client.hget(key, "ttl") == b"100000"
+                client.close()
+            info = backend.inspect(name)
+            assert info is not None and (info.ttl, info.renewals) == (100, 1)
+        finally:
+            lease.release()
+
+
+def test_only_entries_a_grant_adopted_are_renewed(masters: list[RedisServer], name: str) -> None:
+    """An entry of the owner that no grant adopted (what a late request of a failed
+    attempt leaves) may be given back at any moment, so renewal does not count it."""
+    with redlock(masters) as backend:
+        lease = lock(name, backend="rl", ttl=20, auto_renew=False).acquire()
+        for server, master in zip(masters[1:], backend.masters[1:], strict=True):
+            client = raw(server)
+            assert client.hdel(master.all_keys(name).lock, "attempt") == 1
+            client.close()
+        with pytest.raises(LockLost):
+            lease.extend()
+        assert lease.state == "lost"
+
+
+# -- waiting ------------------------------------------------------------------------
+
+
+def test_a_release_wakes_the_waiter(masters: list[RedisServer], name: str) -> None:
+    """Blocking waits time out only after 4 s here: a grant sooner came from a wake-up."""
+    with redlock(masters, socket_timeout=5.0) as backend:
+        assert min(master.wait_chunk for master in backend.masters) >= 4
+        holder = lock(name, backend="rl", ttl=30).acquire()
+        granted: list[float] = []
+
+        def waiter() -> None:
+            with lock(name, backend="rl", ttl=30, timeout=20):
+                granted.append(time.monotonic())
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        wait_for(lambda: (backend.inspect(name).waiters or 0) >= 1, what="registered")  # type: ignore[union-attr]
+        released = time.monotonic()
+        holder.release()
+        thread.join(30)
+        assert granted and granted[0] - released < 1.0
+        assert backend.inspect(name) is None
+
+
+def test_waiters_go_on_when_a_master_is_down(masters: list[RedisServer], name: str) -> None:
+    with redlock(masters) as backend:
+        masters[0].kill()  # the master waiters would listen on first
+        holder = lock(name, backend="rl", ttl=30).acquire()
+        outcome: list[int] = []
+
+        def waiter() -> None:
+            with lock(name, backend="rl", timeout=20) as lease:
+                outcome.append(lease.fencing_token)
+
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        wait_for(lambda: (backend.inspect(name).waiters or 0) >= 1, what="registered")  # type: ignore[union-attr]
+        holder.release()
+        thread.join(30)
+        assert outcome and outcome[0] > holder.fencing_token
+
+
+def test_async_lock_with_a_master_down(masters: list[RedisServer], name: str) -> None:
+    async def main() -> list[int]:
+        tokens = []
+        for _ in range(3):
+            async with alock(name, backend="rl", ttl=5, timeout=5) as lease:
+                tokens.append(lease.fencing_token)
+        return tokens
+
+    with redlock(masters):
+        masters[1].kill()
+        tokens = asyncio.run(main())
+    assert tokens == sorted(set(tokens))
+
+
+# -- configuration ------------------------------------------------------------------
+
+
+URLS = ["redis://a:6379/0", "redis://b:6379/0", "redis://c:6379/0"]
+
+
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ({"LOCATION": "redis://a:6379/0"}, "not one URL string"),
+        ({}, "it is missing"),
+        ({"LOCATION": URLS[:2]}, "lists 2 master(s); Redlock needs at least 3"),
+        ({"LOCATION": [*URLS[:2], "http://c"]}, "LOCATION[2] = 'http://c' must be a URL"),
+        ({"LOCATION": [*URLS[:2], "redis://A:6379/1"]}, "points at the same Redis server"),
+        ({"LOCATION": URLS, "CACHE": "redis"}, "unknown key(s) CACHE"),
+        ({"LOCATION": URLS, "OPTIONS": {"drift": 0.1}}, "unknown OPTIONS key(s) drift"),
+        ({"LOCATION": URLS, "OPTIONS": {"drift_factor": 1.5}}, "OPTIONS['drift_factor']"),
+        ({"LOCATION": URLS, "OPTIONS": {"drift_margin": -1}}, "OPTIONS['drift_margin']"),
+        ({"LOCATION": URLS, "OPTIONS": {"socket_timeout": 0}}, "OPTIONS['socket_timeout']"),
+    ],
+)
+def test_bad_configuration_is_explained(entry: dict[str, Any], problem: str) -> None:
+    problems = RedlockBackend.validate_config("rl", {"BACKEND": REDLOCK, **entry})
+    assert any(problem in p for p in problems), problems
+
+
+def test_good_configuration_has_no_problem() -> None:
+    options = {"drift_factor": 0.05, "drift_margin": 0.01, "key_prefix": "locks"}
+    entry = {"BACKEND": REDLOCK, "LOCATION": [*URLS, "unix:///tmp/r.sock"][:3], "OPTIONS": options}
+    assert RedlockBackend.validate_config("rl", entry) == []
+
+
+@pytest.mark.parametrize(
+    ("location", "expected"),
+    [
+        (URLS, []),
+        ([*URLS, "redis://d"], ["distlocks.W002"]),
+        ([*URLS, "redis://d", "redis://e"], []),
+        (URLS[:2], ["distlocks.E004"]),
+        ("redis://a", ["distlocks.E004"]),
+    ],
+)
+def test_system_checks(location: Any, expected: list[str]) -> None:
+    backends = {"default": {"BACKEND": REDLOCK, "LOCATION": location}}
+    with override_settings(DISTLOCKS_BACKENDS=backends):
+        assert [message.id for message in check_settings()] == expected
+
+
+def test_a_bad_configuration_fails_at_first_use() -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    backends = {"default": {"BACKEND": REDLOCK, "LOCATION": URLS[:1]}}
+    with (
+        override_settings(DISTLOCKS_BACKENDS=backends),
+        pytest.raises(ImproperlyConfigured, match="at least 3"),
+    ):
+        get_backend()
