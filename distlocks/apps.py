@@ -16,6 +16,7 @@ class DistlocksConfig(AppConfig):
 
     def ready(self) -> None:
         from distlocks import checks  # noqa: F401 - registers the system checks
+        from distlocks.conf import conf
         from distlocks.fencing import install_error_translation
         from distlocks.handler import reset_on_setting_change
 
@@ -24,6 +25,11 @@ class DistlocksConfig(AppConfig):
             install_error_translation, dispatch_uid="distlocks-translate-stale-tokens"
         )
         post_migrate.connect(install_fencing_triggers, dispatch_uid="distlocks-fencing-triggers")
+        if conf.METRICS:
+            # Only then is prometheus_client imported (the "prometheus" extra).
+            from distlocks.metrics import install
+
+            install()
 
 
 def install_fencing_triggers(using: str = "default", **kwargs: Any) -> None:

@@ -24,6 +24,8 @@ E007 = "DISTLOCKS_KEY_PREFIX must be a non-empty str without braces."
 E008 = "PostgresBackend needs a PostgreSQL database."
 E009 = "Session-mode PostgreSQL locks cannot work behind transaction pooling."
 E010 = "A FencedModel subclass must keep fencing_token as a non-null BigIntegerField."
+E011 = "DISTLOCKS_STUCK_AFTER must be a number of seconds > 0."
+E012 = "DISTLOCKS_METRICS must be True or False, and True needs prometheus_client."
 W001 = "LocMemBackend only locks within one process."
 
 
@@ -56,6 +58,33 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     prefix = conf.KEY_PREFIX
     if not isinstance(prefix, str) or not prefix or set("{}") & set(prefix):
         errors.append(Error(E007, hint=f"It is {prefix!r}; e.g. 'distlocks'.", id="distlocks.E007"))
+    errors.extend(_check_operations())
+    return errors
+
+
+def _check_operations() -> list[CheckMessage]:
+    """The settings of the live-locks page and of the metrics."""
+    errors: list[CheckMessage] = []
+    stuck = conf.STUCK_AFTER
+    if not _is_number(stuck) or stuck <= 0:
+        errors.append(
+            Error(E011, hint=f"It is {stuck!r}; e.g. 3600 (one hour).", id="distlocks.E011")
+        )
+    metrics = conf.METRICS
+    if not isinstance(metrics, bool):
+        errors.append(Error(E012, hint=f"It is {metrics!r}.", id="distlocks.E012"))
+    elif metrics:
+        import importlib.util
+
+        if importlib.util.find_spec("prometheus_client") is None:
+            errors.append(
+                Error(
+                    E012,
+                    hint="prometheus_client is not installed: pip install "
+                    "'distlocks[prometheus]', or set DISTLOCKS_METRICS = False.",
+                    id="distlocks.E012",
+                )
+            )
     return errors
 
 

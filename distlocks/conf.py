@@ -13,6 +13,8 @@ DEFAULTS: dict[str, Any] = {
     "DISTLOCKS_DEFAULT_TTL": 30.0,
     "DISTLOCKS_DEFAULT_TIMEOUT": 10.0,
     "DISTLOCKS_KEY_PREFIX": "distlocks",
+    "DISTLOCKS_STUCK_AFTER": 3600.0,
+    "DISTLOCKS_METRICS": False,
 }
 
 
@@ -37,6 +39,16 @@ class Settings:
     def KEY_PREFIX(self) -> str:
         """Prefix of every key or name distlocks writes on a server."""
         return getattr(settings, "DISTLOCKS_KEY_PREFIX", DEFAULTS["DISTLOCKS_KEY_PREFIX"])
+
+    @property
+    def STUCK_AFTER(self) -> float:
+        """Seconds a lock may be held before the admin page and metrics call it stuck."""
+        return getattr(settings, "DISTLOCKS_STUCK_AFTER", DEFAULTS["DISTLOCKS_STUCK_AFTER"])
+
+    @property
+    def METRICS(self) -> bool:
+        """Export Prometheus metrics (connected once, in ``AppConfig.ready()``)."""
+        return getattr(settings, "DISTLOCKS_METRICS", DEFAULTS["DISTLOCKS_METRICS"])
 
 
 conf = Settings()

@@ -4,6 +4,8 @@
   are rejected when a newer lock holder has already written the row.
 * :class:`LockRegistry`: the PostgreSQL backend's name registry and durable,
   per-name fencing counter (advisory locks know only a 64-bit key).
+* :class:`LiveLock`: unmanaged, no table; the admin page of live locks and its
+  permissions.
 """
 
 from __future__ import annotations
@@ -281,3 +283,21 @@ class LockRegistry(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class LiveLock(models.Model):
+    """No table: the admin's entry for the live locks of every backend, and its
+    permissions (``view_livelock`` to see them, ``force_release_livelock`` to free one).
+
+    The locks themselves are read from the backends (see :mod:`distlocks.livelocks`).
+    """
+
+    class Meta:
+        managed = False
+        default_permissions = ("view",)
+        permissions = [("force_release_livelock", _("Can force-release a live lock"))]
+        verbose_name = _("live lock")
+        verbose_name_plural = _("live locks")
+
+    def __str__(self) -> str:
+        return str(self._meta.verbose_name)

@@ -65,6 +65,11 @@ def test_valid_settings_give_no_message() -> None:
             [],
         ),
         ({"DISTLOCKS_DEFAULT_TIMEOUT": None}, []),
+        ({"DISTLOCKS_STUCK_AFTER": 0}, ["distlocks.E011"]),
+        ({"DISTLOCKS_STUCK_AFTER": "1h"}, ["distlocks.E011"]),
+        ({"DISTLOCKS_STUCK_AFTER": 600}, []),
+        ({"DISTLOCKS_METRICS": "yes"}, ["distlocks.E012"]),
+        ({"DISTLOCKS_METRICS": True}, []),
         ({"DISTLOCKS_BACKENDS": {"default": PG}}, []),
         (
             {

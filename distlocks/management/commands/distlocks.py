@@ -1,0 +1,215 @@
+"""``manage.py distlocks``: list, inspect and force-release live locks.
+
+::
+
+    manage.py distlocks list [--backend ALIAS] [--status STATUS] [--json]
+    manage.py distlocks inspect NAME [--backend ALIAS] [--json]
+    manage.py distlocks release NAME --backend ALIAS [--yes]
+
+Exit codes: 0 done; 1 an error (unknown backend or lock, a backend that cannot be
+read, a release not confirmed). ``list`` still prints what it could read.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import sys
+from argparse import ArgumentParser
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from distlocks import livelocks
+
+_TABLE = [
+    ("NAME", lambda x: x.name),
+    ("BACKEND", lambda x: x.backend),
+    ("STATUS", lambda x: x.status),
+    ("HOLDER", lambda x: x.holder),
+    ("TASK", lambda x: x.celery_task_id or "-"),
+    ("PG PID", lambda x: x.backend_pid or "-"),
+    ("HELD", lambda x: livelocks.format_seconds(x.held_for) or "-"),
+    ("EXPIRES", lambda x: livelocks.format_seconds(x.expires_in) or "never"),
+    ("TOKEN", lambda x: x.info.fencing_token),
+    ("RENEWALS", lambda x: x.info.renewals),
+    ("WAITERS", lambda x: "-" if x.info.waiters is None else x.info.waiters),
+]
+
+
+class Command(BaseCommand):
+    help = "List, inspect and force-release the live locks of the distlocks backends."
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        sub = parser.add_subparsers(dest="action", required=True, metavar="{list,inspect,release}")
+        listing = sub.add_parser("list", help="the live locks of every (or one) backend")
+        listing.add_argument("--backend", help="only this DISTLOCKS_BACKENDS alias")
+        listing.add_argument("--status", choices=livelocks.STATUSES, help="only this status")
+        listing.add_argument("--json", action="store_true", help="one JSON list on stdout")
+        inspect = sub.add_parser("inspect", help="one lock, in detail")
+        inspect.add_argument("name")
+        inspect.add_argument("--backend", help="look only here (default: every backend)")
+        inspect.add_argument("--json", action="store_true")
+        release = sub.add_parser(
+            "release", help="free a lock whoever holds it, advancing its fencing counter"
+        )
+        release.add_argument("name")
+        release.add_argument("--backend", required=True, help="the DISTLOCKS_BACKENDS alias")
+        release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        action = options["action"]
+        if action == "list":
+            self.list_locks(options)
+        elif action == "inspect":
+            self.inspect_lock(options)
+        else:
+            self.release_lock(options)
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _aliases(self, alias: str | None) -> list[str]:
+        known = livelocks.configured_aliases()
+        if not known:
+            raise CommandError(
+                "DISTLOCKS_BACKENDS defines no usable backend (run manage.py check)."
+            )
+        if alias is None:
+            return known
+        if alias not in known:
+            raise CommandError(
+                f"Unknown backend {alias!r}; DISTLOCKS_BACKENDS defines "
+                f"{', '.join(repr(a) for a in known)}."
+            )
+        return [alias]
+
+    def _json(self, value: Any) -> None:
+        self.stdout.write(json.dumps(value, indent=2, default=str))
+
+    # -- list -------------------------------------------------------------------------
+
+    def list_locks(self, options: dict[str, Any]) -> None:
+        aliases = self._aliases(options["backend"])
+        snapshot = livelocks.collect(aliases)
+        items = livelocks.select(snapshot.locks, status=options["status"] or "", order="name")
+        if options["json"]:
+            self._json([item.as_dict() for item in items])
+        elif items:
+            cells = [[str(get(item)) for _, get in _TABLE] for item in items]
+            widths = [
+                max(len(head), *(len(row[i]) for row in cells))
+                for i, (head, _) in enumerate(_TABLE)
+            ]
+            lines = [[head for head, _ in _TABLE], *cells]
+            for line in lines:
+                self.stdout.write(
+                    "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+                )
+        else:
+            self.stdout.write("No live locks.")
+        for alias in snapshot.truncated:
+            self.stderr.write(f"Backend {alias!r}: more locks than one listing reads; truncated.")
+        if snapshot.errors:
+            for alias, error in snapshot.errors.items():
+                self.stderr.write(f"Backend {alias!r} cannot be read: {error}")
+            raise CommandError(
+                f"{len(snapshot.errors)} backend(s) could not be read; their locks are missing."
+            )
+
+    # -- inspect ----------------------------------------------------------------------
+
+    def inspect_lock(self, options: dict[str, Any]) -> None:
+        name = options["name"]
+        found: list[livelocks.LiveLock] = []
+        failed: list[str] = []
+        for alias in self._aliases(options["backend"]):
+            try:
+                item = livelocks.inspect(alias, name)
+            except Exception as exc:  # reported, with the backend's error
+                failed.append(alias)
+                self.stderr.write(
+                    f"Backend {alias!r} cannot be read: {livelocks.describe_error(exc)}"
+                )
+                continue
+            if item is not None:
+                found.append(item)
+        if not found:
+            where = f"backend {options['backend']!r}" if options["backend"] else "any backend"
+            more = f" ({len(failed)} backend(s) could not be read)" if failed else ""
+            raise CommandError(f"No live lock {name!r} on {where}{more}.")
+        if options["json"]:
+            self._json([item.as_dict() for item in found])
+            return
+        for item in found:
+            data = item.as_dict()
+            extra = data.pop("extra")
+            width = max(len(key) for key in data)
+            self.stdout.write(f"{item.name} on {item.backend}:")
+            for key, value in data.items():
+                self.stdout.write(
+                    f"  {key.ljust(width)}  {'-' if value in (None, '', []) else value}"
+                )
+            for key, value in sorted(extra.items()):
+                self.stdout.write(f"  {('extra.' + key).ljust(width)}  {value}")
+
+    # -- release ----------------------------------------------------------------------
+
+    def release_lock(self, options: dict[str, Any]) -> None:
+        name, alias = options["name"], options["backend"]
+        self._aliases(alias)
+        try:
+            item = livelocks.inspect(alias, name)
+        except Exception as exc:  # reported, with the backend's error
+            raise CommandError(
+                f"Backend {alias!r} cannot be read: {livelocks.describe_error(exc)}"
+            ) from exc
+        if item is None:
+            raise CommandError(f"No live lock {name!r} on backend {alias!r}: nothing to release.")
+        if not options["yes"]:
+            self.stdout.write(
+                f"Lock {name!r} on backend {alias!r} is held by {item.holder} "
+                f"(owner {item.info.owner}, fencing token {item.info.fencing_token}, "
+                f"status {item.status}{': ' + item.reason if item.reason else ''})."
+            )
+            self.stdout.write(
+                "Force-release it? The holder's fenced writes will be rejected. [y/N] ", ending=""
+            )
+            self.stdout.flush()
+            answer = sys.stdin.readline()  # "" at end of input: not confirmed
+            if answer.strip().lower() not in ("y", "yes"):
+                raise CommandError("Not released (not confirmed; pass --yes to skip the question).")
+        try:
+            done = livelocks.force_release(
+                alias,
+                name,
+                expected_token=item.info.fencing_token,
+                user=_os_user(),
+                via="command",
+            )
+        except livelocks.TokenChanged as exc:
+            raise CommandError(
+                f"Lock {name!r} on backend {alias!r} changed hands meanwhile; nothing was "
+                f"released. Inspect it again."
+            ) from exc
+        except Exception as exc:  # reported, with the backend's error
+            raise CommandError(
+                f"Could not force-release {name!r} on backend {alias!r}: "
+                f"{livelocks.describe_error(exc)}"
+            ) from exc
+        if not done.released:
+            raise CommandError(f"Lock {name!r} on backend {alias!r} was released meanwhile.")
+        self.stdout.write(
+            self.style.SUCCESS(
+                f"Released {name!r} on backend {alias!r} (was held by {item.holder}, token "
+                f"{item.info.fencing_token}); fencing counter now {done.counter}."
+            )
+        )
+
+
+def _os_user() -> str:
+    """Who ran the command, for the log line and the signal."""
+    try:
+        return f"{getpass.getuser()} (manage.py, pid {os.getpid()})"
+    except Exception:  # no user name in this environment
+        return f"manage.py, pid {os.getpid()}"
