@@ -8,6 +8,16 @@ from distlocks.backends.base import BaseBackend
 from distlocks.handler import backends
 from distlocks.lease import AsyncLease, Lease
 from distlocks.locks import AsyncLock, Lock, alock, lock, lock_many
+from distlocks.primitives import (
+    AsyncPermitLock,
+    AsyncRWLock,
+    PermitLock,
+    RWLock,
+    arwlock,
+    asemaphore,
+    rwlock,
+    semaphore,
+)
 
 try:
     __version__ = version("distlocks")
@@ -17,12 +27,20 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "AsyncLease",
     "AsyncLock",
+    "AsyncPermitLock",
+    "AsyncRWLock",
     "Lease",
     "Lock",
+    "PermitLock",
+    "RWLock",
     "alock",
+    "arwlock",
+    "asemaphore",
     "get_backend",
     "lock",
     "lock_many",
+    "rwlock",
+    "semaphore",
 ]
 
 

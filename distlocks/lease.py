@@ -28,7 +28,7 @@ from distlocks.exceptions import LockError, LockLost
 from distlocks.validation import validate_ttl
 
 if TYPE_CHECKING:
-    from distlocks.backends.base import BaseBackend
+    from distlocks.backends.base import LeaseServer
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class BaseLease:
     def __init__(
         self,
         *,
-        backend: BaseBackend,
+        backend: LeaseServer,
         name: str,
         owner: str,
         fencing_token: int,
@@ -111,6 +111,11 @@ class BaseLease:
     @property
     def lost_reason(self) -> str:
         return self._lost_reason
+
+    @property
+    def kind(self) -> str:
+        """``"lock"``, or the permit's kind: ``"semaphore"``, ``"read"`` or ``"write"``."""
+        return str(getattr(self._backend, "kind", "lock"))
 
     def remaining(self) -> float | None:
         """Seconds the lease is certainly still valid for, by the local monotonic clock."""
@@ -428,7 +433,7 @@ class AsyncLease(BaseLease):
         return True
 
 
-def release_dropped(backend: BaseBackend, name: str, owner: str, ended: dict[str, bool]) -> None:
+def release_dropped(backend: LeaseServer, name: str, owner: str, ended: dict[str, bool]) -> None:
     """Release the lock of a lease its holder dropped without releasing it (nobody can
     release it any more); ``ended`` is the lease's own flag, set when it ended."""
     if ended["ended"]:

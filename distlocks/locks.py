@@ -18,7 +18,7 @@ from types import MappingProxyType, TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from distlocks import fencing, reentrancy, signals
-from distlocks.backends.base import AcquireResult, BaseBackend, Holder
+from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LeaseServer
 from distlocks.conf import conf
 from distlocks.exceptions import LockError, LockLost, LockNotAcquired
 from distlocks.handler import backends, check_alias
@@ -66,7 +66,7 @@ class _Attempt:
 
     def __init__(
         self,
-        backend: BaseBackend,
+        backend: LeaseServer,
         name: str,
         *,
         ttl: float,
@@ -86,6 +86,8 @@ class _Attempt:
         self.options = options
         self.owner = new_owner()
         self.holder = current_holder()
+        #: When the acquisition began (monotonic), for the wait time the signals report.
+        self.began = time.monotonic()
         self.interval = FIRST_POLL_INTERVAL
         #: True while the backend may list this caller as a waiter (to be undone).
         self.registered = False
@@ -155,7 +157,7 @@ def _in_thread(func: Callable[..., object], *args: Any) -> None:
 
 
 def acquire_lease(
-    backend: BaseBackend,
+    backend: LeaseServer,
     name: str,
     *,
     ttl: float,
@@ -179,6 +181,9 @@ def acquire_lease(
             if attempt.granted(result):
                 break
             backend.wait(name, attempt.next_wait(result), owner=owner, fair=fair)
+    except LockError as exc:
+        _not_acquired(attempt, exc)
+        raise
     finally:
         if attempt.registered:
             _leave_quietly(backend, name, owner)
@@ -188,7 +193,9 @@ def acquire_lease(
         renewer(backend.alias).add(lease, due)
     attempt.guard(lease)
     try:
-        signals.lock_acquired.send(sender=Lease, lease=lease)
+        signals.lock_acquired.send(
+            sender=Lease, lease=lease, waited=time.monotonic() - attempt.began
+        )
     except BaseException:
         # A failing receiver must not leave a lease that nobody will release.
         with contextlib.suppress(Exception):
@@ -197,7 +204,18 @@ def acquire_lease(
     return lease
 
 
-def _leave_quietly(backend: BaseBackend, name: str, owner: str) -> None:
+def _not_acquired(attempt: _Attempt, error: LockError) -> None:
+    """Tell ``lock_not_acquired`` receivers (e.g. metrics) that no lease came of it."""
+    signals.lock_not_acquired.send_robust(
+        sender=type(attempt.backend),
+        name=attempt.name,
+        backend=attempt.backend.alias,
+        waited=time.monotonic() - attempt.began,
+        error=error,
+    )
+
+
+def _leave_quietly(backend: LeaseServer, name: str, owner: str) -> None:
     try:
         backend.leave_queue(name, owner)
     except Exception:
@@ -206,7 +224,7 @@ def _leave_quietly(backend: BaseBackend, name: str, owner: str) -> None:
 
 
 async def aacquire_lease(
-    backend: BaseBackend,
+    backend: LeaseServer,
     name: str,
     *,
     ttl: float,
@@ -228,6 +246,9 @@ async def aacquire_lease(
             if attempt.granted(result):
                 break
             await backend.await_release(name, attempt.next_wait(result), owner=owner, fair=fair)
+    except LockError as exc:
+        _not_acquired(attempt, exc)
+        raise
     finally:
         if attempt.registered:
             try:
@@ -238,7 +259,9 @@ async def aacquire_lease(
     lease._start_renewal()
     attempt.guard(lease)
     try:
-        signals.lock_acquired.send(sender=AsyncLease, lease=lease)
+        signals.lock_acquired.send(
+            sender=AsyncLease, lease=lease, waited=time.monotonic() - attempt.began
+        )
     except BaseException:
         with contextlib.suppress(Exception):
             await lease.release()

@@ -18,13 +18,34 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from django.core.checks import CheckMessage, Error
+from django.core.exceptions import ImproperlyConfigured
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 _executor_lock = threading.Lock()
+
+#: Kinds of permit (leases of the primitives other than a plain lock): a semaphore
+#: permit, and the shared and exclusive sides of a read-write lock.
+SEMAPHORE = "semaphore"
+READ = "read"
+WRITE = "write"
+#: Both sides of a read-write lock, where holders are listed or evicted together.
+RWLOCK = "rwlock"
+_FAMILIES = {SEMAPHORE: SEMAPHORE, READ: RWLOCK, WRITE: RWLOCK, RWLOCK: RWLOCK}
+_PLURALS = {SEMAPHORE: "semaphores", RWLOCK: "read-write locks"}
+
+
+def permit_family(kind: str) -> str:
+    """``"semaphore"`` or ``"rwlock"`` for a permit kind; ValueError for anything else."""
+    try:
+        return _FAMILIES[kind]
+    except KeyError:
+        raise ValueError(
+            f"Unknown permit kind {kind!r}; use 'semaphore', 'read', 'write' or 'rwlock'."
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -78,6 +99,52 @@ class LockInfo:
         if self.expires_at is None:
             return None
         return self.expires_at - dt.datetime.now(dt.UTC)
+
+
+class LeaseServer(Protocol):
+    """What a lease and the acquisition loop call on: a backend (for plain locks), or a
+    backend's view of one kind of permit (:class:`distlocks.primitives.PermitServer`)."""
+
+    @property
+    def alias(self) -> str: ...
+
+    @property
+    def wakes_on_release(self) -> bool: ...
+
+    @property
+    def expires_on_server(self) -> bool: ...
+
+    def acquire(
+        self, name: str, owner: str, ttl: float, holder: Holder, *, wait: float = ...,
+        fair: bool = ...,
+    ) -> AcquireResult: ...  # fmt: skip
+
+    def release(self, name: str, owner: str) -> bool: ...
+
+    def release_quietly(self, name: str, owner: str) -> bool: ...
+
+    def extend(self, name: str, owner: str, ttl: float) -> bool: ...
+
+    def wait(self, name: str, timeout: float, *, owner: str = ..., fair: bool = ...) -> None: ...
+
+    def leave_queue(self, name: str, owner: str) -> None: ...
+
+    async def aacquire(
+        self, name: str, owner: str, ttl: float, holder: Holder, *, wait: float = ...,
+        fair: bool = ...,
+    ) -> AcquireResult: ...  # fmt: skip
+
+    async def arelease(self, name: str, owner: str) -> bool: ...
+
+    async def arelease_quietly(self, name: str, owner: str) -> bool: ...
+
+    async def aextend(self, name: str, owner: str, ttl: float) -> bool: ...
+
+    async def await_release(
+        self, name: str, timeout: float, *, owner: str = ..., fair: bool = ...
+    ) -> None: ...
+
+    async def aleave_queue(self, name: str, owner: str) -> None: ...
 
 
 class BaseBackend(ABC):
@@ -267,3 +334,140 @@ class BaseBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release client resources (connection pools); the backend is not used again."""
+
+    # -- semaphores and read-write locks ------------------------------------------
+    # Optional: the defaults say clearly that this backend has none. A backend that
+    # has them lists the kinds in ``permit_kinds`` and overrides every method below
+    # (``permit_wait``/``permit_leave`` only if it can wake waiters). Permits of one
+    # name are apart from the plain lock of that name and from the other primitive.
+
+    #: The permit kinds (``"semaphore"``, ``"read"``, ``"write"``) this backend serves.
+    permit_kinds: frozenset[str] = frozenset()
+
+    def unsupported(self, kind: str) -> ImproperlyConfigured:
+        """The error for a permit kind this backend does not serve (to raise)."""
+        what = _PLURALS[permit_family(kind)]
+        return ImproperlyConfigured(
+            f"Backend {self.alias!r} ({type(self).__name__}) does not support {what}. "
+            f"Use a backend that does (Redis, PostgreSQL in session mode, or LocMem in "
+            f"tests) for them: pass backend=<its alias>."
+        )
+
+    def check_permit_kind(self, kind: str) -> None:
+        """Raise :meth:`unsupported` unless this backend serves ``kind`` (a read-write
+        lock as a whole, ``"rwlock"``, is served when its read side is)."""
+        if (READ if kind == RWLOCK else kind) not in self.permit_kinds:
+            raise self.unsupported(kind)
+
+    def permit_acquire(
+        self,
+        kind: str,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        limit: int = 1,
+        wait: float = 0.0,
+    ) -> AcquireResult:
+        """Take a permit of ``kind`` on ``name`` for ``owner`` in one atomic step, if
+        there is room: fewer than ``limit`` live semaphore permits; no writer holding
+        or waiting, for a reader; nobody holding, for a writer (which gets a fencing
+        token above every earlier write token of ``name``; other permits get 0).
+
+        Acquiring again with the same ``owner`` returns the same permit (retry-safe).
+        ``wait`` > 0 says the caller will wait up to that long (a waiting writer holds
+        up new readers while it is registered). When refused, ``remaining`` says when
+        the permit that blocks it ends at the latest (None: unknown)."""
+        raise self.unsupported(kind)
+
+    def permit_release(self, kind: str, name: str, owner: str) -> bool:
+        """Give back ``owner``'s permit only; True if this call gave it back."""
+        raise self.unsupported(kind)
+
+    def permit_extend(self, kind: str, name: str, owner: str, ttl: float) -> bool:
+        """Reset ``owner``'s permit to ``ttl`` seconds; False if it no longer has it."""
+        raise self.unsupported(kind)
+
+    def permit_wakes_on_release(self, kind: str) -> bool:
+        """True when :meth:`permit_wait` returns as soon as a permit may be free."""
+        return self.wakes_on_release
+
+    def permit_wait(
+        self, kind: str, name: str, timeout: float, *, owner: str = "", limit: int = 1
+    ) -> None:
+        """Block up to ``timeout`` seconds, or less when a permit may have come free
+        (``limit``: the semaphore's, as the caller asked).
+
+        The default sleeps (the caller polls with a growing interval)."""
+        self.check_permit_kind(kind)
+        time.sleep(max(0.0, timeout))
+
+    def permit_leave(self, kind: str, name: str, owner: str) -> None:  # noqa: B027
+        """``owner`` stopped waiting (timeout or error): forget its registration."""
+
+    def permit_holders(self, kind: str, name: str) -> list[LockInfo]:
+        """The live permits of the semaphore or read-write lock ``name`` (``kind`` is
+        one of its kinds or ``"rwlock"``), one :class:`LockInfo` each, with
+        ``extra["kind"]`` set to ``"semaphore"``, ``"read"`` or ``"write"``."""
+        raise self.unsupported(kind)
+
+    def permit_force_release(self, kind: str, name: str, owner: str | None = None) -> int:
+        """Evict ``owner``'s permit on ``name`` (every permit when None), whoever holds
+        it; for a read-write lock the write counter moves on, so an evicted writer's
+        fenced writes are rejected. Returns how many live permits were evicted."""
+        raise self.unsupported(kind)
+
+    def permit_counter(self, name: str) -> int:
+        """The last write token issued for the read-write lock ``name`` (0 if none)."""
+        raise self.unsupported(WRITE)
+
+    def iter_permits(self) -> Iterator[LockInfo]:
+        """Yield every live permit on this backend (nothing, where there are none)."""
+        return iter(())
+
+    def force_release_holder(self, info: LockInfo) -> bool:
+        """Evict the holder ``info`` describes (an item of :meth:`iter_locks`): a
+        plain lock by name, a permit by its owner. True if it was still held."""
+        kind = info.extra.get("kind")
+        if kind in (SEMAPHORE, READ, WRITE):
+            return self.permit_force_release(str(kind), info.name, info.owner) > 0
+        return self.force_release(info.name)
+
+    async def apermit_acquire(
+        self,
+        kind: str,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        limit: int = 1,
+        wait: float = 0.0,
+    ) -> AcquireResult:
+        """Async :meth:`permit_acquire`."""
+        return await self._in_thread(
+            wait > 0, self.permit_acquire, kind, name, owner, ttl, holder, limit=limit, wait=wait
+        )
+
+    async def apermit_release(self, kind: str, name: str, owner: str) -> bool:
+        """Async :meth:`permit_release`."""
+        return await self._in_thread(False, self.permit_release, kind, name, owner)
+
+    async def apermit_extend(self, kind: str, name: str, owner: str, ttl: float) -> bool:
+        """Async :meth:`permit_extend`."""
+        return await self._in_thread(False, self.permit_extend, kind, name, owner, ttl)
+
+    async def apermit_wait(
+        self, kind: str, name: str, timeout: float, *, owner: str = "", limit: int = 1
+    ) -> None:
+        """Async :meth:`permit_wait` (the default sleeps without blocking the loop)."""
+        if type(self).permit_wait is BaseBackend.permit_wait:
+            self.check_permit_kind(kind)
+            await asyncio.sleep(max(0.0, timeout))
+            return
+        await self._in_thread(True, self.permit_wait, kind, name, timeout, owner=owner, limit=limit)
+
+    async def apermit_leave(self, kind: str, name: str, owner: str) -> None:
+        """Async :meth:`permit_leave`."""
+        await self._in_thread(False, self.permit_leave, kind, name, owner)

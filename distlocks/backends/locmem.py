@@ -16,7 +16,17 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
+from distlocks.backends.base import (
+    READ,
+    RWLOCK,
+    SEMAPHORE,
+    WRITE,
+    AcquireResult,
+    BaseBackend,
+    Holder,
+    LockInfo,
+    permit_family,
+)
 
 
 @dataclass
@@ -30,6 +40,23 @@ class _Entry:
     renewals: int = 0
 
 
+@dataclass
+class _Permit:
+    kind: str
+    token: int
+    ttl: float
+    valid_until: float
+    holder: Holder
+    acquired_at: dt.datetime
+    limit: int
+    renewals: int = 0
+
+
+def _rw_counter(name: str) -> str:
+    # Lock names have no control characters, so this never names a plain lock.
+    return "\x00rwlock\x00" + name
+
+
 class _Store:
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -37,6 +64,53 @@ class _Store:
         self.counters: dict[str, int] = {}
         # Fair waiters per lock name, in arrival order.
         self.queues: dict[str, list[str]] = {}
+        # Semaphore permits and read-write leases per (family, name), by owner.
+        self.permits: dict[tuple[str, str], dict[str, _Permit]] = {}
+        # Callers waiting for a permit: (family, name) -> owner -> (kind, until).
+        self.waiting: dict[tuple[str, str], dict[str, tuple[str, float]]] = {}
+
+    def live_permits(self, key: tuple[str, str]) -> dict[str, _Permit]:
+        """The unexpired permits of ``key`` (under ``cond``), expired ones dropped."""
+        held = self.permits.get(key)
+        if held is None:
+            return {}
+        now = time.monotonic()
+        for owner in [o for o, p in held.items() if p.valid_until <= now]:
+            del held[owner]
+        if not held:
+            del self.permits[key]
+        return held
+
+    def live_waiting(self, key: tuple[str, str]) -> dict[str, tuple[str, float]]:
+        waiting = self.waiting.get(key)
+        if waiting is None:
+            return {}
+        now = time.monotonic()
+        for owner in [o for o, (_, until) in waiting.items() if until <= now]:
+            del waiting[owner]
+        if not waiting:
+            del self.waiting[key]
+        return waiting
+
+    def room(self, kind: str, name: str, owner: str, limit: int) -> tuple[bool, float | None]:
+        """Whether ``owner`` may take a permit of ``kind`` now and, if not, when the
+        permit in its way ends at the latest (None: unknown). Under ``cond``."""
+        held = self.live_permits((permit_family(kind), name))
+        others = [p for o, p in held.items() if o != owner]
+        now = time.monotonic()
+        if kind == SEMAPHORE:
+            blockers = others if len(others) >= limit else []
+        elif kind == READ:
+            blockers = [p for p in others if p.kind == WRITE]
+            if not blockers:
+                waiting = self.live_waiting((RWLOCK, name))
+                if any(k == WRITE for o, (k, _) in waiting.items() if o != owner):
+                    return False, None  # a waiting writer goes first
+        else:
+            blockers = others
+        if not blockers:
+            return True, None
+        return False, max(0.0, min(p.valid_until for p in blockers) - now)
 
     def next_token(self, name: str) -> int:
         """One more than the last token, floored by the clock in microseconds, so a
@@ -224,9 +298,171 @@ class LocMemBackend(BaseBackend):
                 if (entry := self._store.live(name)) is not None
             ]
         yield from infos
+        yield from self.iter_permits()
+
+    # -- semaphores and read-write locks ------------------------------------------
+
+    permit_kinds = frozenset({SEMAPHORE, READ, WRITE})
+
+    def permit_acquire(
+        self,
+        kind: str,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        limit: int = 1,
+        wait: float = 0.0,
+    ) -> AcquireResult:
+        self.check_permit_kind(kind)
+        store = self._store
+        key = (permit_family(kind), name)
+        with store.cond:
+            now = time.monotonic()
+            mine = store.live_permits(key).get(owner)
+            if mine is not None:  # a retried request: it is ours
+                mine.valid_until = now + ttl
+                return AcquireResult(True, mine.token, ttl)
+            room, remaining = store.room(kind, name, owner, limit)
+            if not room:
+                if wait > 0:
+                    # Registered for as long as it may wait; a waiting writer holds up
+                    # new readers meanwhile.
+                    store.waiting.setdefault(key, {})[owner] = (kind, now + wait + 1.0)
+                return AcquireResult(False, 0, remaining)
+            store.live_waiting(key).pop(owner, None)
+            token = store.next_token(_rw_counter(name)) if kind == WRITE else 0
+            store.permits.setdefault(key, {})[owner] = _Permit(
+                kind=kind,
+                token=token,
+                ttl=ttl,
+                valid_until=now + ttl,
+                holder=holder,
+                acquired_at=dt.datetime.now(dt.UTC),
+                limit=limit,
+            )
+            return AcquireResult(True, token, ttl)
+
+    def permit_release(self, kind: str, name: str, owner: str) -> bool:
+        self.check_permit_kind(kind)
+        store = self._store
+        key = (permit_family(kind), name)
+        with store.cond:
+            held = store.live_permits(key)
+            permit = held.get(owner)
+            if permit is None or permit.kind != kind:
+                return False
+            del held[owner]
+            if not held:
+                del store.permits[key]
+            store.cond.notify_all()
+            return True
+
+    def permit_extend(self, kind: str, name: str, owner: str, ttl: float) -> bool:
+        self.check_permit_kind(kind)
+        store = self._store
+        with store.cond:
+            permit = store.live_permits((permit_family(kind), name)).get(owner)
+            if permit is None or permit.kind != kind:
+                return False
+            permit.valid_until = time.monotonic() + ttl
+            permit.ttl = ttl
+            permit.renewals += 1
+            return True
+
+    def permit_wait(
+        self, kind: str, name: str, timeout: float, *, owner: str = "", limit: int = 1
+    ) -> None:
+        store = self._store
+        with store.cond:
+            if not store.room(kind, name, owner, limit)[0]:
+                store.cond.wait(timeout)
+
+    async def apermit_wait(
+        self, kind: str, name: str, timeout: float, *, owner: str = "", limit: int = 1
+    ) -> None:
+        # Poll with a short, growing interval: the loop stays free, no thread is used.
+        deadline = time.monotonic() + timeout
+        interval = 0.001
+        store = self._store
+        while time.monotonic() < deadline:
+            with store.cond:
+                if store.room(kind, name, owner, limit)[0]:
+                    return
+            await asyncio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            interval = min(interval * 2, 0.02)
+
+    def permit_leave(self, kind: str, name: str, owner: str) -> None:
+        store = self._store
+        with store.cond:
+            if store.live_waiting((permit_family(kind), name)).pop(owner, None) is not None:
+                # Readers it held up may go in now.
+                store.cond.notify_all()
+
+    def _permit_info(self, name: str, owner: str, permit: _Permit, waiters: int) -> LockInfo:
+        remaining = max(0.0, permit.valid_until - time.monotonic())
+        extra: dict[str, object] = {**permit.holder.extra, "kind": permit.kind}
+        if permit.kind == SEMAPHORE:
+            extra["limit"] = permit.limit
+        return LockInfo(
+            name=name,
+            backend=self.alias,
+            owner=owner,
+            fencing_token=permit.token,
+            host=permit.holder.host,
+            pid=permit.holder.pid,
+            thread=permit.holder.thread,
+            acquired_at=permit.acquired_at,
+            expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=remaining),
+            ttl=permit.ttl,
+            renewals=permit.renewals,
+            waiters=waiters,
+            extra=extra,
+        )
+
+    def _permit_infos(self, key: tuple[str, str]) -> list[LockInfo]:
+        """Under ``cond``."""
+        held = self._store.live_permits(key)
+        waiters = len(self._store.live_waiting(key))
+        return [self._permit_info(key[1], o, p, waiters) for o, p in list(held.items())]
+
+    def permit_holders(self, kind: str, name: str) -> list[LockInfo]:
+        self.check_permit_kind(kind)
+        with self._store.cond:
+            return self._permit_infos((permit_family(kind), name))
+
+    def iter_permits(self) -> Iterator[LockInfo]:
+        with self._store.cond:
+            infos = [info for key in list(self._store.permits) for info in self._permit_infos(key)]
+        yield from infos
+
+    def permit_force_release(self, kind: str, name: str, owner: str | None = None) -> int:
+        self.check_permit_kind(kind)
+        store = self._store
+        key = (permit_family(kind), name)
+        with store.cond:
+            held = store.live_permits(key)
+            evicted = [o for o in held if owner is None or o == owner]
+            for o in evicted:
+                del held[o]
+            if not held:
+                store.permits.pop(key, None)
+            if key[0] == RWLOCK:
+                # Outdate the tokens of any writer evicted.
+                store.next_token(_rw_counter(name))
+            store.cond.notify_all()
+            return len(evicted)
+
+    def permit_counter(self, name: str) -> int:
+        self.check_permit_kind(WRITE)
+        with self._store.cond:
+            return self._store.counters.get(_rw_counter(name), 0)
 
     def clear(self) -> None:
         """Drop every lock; fencing counters are kept, so tokens never go backwards."""
         with self._store.cond:
             self._store.locks.clear()
+            self._store.permits.clear()
+            self._store.waiting.clear()
             self._store.cond.notify_all()

@@ -30,8 +30,10 @@ Waiting uses the server's own lock queue (``pg_advisory_lock`` under a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
+import functools
 import hashlib
 import json
 import logging
@@ -48,7 +50,16 @@ from django.core.checks import CheckMessage, Error
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
 
-from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
+from distlocks.backends.base import (
+    READ,
+    SEMAPHORE,
+    WRITE,
+    AcquireResult,
+    BaseBackend,
+    Holder,
+    LockInfo,
+    permit_family,
+)
 from distlocks.conf import conf
 from distlocks.exceptions import LockBackendUnavailable, LockError
 
@@ -90,25 +101,154 @@ ON CONFLICT (key) DO UPDATE SET
 RETURNING r.fencing_token
 """
 
-# Live advisory locks of this database, joined with the registry and the holder's
-# session. classid/objid are the high/low 32 bits of the bigint key.
-_LOCKS = f"""
-SELECT r.name, r.owner, r.fencing_token, r.host, r.pid, r.thread, r.acquired_at, r.ttl,
+# Live advisory locks of this database (classid/objid are the high/low 32 bits of
+# the bigint key ``lkey``), joined with the registry and the holder's session:
+# exclusive holders (locks, write leases, semaphore slots) with the row of their
+# key; shared holders (read leases) with their own row, found by name through the
+# read-write lock's row and by session. Callers append "AND ..." conditions.
+_LIVE = """(
+    SELECT pid, database, classid, objid, mode,
+           ((classid::bigint << 32) | objid::bigint) AS lkey
+    FROM pg_locks
+    WHERE locktype = 'advisory' AND objsubid = 1 AND granted
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+)"""
+_COLUMNS = """r.name, r.owner, r.fencing_token, r.host, r.pid, r.thread, r.acquired_at, r.ttl,
        r.renewals, r.extra, l.pid AS backend_pid, a.application_name,
-       host(a.client_addr) AS client_addr, a.state,
-       (SELECT count(*) FROM pg_locks w
-         WHERE w.locktype = 'advisory' AND w.database = l.database
-           AND w.classid = l.classid AND w.objid = l.objid AND w.objsubid = 1
-           AND NOT w.granted) AS waiters
-FROM pg_locks l
-JOIN {TABLE} r ON r.key = ((l.classid::bigint << 32) | l.objid::bigint)
-LEFT JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       host(a.client_addr) AS client_addr, a.state, a.state_change, l.lkey, l.mode,
+       (SELECT count(*) FROM waiting w
+         WHERE w.classid = l.classid AND w.objid = l.objid) AS waiters"""
+# The waiting requests are read from pg_locks once per query: a subquery on pg_locks
+# itself would copy the server's whole lock table once per live lock (quadratic).
+_LOCKS = f"""
+WITH waiting AS MATERIALIZED (
+    SELECT classid, objid FROM pg_locks
+    WHERE locktype = 'advisory' AND objsubid = 1 AND NOT granted
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+)
+SELECT * FROM (
+    SELECT {_COLUMNS}
+    FROM {_LIVE} l
+    JOIN {TABLE} r ON r.key = l.lkey
+    LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE l.mode = 'ExclusiveLock'
+  UNION ALL
+    SELECT {_COLUMNS}
+    FROM {_LIVE} l
+    JOIN {TABLE} rw ON rw.key = l.lkey
+    JOIN {TABLE} r ON r.name = rw.name AND r.backend_pid = l.pid
+      AND r.extra->>'kind' = 'read' AND r.extra->>'of' = l.lkey::text
+    LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+    WHERE l.mode = 'ShareLock'
+) AS live WHERE true
 """
 
 TRY = "SELECT pg_try_advisory_lock(%(key)s) AS ok"
 WAIT = "SELECT true AS ok FROM (SELECT pg_advisory_lock(%(key)s)) AS waited"
+TRY_SHARED = "SELECT pg_try_advisory_lock_shared(%(key)s) AS ok"
+WAIT_SHARED = "SELECT true AS ok FROM (SELECT pg_advisory_lock_shared(%(key)s)) AS waited"
+_UNLOCK = "SELECT pg_advisory_unlock(%(key)s)"
+
+# -- semaphores and read-write locks (session mode). Their registry rows say what
+# they belong to in extra: "kind" and "of" (the id of the semaphore or read-write
+# lock, a key derived from its name, as text).
+
+# A holder's registry row, for {source} rows with the columns key and extra.
+_PERMIT_ROW = f"""
+INSERT INTO {TABLE} AS r
+    (key, name, fencing_token, owner, host, pid, thread, backend_pid,
+     acquired_at, ttl, renewals, extra)
+SELECT source.key, %(name)s, 0, %(owner)s, %(host)s, %(pid)s, %(thread)s,
+       pg_backend_pid(), clock_timestamp(), %(ttl)s, 0, source.extra
+FROM {{source}} AS source
+ON CONFLICT (key) DO UPDATE SET
+    name = EXCLUDED.name, owner = EXCLUDED.owner,
+    host = EXCLUDED.host, pid = EXCLUDED.pid, thread = EXCLUDED.thread,
+    backend_pid = EXCLUDED.backend_pid, acquired_at = EXCLUDED.acquired_at,
+    ttl = EXCLUDED.ttl, renewals = 0, extra = EXCLUDED.extra
+"""
+
+# A semaphore of N permits is N advisory-lock slots: try them in order, stopping at
+# the first one granted (a recursive query goes on only while none was), and record
+# the holder on the slot's row. Returns the slot's key when one was free.
+_SEM_ACQUIRE = (
+    """
+WITH RECURSIVE slots(i, ok) AS (
+    SELECT 1, pg_try_advisory_lock((%(keys)s::bigint[])[1])
+  UNION ALL
+    SELECT i + 1, pg_try_advisory_lock((%(keys)s::bigint[])[i + 1])
+    FROM slots WHERE NOT ok AND i < %(limit)s
+), granted AS MATERIALIZED (
+    SELECT (%(keys)s::bigint[])[i] AS key,
+           %(extra)s::jsonb || jsonb_build_object('slot', i - 1) AS extra
+    FROM slots WHERE ok
+)
+"""
+    + _PERMIT_ROW.format(source="granted")
+    + "RETURNING r.key"
+)
+
+# The write side: the lock's own statement on the read-write lock's key (its row
+# keeps the write fencing counter), which also drops the rows of readers: none can
+# hold the lock while the writer does, so any left are those of crashed readers.
+_WRITE_ACQUIRE = _ACQUIRE.replace(
+    "WITH granted AS MATERIALIZED ({lock})",
+    f"""WITH granted AS MATERIALIZED ({{lock}}), cleared AS (
+    DELETE FROM {TABLE}
+    WHERE name = %(name)s AND extra->>'kind' = 'read' AND extra->>'of' = %(of)s
+      AND EXISTS (SELECT 1 FROM granted WHERE granted.ok)
+)""",
+)
+assert "cleared" in _WRITE_ACQUIRE
+
+# The read side: a shared lock on the same key, and a row of the reader's own (the
+# lock's row, created if missing, is where the listing finds it by name). A row of
+# an earlier reader on this same session is stale: a session holds one lease.
+_READ_ACQUIRE = (
+    f"""
+WITH granted AS MATERIALIZED ({{lock}}), anchor AS (
+    INSERT INTO {TABLE} (key, name, fencing_token, owner, host, thread, renewals, extra)
+    SELECT %(key)s, %(name)s, 0, '', '', '', 0,
+           jsonb_build_object('kind', 'write', 'of', %(of)s::text)
+    FROM granted WHERE granted.ok
+    ON CONFLICT (key) DO NOTHING
+), stale AS (
+    DELETE FROM {TABLE}
+    WHERE name = %(name)s AND extra->>'kind' = 'read' AND extra->>'of' = %(of)s
+      AND backend_pid = pg_backend_pid() AND key <> %(reader)s
+      AND EXISTS (SELECT 1 FROM granted WHERE granted.ok)
+), reader AS (
+    SELECT %(reader)s::bigint AS key, %(extra)s::jsonb AS extra
+    FROM granted WHERE granted.ok
+), mine AS ("""
+    + _PERMIT_ROW.format(source="reader")
+    + """RETURNING 1
+)
+SELECT 0 FROM granted WHERE granted.ok
+"""
+)
+_READ_UNLOCK = f"""
+WITH gone AS (DELETE FROM {TABLE} WHERE key = %(reader)s)
+SELECT pg_advisory_unlock_shared(%(key)s)
+"""
+
+# Evicts holders of one semaphore or read-write lock (one owner's, or all) by ending
+# their sessions, and moves a read-write lock's write counter on (%(rw)s is NULL
+# for a semaphore). Returns how many sessions were ended (PostgreSQL 14+, as Django).
+_PERMIT_FORCE = f"""
+WITH target AS MATERIALIZED (
+    SELECT DISTINCT backend_pid FROM ({_LOCKS}
+        AND extra->>'of' = %(of)s AND (%(owner)s::text IS NULL OR owner = %(owner)s)
+    ) AS held
+), killed AS MATERIALIZED (
+    -- Waits (up to 5 s) until each session has ended, so its permit is free on return.
+    SELECT pg_terminate_backend(backend_pid, 5000) AS ok FROM target
+), bumped AS (
+    UPDATE {TABLE} SET fencing_token = greatest(fencing_token + 1, {_CLOCK_US})
+    WHERE key = %(rw)s RETURNING 1
+)
+SELECT count(*) FILTER (WHERE ok) FROM killed
+"""
 TRY_XACT = "SELECT pg_try_advisory_xact_lock(%(key)s) AS ok"
 WAIT_XACT = "SELECT true AS ok FROM (SELECT pg_advisory_xact_lock(%(key)s)) AS waited"
 
@@ -132,6 +272,12 @@ def lock_key(prefix: str, name: str) -> int:
     """The signed 64-bit advisory-lock key of ``name`` under ``prefix`` (SHA-256)."""
     digest = hashlib.sha256(f"{prefix}\x00{name}".encode()).digest()
     return int(struct.unpack(">q", digest[:8])[0])
+
+
+@functools.lru_cache(maxsize=1024)
+def _slot_keys(prefix: str, name: str, limit: int) -> list[int]:
+    """The advisory-lock keys of a semaphore's slots (cached: waiters poll with them)."""
+    return [lock_key(prefix, f"{name}\x00{SEMAPHORE}\x00{slot}") for slot in range(limit)]
 
 
 def key_parts(key: int) -> tuple[int, int]:
@@ -222,6 +368,12 @@ class _Held:
     conn: psycopg.Connection[Any]
     key: int
     token: int
+    #: "lock", or the permit kind (a permit is released only as that kind).
+    kind: str = "lock"
+    #: The statement that gives it back (parameters: key, reader).
+    unlock: str = _UNLOCK
+    #: A read lease's own registry row (0: none).
+    reader: int = 0
 
 
 class PostgresBackend(BaseBackend):
@@ -243,6 +395,9 @@ class PostgresBackend(BaseBackend):
         self._pool_lock = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._held_lock = threading.Lock()
+        # Permits pin a session like session-mode locks; a transaction ends them all.
+        if self.mode == "session":
+            self.permit_kinds = frozenset({SEMAPHORE, READ, WRITE})
         _instances.add(self)
 
     # -- configuration ----------------------------------------------------------
@@ -492,14 +647,18 @@ class PostgresBackend(BaseBackend):
         return AcquireResult(True, token, ttl)
 
     def _acquire_blocking(
-        self, conn: psycopg.Connection[Any], params: dict[str, Any], wait: float
+        self,
+        conn: psycopg.Connection[Any],
+        params: dict[str, Any],
+        wait: float,
+        statement: str = _ACQUIRE.format(lock=WAIT),
     ) -> int | None:
         """Wait in the server's queue for up to ``wait`` seconds (one round trip)."""
         timeout_ms = max(1, round(min(wait, 3600.0) * 1000))
         try:
             with conn.pipeline():
                 conn.execute(f"SET lock_timeout = {timeout_ms}")
-                cur = conn.execute(_ACQUIRE.format(lock=WAIT), params)
+                cur = conn.execute(statement, params)
                 conn.execute("SET lock_timeout = 0")
             row = cur.fetchone()
             return None if row is None else int(row[0])
@@ -517,8 +676,13 @@ class PostgresBackend(BaseBackend):
             held = self._held.pop(owner, None)
         if held is None:
             return False
+        return self._give_back(held)
+
+    def _give_back(self, held: _Held) -> bool:
+        """Unlock on the lease's own connection, then return it to the pool."""
         try:
-            row = held.conn.execute("SELECT pg_advisory_unlock(%s)", (held.key,)).fetchone()
+            params = {"key": held.key, "reader": held.reader}
+            row = held.conn.execute(held.unlock, params).fetchone()
         except psycopg.Error:
             # The connection is gone, and the server freed the lock with it.
             self._discard(held.conn)
@@ -572,7 +736,7 @@ class PostgresBackend(BaseBackend):
     # -- inspection -------------------------------------------------------------
 
     def _rows(self, where: str = "", params: tuple[Any, ...] = ()) -> list[LockInfo]:
-        query = _LOCKS + where + " ORDER BY r.acquired_at"
+        query = _LOCKS + where + " ORDER BY acquired_at"
         with self._pooled("list", where or "locks") as conn:
             cur = conn.execute(query, params)
             columns = [c.name for c in cur.description or ()]
@@ -597,21 +761,143 @@ class PostgresBackend(BaseBackend):
             renewals=row["renewals"],
             waiters=int(row["waiters"]),
             extra={
-                **(row["extra"] or {}),
+                # "of" only ties a permit's row to its semaphore or read-write lock.
+                **{k: v for k, v in (row["extra"] or {}).items() if k != "of"},
                 "backend_pid": row["backend_pid"],
                 "application_name": row["application_name"],
                 "client_addr": row["client_addr"],
                 "session_state": row["state"],
+                # A session-mode lease pings its connection at every renewal: an idle
+                # session quiet for longer than the ttl has a holder that stopped.
+                "last_activity": row["state_change"],
             },
         )
 
     def inspect(self, name: str) -> LockInfo | None:
-        classid, objid = key_parts(self.key(name))
-        rows = self._rows(" AND l.classid = %s AND l.objid = %s", (classid, objid))
+        rows = self._rows(" AND lkey = %s AND mode = 'ExclusiveLock'", (self.key(name),))
         return rows[0] if rows else None
 
     def iter_locks(self) -> Iterator[LockInfo]:
         yield from self._rows()
+
+    # -- semaphores and read-write locks (session mode) ---------------------------
+
+    def _derived_key(self, name: str, *parts: str) -> int:
+        # Names have no control characters: these never collide with a lock's key.
+        return lock_key(self.key_prefix, "\x00".join((name, *parts)))
+
+    def _of(self, kind: str, name: str) -> int:
+        """The key that identifies the semaphore or read-write lock ``name``; for a
+        read-write lock it is also the advisory lock, and its row keeps the counter."""
+        return self._derived_key(name, permit_family(kind))
+
+    def permit_acquire(
+        self,
+        kind: str,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        limit: int = 1,
+        wait: float = 0.0,
+    ) -> AcquireResult:
+        self.check_permit_kind(kind)
+        with self._held_lock:
+            again = self._held.get(owner)
+        if again is not None:  # a retried acquire by the same owner
+            return AcquireResult(True, again.token, ttl)
+        of = self._of(kind, name)
+        params = self._params(name, owner, ttl, holder)
+        extra: dict[str, Any] = {**holder.extra, "kind": kind, "of": str(of)}
+        reader, unlock = 0, _UNLOCK
+        if kind == SEMAPHORE:
+            extra["limit"] = limit
+            keys = _slot_keys(self.key_prefix, name, limit)
+            params.update(keys=keys, limit=limit)
+            statement, waits = _SEM_ACQUIRE, False
+        elif kind == WRITE:
+            statement = _WRITE_ACQUIRE.format(lock=WAIT if wait > 0 else TRY)
+            waits = wait > 0
+        else:
+            reader, unlock = self._derived_key(name, "rwlock", owner), _READ_UNLOCK
+            params["reader"] = reader
+            statement = _READ_ACQUIRE.format(lock=WAIT_SHARED if wait > 0 else TRY_SHARED)
+            waits = wait > 0
+        params.update(key=of, of=str(of), extra=json.dumps(extra))
+        conn = self._checkout(name)
+        try:
+            with self._mapped_errors("acquire", name):
+                if waits:
+                    got = self._acquire_blocking(conn, params, wait, statement)
+                else:
+                    row = conn.execute(statement, params).fetchone()
+                    got = None if row is None else int(row[0])
+        except BaseException:
+            # Whatever happened, this connection must not keep a lock nobody owns.
+            self._discard(conn)
+            raise
+        if got is None:
+            self.pool.put(conn)
+            return AcquireResult(False, 0, None)
+        # A semaphore permit holds the slot it took; a write lease gets its token.
+        key, token = (got, 0) if kind == SEMAPHORE else (of, got)
+        held = _Held(conn, key, token, kind=kind, unlock=unlock, reader=reader)
+        with self._held_lock:
+            self._held[owner] = held
+        return AcquireResult(True, held.token, ttl)
+
+    def _own_permit(self, kind: str, owner: str) -> bool:
+        self.check_permit_kind(kind)
+        with self._held_lock:
+            held = self._held.get(owner)
+        return held is not None and held.kind == kind
+
+    def permit_release(self, kind: str, name: str, owner: str) -> bool:
+        return self._own_permit(kind, owner) and self.release(name, owner)
+
+    def permit_extend(self, kind: str, name: str, owner: str, ttl: float) -> bool:
+        return self._own_permit(kind, owner) and self.extend(name, owner, ttl)
+
+    def permit_wakes_on_release(self, kind: str) -> bool:
+        # Readers and writers wait in the server's queue; a semaphore has no one lock
+        # to queue on, so its waiters poll (with a growing interval, up to 0.1 s).
+        return kind != SEMAPHORE
+
+    def permit_wait(
+        self, kind: str, name: str, timeout: float, *, owner: str = "", limit: int = 1
+    ) -> None:
+        if kind == SEMAPHORE:
+            time.sleep(max(0.0, timeout))
+
+    async def apermit_wait(
+        self, kind: str, name: str, timeout: float, *, owner: str = "", limit: int = 1
+    ) -> None:
+        if kind == SEMAPHORE:
+            await asyncio.sleep(max(0.0, timeout))
+
+    def permit_holders(self, kind: str, name: str) -> list[LockInfo]:
+        self.check_permit_kind(kind)
+        return self._rows(" AND extra->>'of' = %s", (str(self._of(kind, name)),))
+
+    def iter_permits(self) -> Iterator[LockInfo]:
+        yield from self._rows(" AND extra->>'of' IS NOT NULL")
+
+    def permit_force_release(self, kind: str, name: str, owner: str | None = None) -> int:
+        self.check_permit_kind(kind)
+        of = self._of(kind, name)
+        rw = None if permit_family(kind) == SEMAPHORE else of
+        with self._pooled("force-release", name) as conn:
+            row = conn.execute(_PERMIT_FORCE, {"of": str(of), "owner": owner, "rw": rw}).fetchone()
+        return int(row[0]) if row else 0
+
+    def permit_counter(self, name: str) -> int:
+        self.check_permit_kind(WRITE)
+        with self._pooled("read the write counter of", name) as conn:
+            row = conn.execute(
+                f"SELECT fencing_token FROM {TABLE} WHERE key = %s", (self._of(WRITE, name),)
+            ).fetchone()
+        return int(row[0]) if row else 0
 
     # -- transaction mode -------------------------------------------------------
 
