@@ -259,7 +259,8 @@ WITH holder AS MATERIALIZED (
       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
       AND l.classid = %(classid)s AND l.objid = %(objid)s
 ), killed AS MATERIALIZED (
-    SELECT pg_terminate_backend(pid) AS ok FROM holder
+    -- Waits (up to 5 s) for the session to end, so its locks are gone on return.
+    SELECT pg_terminate_backend(pid, 5000) AS ok FROM holder
 ), bumped AS (
     UPDATE {TABLE} SET fencing_token = greatest(fencing_token + 1, {_CLOCK_US})
     WHERE key = %(key)s RETURNING 1
