@@ -1,5 +1,10 @@
 """Redis backend: one lock = one hash with an expiry, taken by one Lua script.
 
+One server (``redis://``, ``rediss://``, ``unix://`` or a django-redis cache), a
+Redis Cluster (``redis+cluster://host:port,host:port``) or a primary found through
+Sentinel (``redis+sentinel://host:port,host:port/<service>/<db>``): the scripts and
+the key layout are the same for all three.
+
 Keys of the lock ``name`` (``prefix`` is ``OPTIONS["key_prefix"]``, default
 ``DISTLOCKS_KEY_PREFIX``)::
 
@@ -7,9 +12,15 @@ Keys of the lock ``name`` (``prefix`` is ``OPTIONS["key_prefix"]``, default
                               acquired_at (server ms), ttl (ms), renewals, extra
     {prefix}:{<name>}:fence   the per-name fencing counter (never expires)
 
-The braces are a Redis Cluster hash tag: both keys of a lock live in one slot,
-so every script below touches a single slot. A name that itself contains a
-brace is tagged with a hash of the name instead.
+The braces are a Redis Cluster hash tag: every key of a lock (see ``Keys``) lives
+in one slot, so every script below touches a single slot. A name that itself
+contains a brace is tagged with a hash of the name instead. The scripts get every
+key in KEYS except the fair waiters' own wake-up lists, ``<base>:wake:<owner>``:
+the one to push to is the head of the queue, known only inside the script. They
+are built from the wake prefix (an argument), which carries the same tag, so they
+are in the same slot as the declared keys; a cluster node runs a script that
+touches undeclared keys of the slot it serves (the cluster tests check every key
+each operation touches).
 
 Every operation that must be atomic (acquire, release, extend, force release)
 is one ``EVALSHA``: one round trip, one server-side step.
@@ -35,14 +46,21 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
+from distlocks.backends.redis_primitives import RedisPermits
 from distlocks.conf import conf
 from distlocks.exceptions import LockBackendUnavailable, LockError
 
 try:
     import redis
     import redis.asyncio
+    import redis.asyncio.cluster
+    import redis.asyncio.sentinel
+    import redis.cluster
+    import redis.sentinel
     from redis.asyncio.retry import Retry as AsyncRetry
     from redis.backoff import NoBackoff
+    from redis.connection import parse_url
+    from redis.exceptions import RedisClusterException, SlotNotCoveredError
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImproperlyConfigured(
@@ -209,23 +227,130 @@ return 1
 """
 )
 
+# KEYS: lock hash, waiters. Returns {hash fields (flat), pttl, waiter count}: one
+# consistent snapshot. A script rather than MULTI/EXEC, because the cluster client
+# refreshes its slot map after a failover for scripts, not for transactions.
+INSPECT = """
+return {redis.call('HGETALL', KEYS[1]), redis.call('PTTL', KEYS[1]),
+        redis.call('ZCARD', KEYS[2])}
+"""
+
 SCRIPTS = {
     "acquire": ACQUIRE,
     "release": RELEASE,
     "extend": EXTEND,
     "force_release": FORCE_RELEASE,
     "leave": LEAVE,
+    "inspect": INSPECT,
 }
 
 
 _SCHEMES = ("redis", "rediss", "unix")
-# Connection settings the asyncio client accepts, copied from the sync pool.
+_CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+_SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+_LOCATION_FORMS = (
+    "start with redis://, rediss:// or unix:// (one server), "
+    "redis+cluster:// (a Redis Cluster: redis+cluster://host:port[,host:port...]) or "
+    "redis+sentinel:// (Sentinel: redis+sentinel://host:port[,host:port...]/<service>[/<db>])"
+)
+# Connection settings the asyncio clients accept, copied from the sync pool.
 _ASYNC_KWARGS = frozenset(pyinspect.signature(redis.asyncio.Redis.__init__).parameters) - {
     "self",
     "connection_pool",
     "retry",
     "single_connection_client",
 }
+_ASYNC_CLUSTER_KWARGS = frozenset(
+    pyinspect.signature(redis.asyncio.cluster.RedisCluster.__init__).parameters
+) - {"self", "host", "port", "startup_nodes", "retry", "cluster_error_retry_attempts"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Location:
+    """A parsed ``LOCATION``: one server, a Redis Cluster, or a Sentinel service."""
+
+    #: "server", "cluster" or "sentinel".
+    mode: str
+    #: (host, port) of each cluster node or Sentinel named (empty for one server).
+    nodes: tuple[tuple[str, int], ...] = ()
+    #: The Sentinel service: the name its ``sentinel monitor`` line gives the primary.
+    service: str = ""
+    db: int = 0
+    #: Options for the Redis servers from the URL: credentials, TLS, query string.
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _node(text: str, default_port: int, location: str) -> tuple[str, int]:
+    try:
+        parts = urlsplit(f"//{text}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host = port = None
+    if not host or "@" in text or parts.path:
+        raise ValueError(f"LOCATION {location!r} has {text!r} where host:port belongs")
+    return host, port or default_port
+
+
+def parse_location(location: str) -> Location:
+    """Parse a ``LOCATION`` URL (no I/O); ValueError saying what to change if invalid.
+
+    ``redis+cluster://[user:password@]host:port[,host:port...][/0][?options]`` names
+    some nodes of a Redis Cluster (the client finds the others);
+    ``redis+sentinel://[user:password@]host:port[,host:port...]/<service>[/<db>][?options]``
+    names Sentinels and the service they watch. ``rediss+`` turns TLS on for the Redis
+    servers. Credentials and options apply to the Redis servers, as in a ``redis://``
+    URL; the Sentinels' own are ``OPTIONS["sentinel_kwargs"]``.
+    """
+    scheme = location.partition("://")[0].lower() if "://" in location else ""
+    if scheme in _SCHEMES:
+        return Location("server")
+    if scheme not in _CLUSTER_SCHEMES + _SENTINEL_SCHEMES:
+        raise ValueError(f"LOCATION {location!r} must {_LOCATION_FORMS}")
+    cluster = scheme in _CLUSTER_SCHEMES
+    example = (
+        "redis+cluster://host:port,host:port"
+        if cluster
+        else "redis+sentinel://host:port,host:port/<service>/0"
+    )
+    rest = location.split("://", 1)[1]
+    netloc, _, tail = rest.partition("/")
+    path, _, query = tail.partition("?")
+    if "?" in netloc:
+        netloc, _, query = netloc.partition("?")
+    userinfo, _, hosts = netloc.rpartition("@")
+    if not hosts:
+        raise ValueError(f"LOCATION {location!r} names no host; write e.g. {example}")
+    default_port = 6379 if cluster else 26379
+    nodes = tuple(_node(text, default_port, location) for text in hosts.split(","))
+    segments = [segment for segment in path.split("/") if segment]
+    service, db_text = "", "0"
+    if cluster:
+        if segments not in ([], ["0"]):
+            raise ValueError(
+                f"LOCATION {location!r}: a Redis Cluster has database 0 only; "
+                f"drop the path, e.g. {example}"
+            )
+    elif len(segments) not in (1, 2):
+        raise ValueError(
+            f"LOCATION {location!r} must name the service the Sentinels watch, "
+            f"and optionally a database: {example}"
+        )
+    else:
+        service, db_text = segments[0], (segments[1:] or ["0"])[0]
+    if not db_text.isdigit():
+        raise ValueError(f"LOCATION {location!r}: database {db_text!r} is not a number")
+    tls = scheme.startswith("rediss")
+    credentials = f"{userinfo}@" if userinfo else ""
+    try:
+        # Credentials and query options are read exactly as for a redis:// URL.
+        options = parse_url(f"redis://{credentials}localhost/0?{query}")
+    except ValueError as exc:
+        raise ValueError(f"LOCATION {location!r}: {exc}") from exc
+    for key in ("host", "port", "db", "path", "connection_class"):
+        options.pop(key, None)
+    if tls:
+        options["ssl"] = True
+    return Location("cluster" if cluster else "sentinel", nodes, service, int(db_text), options)
 
 
 class Keys(NamedTuple):
@@ -239,7 +364,76 @@ class Keys(NamedTuple):
     wake_prefix: str
 
 
-_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError)
+_UNAVAILABLE = (
+    redis.ConnectionError,  # includes "no primary found" from Sentinel
+    redis.TimeoutError,
+    redis.ReadOnlyError,
+    redis.exceptions.ClusterError,  # the cluster is down, or redirections ran out
+    redis.exceptions.TryAgainError,
+    SlotNotCoveredError,
+)
+# Replies of a server that cannot take writes now: a replica (e.g. a primary demoted by
+# a failover), one still loading its data, one cut off from its primary, a cluster
+# that lost a slot. Inside a script Redis 6 reports them as script errors.
+_UNAVAILABLE_REPLIES = ("READONLY", "LOADING", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN")
+
+
+def _is_unavailable(exc: Exception) -> bool:
+    """True for errors that mean "the server cannot serve this now", not a bug."""
+    if isinstance(exc, _UNAVAILABLE):
+        return True
+    if isinstance(exc, RedisClusterException):
+        # No node could be reached to learn the slot map (but not: a node answered
+        # that it is no cluster node), or the nodes disagree on it (a failover).
+        unreachable = isinstance(exc.__cause__, redis.ConnectionError | redis.TimeoutError)
+        return unreachable or "could not agree" in str(exc)
+    return any(word in str(exc) for word in _UNAVAILABLE_REPLIES)
+
+
+class _ClusterClient(redis.cluster.RedisCluster):
+    """A cluster client that retries (once, after refreshing its slot map) when a node
+    refused or dropped the connection, or the cluster reported itself down during a
+    failover; never after a timeout, so a node that does not answer is reported after
+    one socket timeout, as a single server would be."""
+
+    # Narrower than the base class's tuple (no TimeoutError), hence the ignore.
+    ERRORS_ALLOW_RETRY = (  # type: ignore[assignment]
+        redis.ConnectionError,
+        redis.exceptions.ClusterDownError,
+        SlotNotCoveredError,
+    )
+
+
+class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
+    """:class:`_ClusterClient` for asyncio."""
+
+    ERRORS_ALLOW_RETRY = _ClusterClient.ERRORS_ALLOW_RETRY  # type: ignore[assignment]
+
+
+class _AsyncSentinelReconnect:
+    """Reconnect a Sentinel-managed asyncio connection through the Sentinels.
+
+    After a dropped connection, the asyncio client's retry reconnects from inside
+    ``send_packed_command``, to the address it had before: after a failover, the old
+    primary. Connecting first the Sentinel-managed way asks the Sentinels for the
+    current primary, as the synchronous client does."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self.is_connected:  # type: ignore[attr-defined]
+            await self.connect()  # type: ignore[attr-defined]
+        await super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+
+class _AsyncSentinelConnection(
+    _AsyncSentinelReconnect, redis.asyncio.sentinel.SentinelManagedConnection
+):
+    pass
+
+
+class _AsyncSentinelSSLConnection(
+    _AsyncSentinelReconnect, redis.asyncio.sentinel.SentinelManagedSSLConnection
+):
+    pass
 
 
 def _extra_json(extra: Mapping[str, Any]) -> str:
@@ -260,8 +454,9 @@ def _positive(options: Mapping[str, Any], key: str, problems: list[str]) -> None
         problems.append(f"OPTIONS['{key}'] must be a number of seconds > 0, not {value!r}")
 
 
-class RedisBackend(BaseBackend):
-    """Locks on one Redis server (or a django-redis cache's server)."""
+class RedisBackend(RedisPermits, BaseBackend):
+    """Locks on one Redis server (or a django-redis cache's server), on a Redis
+    Cluster, or on the primary that Sentinel names."""
 
     wakes_on_release = True
 
@@ -275,12 +470,18 @@ class RedisBackend(BaseBackend):
     def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
         super().__init__(alias, config)
         self.key_prefix: str = self.options.get("key_prefix", conf.KEY_PREFIX)
-        self._client: redis.Redis | None = None
+        location = config.get("LOCATION")
+        self.location = parse_location(location) if location else Location("server")
+        #: "server" (one Redis server), "cluster" or "sentinel".
+        self.mode = self.location.mode
+        # Any: a redis.Redis, or a RedisCluster (which has no connection_pool).
+        self._client: Any = None
+        self._sentinel: redis.sentinel.Sentinel | None = None
         self._client_lock = threading.Lock()
         self._scripts: dict[str, Any] = {}
         self._keys_cache: dict[str, Keys] = {}
         self._async_clients: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, tuple[redis.asyncio.Redis, dict[str, Any]]
+            asyncio.AbstractEventLoop, tuple[Any, dict[str, Any]]
         ] = weakref.WeakKeyDictionary()
 
     # -- configuration ----------------------------------------------------------
@@ -291,16 +492,18 @@ class RedisBackend(BaseBackend):
         location, cache = config.get("LOCATION"), config.get("CACHE")
         if (location is None) == (cache is None):
             problems.append(
-                "set exactly one of LOCATION (a redis://, rediss:// or unix:// URL) "
+                "set exactly one of LOCATION (a redis://, rediss://, unix://, "
+                "redis+cluster:// or redis+sentinel:// URL) "
                 "or CACHE (the alias of a django-redis cache)"
             )
         if location is not None:
             if not isinstance(location, str):
                 problems.append(f"LOCATION must be a URL string, not {type(location).__name__}")
-            elif urlsplit(location).scheme not in _SCHEMES:
-                problems.append(
-                    f"LOCATION {location!r} must start with redis://, rediss:// or unix://"
-                )
+            else:
+                try:
+                    parse_location(location)
+                except ValueError as exc:
+                    problems.append(str(exc))
         if cache is not None:
             caches = getattr(settings, "CACHES", {})
             if not isinstance(cache, str) or cache not in caches:
@@ -323,6 +526,18 @@ class RedisBackend(BaseBackend):
             kwargs = options.get("client_kwargs", {})
             if not isinstance(kwargs, Mapping):
                 problems.append("OPTIONS['client_kwargs'] must be a dict of redis-py arguments")
+            sentinel_kwargs = options.get("sentinel_kwargs")
+            if sentinel_kwargs is not None and not isinstance(sentinel_kwargs, Mapping):
+                problems.append(
+                    "OPTIONS['sentinel_kwargs'] must be a dict of redis-py arguments "
+                    "for the connections to the Sentinels (e.g. {'password': ...})"
+                )
+            elif sentinel_kwargs is not None and not (
+                isinstance(location, str) and location.lower().startswith(_SENTINEL_SCHEMES)
+            ):
+                problems.append(
+                    "OPTIONS['sentinel_kwargs'] is only read with a redis+sentinel:// LOCATION"
+                )
         return problems
 
     def _timeouts(self) -> dict[str, Any]:
@@ -336,7 +551,53 @@ class RedisBackend(BaseBackend):
             "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
         }
 
-    def _build_client(self) -> redis.Redis:
+    def _server_kwargs(self) -> dict[str, Any]:
+        """Connection options for cluster nodes or Sentinel-managed servers, with the
+        precedence of a single server's: the URL's options, then ``client_kwargs``,
+        then our timeouts."""
+        return {
+            **self._timeouts(),
+            **dict(self.options.get("client_kwargs", {})),
+            **self.location.kwargs,
+        }
+
+    def _sentinel_kwargs(self, retry: Any) -> dict[str, Any]:
+        """Options for the connections to the Sentinels themselves."""
+        timeouts = self._timeouts()
+        return {
+            "socket_timeout": timeouts["socket_timeout"],
+            "socket_connect_timeout": timeouts["socket_connect_timeout"],
+            # Sentinels are asked one after the other: a dead one costs one attempt.
+            "retry": retry,
+            **dict(self.options.get("sentinel_kwargs") or {}),
+        }
+
+    def _cluster_client(self) -> redis.cluster.RedisCluster:
+        kwargs = self._server_kwargs()
+        # The cluster client retries itself (with a fresh slot map); its node
+        # connections never do.
+        retry = kwargs.pop("retry")
+        # A primary that is down without a replica to take over must not stop the
+        # client from using the slots of the others.
+        kwargs.setdefault("require_full_coverage", False)
+        nodes = [redis.cluster.ClusterNode(host, port) for host, port in self.location.nodes]
+        return _ClusterClient(startup_nodes=nodes, retry=retry, **kwargs)
+
+    def _sentinel_client(self) -> redis.Redis:
+        # Each new connection asks the Sentinels for the primary's address; an open
+        # connection is used as long as it works (one EVALSHA per operation).
+        self._sentinel = redis.sentinel.Sentinel(
+            list(self.location.nodes), sentinel_kwargs=self._sentinel_kwargs(Retry(NoBackoff(), 0))
+        )
+        return self._sentinel.master_for(
+            self.location.service, db=self.location.db, **self._server_kwargs()
+        )
+
+    def _build_client(self) -> Any:
+        if self.mode == "cluster":
+            return self._cluster_client()
+        if self.mode == "sentinel":
+            return self._sentinel_client()
         extra = dict(self.options.get("client_kwargs", {}))
         if "LOCATION" in self.config:
             return redis.Redis.from_url(self.config["LOCATION"], **{**self._timeouts(), **extra})
@@ -361,8 +622,11 @@ class RedisBackend(BaseBackend):
         return redis.Redis(connection_pool=pool)
 
     @property
-    def client(self) -> redis.Redis:
-        """The redis-py client (created on first use; no I/O before that)."""
+    def client(self) -> Any:
+        """The redis-py client: a ``redis.Redis``, or a ``RedisCluster`` for a cluster.
+
+        Created on first use; no I/O before that. A cluster client reads the slot map
+        when it is created, so that first use can fail as any request can."""
         if self._client is None:
             with self._client_lock:
                 if self._client is None:
@@ -373,34 +637,67 @@ class RedisBackend(BaseBackend):
                     self._client = client
         return self._client
 
-    def _async_client(self) -> tuple[redis.asyncio.Redis, dict[str, Any]]:
+    def _new_async_client(self) -> Any:
+        retry = AsyncRetry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+        if self.mode == "cluster":
+            kwargs = self._server_kwargs()
+            kwargs.pop("retry")
+            kwargs.setdefault("require_full_coverage", False)
+            nodes = [
+                redis.asyncio.cluster.ClusterNode(host, port) for host, port in self.location.nodes
+            ]
+            return _AsyncClusterClient(
+                startup_nodes=nodes,
+                retry=AsyncRetry(NoBackoff(), 1),
+                **{k: v for k, v in kwargs.items() if k in _ASYNC_CLUSTER_KWARGS},
+            )
+        if self.mode == "sentinel":
+            sentinel = redis.asyncio.sentinel.Sentinel(
+                list(self.location.nodes),
+                sentinel_kwargs=self._sentinel_kwargs(AsyncRetry(NoBackoff(), 0)),
+            )
+            kwargs = {k: v for k, v in self._server_kwargs().items() if k in _ASYNC_KWARGS}
+            ssl = kwargs.pop("ssl", False)
+            return sentinel.master_for(
+                self.location.service,
+                redis_class=redis.asyncio.Redis,
+                connection_class=_AsyncSentinelSSLConnection if ssl else _AsyncSentinelConnection,
+                retry=retry,
+                **kwargs,
+            )
+        pool = self.client.connection_pool
+        kwargs = dict(pool.connection_kwargs)
+        kwargs.pop("retry", None)
+        if "path" in kwargs:
+            kwargs["unix_socket_path"] = kwargs.pop("path")
+        if issubclass(pool.connection_class, redis.SSLConnection):
+            kwargs["ssl"] = True
+        # Keep our timeouts; take the rest (address, credentials, TLS) from the
+        # synchronous pool, whatever LOCATION or CACHE built it from.
+        return redis.asyncio.Redis(
+            **{k: v for k, v in kwargs.items() if k in _ASYNC_KWARGS}, retry=retry
+        )
+
+    def _async_client(self) -> tuple[Any, dict[str, Any]]:
         """A redis.asyncio client for the running event loop (clients are per loop)."""
         loop = asyncio.get_running_loop()
         found = self._async_clients.get(loop)
         if found is None:
-            pool = self.client.connection_pool
-            kwargs = dict(pool.connection_kwargs)
-            kwargs.pop("retry", None)
-            if "path" in kwargs:
-                kwargs["unix_socket_path"] = kwargs.pop("path")
-            if issubclass(pool.connection_class, redis.SSLConnection):
-                kwargs["ssl"] = True
-            # Keep our timeouts; take the rest (address, credentials, TLS) from the
-            # synchronous pool, whatever LOCATION or CACHE built it from.
-            aclient = redis.asyncio.Redis(
-                **{k: v for k, v in kwargs.items() if k in _ASYNC_KWARGS},
-                retry=AsyncRetry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-            )
+            aclient = self._new_async_client()
             scripts = {key: aclient.register_script(lua) for key, lua in SCRIPTS.items()}
             found = (aclient, scripts)
             self._async_clients[loop] = found
         return found
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client.connection_pool.disconnect()
-            self._client = None
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+            if self.mode != "cluster":
+                client.connection_pool.disconnect()
+        if self._sentinel is not None:
+            self._sentinel.close()
+            self._sentinel = None
         self._async_clients.clear()
 
     # -- keys -----------------------------------------------------------------
@@ -439,16 +736,14 @@ class RedisBackend(BaseBackend):
     def _errors(self, action: str, name: str) -> Iterator[None]:
         try:
             yield
-        except redis.RedisError as exc:
+        except (redis.RedisError, RedisClusterException) as exc:
             detail = f"{type(exc).__name__}: {exc}"
-            # A replica (e.g. after a failover) or a server still loading its data
-            # answers these, inside scripts too: an outage, not a bug.
-            if isinstance(exc, _UNAVAILABLE) or any(
-                word in str(exc) for word in ("READONLY", "LOADING", "MASTERDOWN")
-            ):
+            if _is_unavailable(exc):
                 raise LockBackendUnavailable(
                     self.alias, f"{action} {name!r} failed: {detail}"
                 ) from exc
+            if "Cluster mode is not enabled" in detail:
+                detail += " (LOCATION redis+cluster:// names a server that is not a cluster node)"
             raise LockError(
                 f"Redis error while trying to {action} lock {name!r} on backend "
                 f"{self.alias!r}: {detail}"
@@ -470,19 +765,44 @@ class RedisBackend(BaseBackend):
                 ).start()
             raise
 
+    def _demoted(self, exc: redis.ResponseError) -> bool:
+        """A Sentinel-managed connection still open to a primary that a failover made
+        a replica: the script's first write fails, and Redis reports it as a script
+        error, which the client does not take for a lost primary."""
+        return self.mode == "sentinel" and "READONLY" in str(exc)
+
     def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         client = self.client
+        try:
+            return self._scripts[script](keys=keys, args=args, client=client)
+        except redis.ResponseError as exc:
+            if not self._demoted(exc):
+                raise
+        # Close the idle connections (the failed one is among them): new ones ask the
+        # Sentinels for the primary. Then try once more: the script wrote nothing on
+        # the replica, and every script may safely run twice.
+        client.connection_pool.disconnect(inuse_connections=False)
         return self._scripts[script](keys=keys, args=args, client=client)
 
     async def _arun(self, script: str, keys: list[str], args: list[Any]) -> Any:
         client, scripts = self._async_client()
+        try:
+            return await scripts[script](keys=keys, args=args, client=client)
+        except redis.ResponseError as exc:
+            if not self._demoted(exc):
+                raise
+        await client.connection_pool.disconnect(inuse_connections=False)
         return await scripts[script](keys=keys, args=args, client=client)
 
     @property
     def wait_chunk(self) -> float:
         """Longest single blocking wait, kept under the socket timeout actually in force
         (which a URL query, client_kwargs or a shared cache may have set)."""
-        timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
+        if self.mode == "cluster":
+            # From the settings: building a cluster client already talks to the nodes.
+            timeout = self._server_kwargs().get("socket_timeout")
+        else:
+            timeout = self.client.connection_pool.connection_kwargs.get("socket_timeout")
         if timeout is None:
             timeout = 5.0 / 0.8
         return max(0.01, min(5.0, 0.8 * float(timeout)))
@@ -638,14 +958,11 @@ class RedisBackend(BaseBackend):
     def inspect(self, name: str) -> LockInfo | None:
         keys = self.all_keys(name)
         with self._errors("inspect", name):
-            pipe = self.client.pipeline(transaction=True)
-            pipe.hgetall(keys.lock)
-            pipe.pttl(keys.lock)
-            # Lapsed registrations are pruned at every release, so ZCARD is close enough.
-            pipe.zcard(keys.waiters)
-            fields, pttl, waiters = pipe.execute()
-        if not fields:
+            flat, pttl, waiters = self._run("inspect", [keys.lock, keys.waiters], [])
+        if not flat:
             return None
+        fields = dict(zip(flat[::2], flat[1::2], strict=True))
+        # Lapsed registrations are pruned at every release, so ZCARD is close enough.
         return dataclasses.replace(self._info(fields, pttl), waiters=int(waiters))
 
     def iter_locks(self) -> Iterator[LockInfo]:
@@ -653,17 +970,36 @@ class RedisBackend(BaseBackend):
         prefix = re.sub(r"([*?\[\]\\])", r"\\\1", self.key_prefix)
         pattern = f"{prefix}:{{*}}:lock"
         with self._errors("list", pattern):
-            cursor = 0
-            while True:
-                cursor, keys = self.client.scan(cursor=cursor, match=pattern, count=1000)
-                if keys:
-                    pipe = self.client.pipeline(transaction=False)
-                    for key in keys:
-                        pipe.hgetall(key)
-                        pipe.pttl(key)
-                    replies = pipe.execute()
-                    for fields, pttl in zip(replies[::2], replies[1::2], strict=True):
-                        if fields:
-                            yield self._info(fields, pttl)
-                if cursor == 0:
-                    break
+            for keys in self._scan_batches(pattern):
+                # On a cluster the pipeline sends each node the keys it serves.
+                pipe = self.client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.hgetall(key)
+                    pipe.pttl(key)
+                replies = pipe.execute()
+                for fields, pttl in zip(replies[::2], replies[1::2], strict=True):
+                    if fields:
+                        yield self._info(fields, pttl)
+
+    def _scan_batches(self, pattern: str, size: int = 1000) -> Iterator[list[bytes]]:
+        """The keys matching ``pattern``, in batches (SCAN, so the server is not blocked)."""
+        if self.mode == "cluster":
+            # Each primary holds only its own slots' keys: scan every one of them.
+            batch: list[bytes] = []
+            for key in self.client.scan_iter(
+                match=pattern, count=size, target_nodes=redis.cluster.RedisCluster.PRIMARIES
+            ):
+                batch.append(key)
+                if len(batch) >= size:
+                    yield batch
+                    batch = []
+            if batch:
+                yield batch
+            return
+        cursor = 0
+        while True:
+            cursor, keys = self.client.scan(cursor=cursor, match=pattern, count=size)
+            if keys:
+                yield keys
+            if cursor == 0:
+                break
