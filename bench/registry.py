@@ -181,6 +181,8 @@ class Workload(ABC):
     title: ClassVar[str]
     #: ``latency``: the median is the headline; ``throughput``: operations per second is.
     metric: ClassVar[Metric] = "latency"
+    #: What one operation is, for the throughput chart's axis ("tasks per second").
+    unit: ClassVar[str] = "acquire+release"
     #: One paragraph for the docs and the JSON.
     description: ClassVar[str] = ""
     rounds: int = 1
@@ -263,8 +265,10 @@ def load_registry() -> None:
     import bench.postgres
     import bench.workloads  # noqa: F401
 
-    # Imported after the lock workloads, so the save workloads run (and are listed) last.
+    # Imported after the lock workloads, so the save and Celery workloads run (and are
+    # listed) after them.
     import_module("bench.saves")
+    import_module("bench.celery_overhead")
 
 
 def floor_of(family: str, names: Iterable[str]) -> str | None:

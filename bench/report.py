@@ -20,7 +20,7 @@ from bench.stats import ratio, summarize
 SCHEMA_VERSION = 1
 
 #: How the families (the server an implementation runs on) are shown.
-FAMILY_NAMES = {"redis": "Redis", "postgres": "PostgreSQL"}
+FAMILY_NAMES = {"redis": "Redis", "postgres": "PostgreSQL", "celery": "Redis"}
 
 
 def _time_per_op(row: dict[str, Any], metric: str) -> float:
@@ -81,6 +81,7 @@ def workload_result(wl: Workload, samples: dict[str, Samples]) -> dict[str, Any]
         "title": wl.title,
         "description": wl.description,
         "metric": wl.metric,
+        "unit": wl.unit,
         "params": wl.params(),
         "floor": floors,
         "reference": references,
@@ -352,7 +353,8 @@ def draw_chart(report: dict[str, Any], path: Path) -> None:
         if section["metric"] == "throughput":
             values = [row["ops_per_s"] or 0 for _, row in rows]
             ax.barh(positions, values, color=colors)
-            ax.set_xlabel("acquire+release per second (higher is better)")
+            unit = section.get("unit", "acquire+release")
+            ax.set_xlabel(f"{unit} per second (higher is better)")
             for pos, value in zip(positions, values, strict=True):
                 ax.text(value, pos, f" {value:,.0f}", va="center", fontsize=8)
             ax.set_xlim(0, max(values) * 1.25 if any(values) else 1)

@@ -30,6 +30,18 @@ LOCK_FLOORS = {"redis": "floor", "postgres": "pg-floor"}
 LOCK_REFERENCES = {"redis": "distlocks", "postgres": "distlocks-pg"}
 SAVE_FLOORS = {"postgres": "plain-save"}
 SAVE_REFERENCES = {"postgres": "fenced-save"}
+#: The workloads that run Celery tasks; a plain task is their floor.
+CELERY_WORKLOADS = ("celery-run", "celery-enqueue", "celery-e2e")
+CELERY_FLOORS = {"celery": "celery-plain"}
+CELERY_REFERENCES = {"celery": "celery-single"}
+
+
+def _floors_and_references(workload: str) -> tuple[dict[str, str], dict[str, str]]:
+    if workload in SAVE_WORKLOADS:
+        return SAVE_FLOORS, SAVE_REFERENCES
+    if workload in CELERY_WORKLOADS:
+        return CELERY_FLOORS, CELERY_REFERENCES
+    return LOCK_FLOORS, LOCK_REFERENCES
 
 
 def _expected_rows() -> dict[str, list[str]]:
@@ -65,7 +77,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
         check=False,
     )
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
@@ -97,15 +109,16 @@ def test_json_has_the_expected_structure(smoke_run: tuple[str, Path]) -> None:
     assert set(report["implementations"]) == set(IMPLEMENTATIONS)
 
     assert list(report["workloads"]) == list(WORKLOADS)
-    assert set(SAVE_WORKLOADS) <= set(WORKLOADS)
+    assert set(SAVE_WORKLOADS) | set(CELERY_WORKLOADS) <= set(WORKLOADS)
     for name, section in report["workloads"].items():
         assert section["metric"] in ("latency", "throughput")
         assert section["params"]["rounds"] >= 1
         # Every row is compared with the floor and the distlocks row of its own server;
-        # in the save workloads, the floor is a plain save and distlocks' row a fenced one.
-        saves = name in SAVE_WORKLOADS
-        assert section["floor"] == (SAVE_FLOORS if saves else LOCK_FLOORS)
-        assert section["reference"] == (SAVE_REFERENCES if saves else LOCK_REFERENCES)
+        # in the save workloads, the floor is a plain save and distlocks' row a fenced one,
+        # in the Celery workloads a plain task and a single_execution one.
+        floors, references = _floors_and_references(name)
+        assert section["floor"] == floors
+        assert section["reference"] == references
         assert list(section["results"]) == _expected_rows()[name]
         for impl, row in section["results"].items():
             assert row["n"] > 0, (name, impl)
@@ -187,6 +200,61 @@ def test_bench_tables_are_migrated_fenced_and_left_empty(smoke_run: tuple[str, P
         ).fetchall()
         # migrate installed the fencing trigger on the fenced table only.
         assert triggers == [("benchapp_fencedrow",)]
+
+
+def _celery_workers_of(redis_url: str) -> list[int]:
+    """Pids of benchmark Celery workers whose broker is the server at ``redis_url``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            environ = (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if b"bench.celery_app" in cmdline and f"={redis_url}\0".encode() in environ:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_celery_workloads_run_every_task_and_leave_nothing(smoke_run: tuple[str, Path]) -> None:
+    import redis
+
+    from distlocks.testing.servers import REDIS_URL_ENV
+
+    _, out = smoke_run
+    report: dict[str, Any] = json.loads((out / "latest.json").read_text())
+    sections = report["workloads"]
+    assert set(sections["celery-run"]["results"]) == {
+        "celery-plain", "celery-single", "celery-single-unique", "celery-once", "celery-singleton",
+    }  # fmt: skip
+    assert set(sections["celery-enqueue"]["results"]) == {
+        *sections["celery-run"]["results"], "celery-single-queued",
+    }  # fmt: skip
+    e2e = sections["celery-e2e"]
+    assert set(e2e["results"]) == {"celery-plain", "celery-single"}
+    assert (e2e["params"]["pool"], e2e["params"]["concurrency"]) == ("prefork", 2)
+    # The worker ran every task published, and each reported its finish.
+    assert all(row["n"] == e2e["params"]["tasks"] for row in e2e["results"].values())
+    celery_rows = set().union(*(sections[name]["results"] for name in CELERY_WORKLOADS))
+    for name in set(WORKLOADS) - set(CELERY_WORKLOADS):
+        assert not celery_rows & set(sections[name]["results"]), name
+
+    url = os.environ[REDIS_URL_ENV]
+    # The worker was shut down with the run...
+    if sys.platform.startswith("linux"):
+        assert _celery_workers_of(url) == []
+    # ...and the queue, the markers, the run locks and the peers' keys were removed.
+    client = redis.Redis.from_url(url)
+    try:
+        for pattern in (
+            "distlocks-bench-celery:*",
+            "distlocks-bench:*",
+            "qo_bench.celery.*",
+            "bench:celery-*",
+        ):
+            assert list(client.scan_iter(match=pattern, count=1000)) == [], pattern
+    finally:
+        client.close()
 
 
 def test_markdown_and_chart_are_written(smoke_run: tuple[str, Path]) -> None:

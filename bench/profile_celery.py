@@ -1,0 +1,199 @@
+"""Where a ``single_execution`` task spends its time: ``python -m bench.profile_celery``.
+
+A companion of the Celery workloads (:mod:`bench.celery_overhead`), for the
+analysis in docs/benchmarks.md. On the same kind of throwaway Redis as
+``python -m bench`` it:
+
+1. counts the Redis commands of one task of each kind, run side (``apply()``)
+   and enqueue side (``apply_async()``), from the server's ``INFO commandstats``
+   (a count does not depend on the machine);
+2. times the pieces of a ``single_execution`` run, interleaved in blocks, wall
+   clock and the client thread's CPU time per call: the key alone, the run lock's
+   acquire + release alone (``Lock`` and ``finish_lease``, as the task does), the
+   marker release the run does with ``unique_while``, and whole tasks;
+3. counts the Python function calls of one run of each kind (``cProfile``) and
+   lists distlocks' functions by cumulative time.
+
+Nothing is asserted; the figures are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from bench.profile_save import _by_function, _calls_per_save, _timed
+
+Layer = tuple[str, Callable[[], None]]
+#: The profiler's own commands, and connection set-up.
+_IGNORED = frozenset({"info", "config", "client", "hello"})
+
+
+def _setup() -> list[Any]:
+    """Start Redis and Django as ``python -m bench`` does; one instance per Celery row."""
+    from bench.celery_overhead import CeleryTask
+    from bench.registry import IMPLEMENTATIONS, Env, Implementation, load_registry
+    from bench.run import _start
+
+    load_registry()
+    classes: list[type[Implementation]] = [
+        cls for cls in IMPLEMENTATIONS.values() if issubclass(cls, CeleryTask)
+    ]
+    _start(classes)
+    env = Env.from_environ()
+    return [cls(env) for cls in classes]
+
+
+def _numbered(call: Callable[..., Any], counter: Iterator[int]) -> Callable[[], None]:
+    """``call(args=(n,))`` with a new ``n`` every time, so no call is a duplicate."""
+
+    def numbered() -> None:
+        call(args=(next(counter),))
+
+    return numbered
+
+
+def _once(call: Callable[..., Any]) -> Callable[[], None]:
+    """``call(args=(1,))``: the same key every time, as a run-side loop may use."""
+
+    def same() -> None:
+        call(args=(1,))
+
+    return same
+
+
+def _commands(client: Any, call: Callable[[], None], count: int) -> dict[str, float]:
+    """Redis commands per call of ``call`` (the server's own count)."""
+    client.config_resetstat()
+    for _ in range(count):
+        call()
+    stats = client.info("commandstats")
+    per_call = {}
+    for key, value in stats.items():
+        command = key.removeprefix("cmdstat_")
+        if command not in _IGNORED:
+            per_call[command] = value["calls"] / count
+    return dict(sorted(per_call.items()))
+
+
+def _format(commands: dict[str, float]) -> str:
+    return ", ".join(f"{name} {count:g}" for name, count in commands.items()) or "none"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.profile_celery", description=__doc__)
+    parser.add_argument("--blocks", type=int, default=20, help="interleaved blocks (20)")
+    parser.add_argument("--per-block", type=int, default=200, help="calls per block (200)")
+    parser.add_argument("--profiled", type=int, default=1000, help="runs profiled (1000)")
+    parser.add_argument("--top", type=int, default=15, help="functions listed (15)")
+    args = parser.parse_args(argv)
+
+    from bench.celery_overhead import _purge
+
+    impls = _setup()
+    by_name = {impl.name: impl for impl in impls}
+    client = impls[0].client
+    counter = itertools.count()
+    try:
+        print("== Redis commands per task (INFO commandstats; the broker is the same server)\n")
+        for impl in impls:
+            if "celery-run" in impl.workloads:
+                run = _commands(client, _numbered(impl.task.apply, counter), 200)
+                print(f"{impl.name:22} run:     {_format(run)}")
+            enqueue = _commands(client, _numbered(impl.task.apply_async, counter), 200)
+            _purge(impl.app)
+            impl.delete_markers()
+            print(f"{impl.name:22} enqueue: {_format(enqueue)}")
+
+        from distlocks import get_backend
+        from distlocks.locks import Lock, finish_lease
+
+        single = by_name["celery-single"].task
+        backend = get_backend("default")
+        name = single.lock_name((1,))
+
+        def run_lock() -> None:
+            lease = Lock(name, backend="default", ttl=single._single.lease_ttl).acquire(timeout=0)
+            finish_lease(lease, body_failed=False)
+
+        def release_marker() -> None:
+            backend.release_quietly(name + ":queued", "celery-task:none")
+
+        def bump() -> None:
+            pass
+
+        from celery import Task
+
+        from bench.celery_tasks import _trivial
+
+        class PassThrough(Task):
+            """A task class whose ``__call__`` only calls Celery's: the tracer then goes
+            through ``Task.__call__`` (request stack) as it does for single_execution."""
+
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                return super().__call__(*args, **kwargs)
+
+        app = by_name["celery-plain"].app
+        pass_through = app.task(name="bench.celery.profile_pass_through", base=PassThrough)(
+            _trivial
+        )
+
+        layers: list[Layer] = [
+            ("plain task.apply()", _once(by_name["celery-plain"].task.apply)),
+            ("plain task, pass-through __call__", _once(pass_through.apply)),
+            ("key: lock_name((n,))", lambda: single.lock_name((next(counter),))),
+            ("run lock: Lock.acquire + finish_lease", run_lock),
+            ("marker release at run start (release_quietly)", release_marker),
+            ("single_execution task.apply()", _once(single.apply)),
+            (
+                "single_execution(unique_while) task.apply()",
+                _once(by_name["celery-single-unique"].task.apply),
+            ),
+        ]
+        sizes = f"{args.blocks} blocks of {args.per_block}, medians"
+        print(f"\n== Run side, layer by layer ({sizes})\n")
+        results = _timed(layers, args.blocks, args.per_block, bump)
+        base_wall, base_cpu = results["plain task.apply()"]
+        print(f"{'what runs':50} {'wall us':>9} {'client CPU us':>14} {'wall - plain':>13}")
+        for title, (wall, cpu) in results.items():
+            print(f"{title:50} {wall:9.1f} {cpu:14.1f} {wall - base_wall:13.1f}")
+        print(f"(plain task.apply() client CPU: {base_cpu:.1f} us)")
+
+        enqueue_layers: list[Layer] = [
+            (impl.name, _numbered(impl.task.apply_async, counter))
+            for impl in impls
+            if "celery-enqueue" in impl.workloads
+        ]
+        print(f"\n== Enqueue side ({sizes})\n")
+        results = _timed(enqueue_layers, args.blocks, args.per_block, bump)
+        for impl in impls:
+            _purge(impl.app)
+            impl.delete_markers()
+        print(f"{'implementation':50} {'wall us':>9} {'client CPU us':>14}")
+        for title, (wall, cpu) in results.items():
+            print(f"{title:50} {wall:9.1f} {cpu:14.1f}")
+
+        print(f"\n== Python function calls per run (cProfile, {args.profiled} runs)\n")
+        for impl in impls:
+            if "celery-run" not in impl.workloads:
+                continue
+            per_run, stats = _calls_per_save(_once(impl.task.apply), args.profiled)
+            print(f"{impl.name:22} {per_run:7.0f} calls per run")
+            if impl.name == "celery-single":
+                functions = _by_function(stats, args.profiled)
+                ours = [(key, value) for key, value in functions.items() if "distlocks/" in key]
+                ours.sort(key=lambda item: -item[1][2])
+                print("  distlocks functions by cumulative time (calls, own us, cumulative us):")
+                for key, (calls, own, cumulative) in ours[: args.top]:
+                    print(f"    {calls:5.1f} {own:7.1f} {cumulative:8.1f}  {key}")
+    finally:
+        for impl in impls:
+            impl.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
