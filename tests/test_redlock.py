@@ -296,6 +296,159 @@ def test_a_late_give_back_never_frees_a_later_grant(masters: list[RedisServer], 
         assert backend.release(name, "O") is True
 
 
+class Interceptor:
+    """Stands between a Redlock backend and its masters to lose answers and delay
+    requests, deterministically: what a slow or lossy network does to single requests.
+
+    ``fail(key, index, nth)`` makes the ``nth`` call (1-based) of script ``key`` on
+    master ``index`` fail as if its answer never came (the request is not run);
+    ``hold(key, index)`` keeps every such call waiting until :meth:`deliver` (it then
+    runs, as a late request would). The single-node backends' own calls pass through.
+    """
+
+    def __init__(self, backend: RedlockBackend) -> None:
+        self.backend = backend
+        self.calls: dict[tuple[str, int], int] = {}
+        self.failing: set[tuple[str, int, int]] = set()
+        self.holding: set[tuple[str, int]] = set()
+        self.held = threading.Semaphore(0)
+        self.go = threading.Event()
+        #: (key, index, result) of each held call once delivered.
+        self.delivered: list[tuple[str, int, Any]] = []
+        self._guard = threading.Lock()
+        self._run = backend._run
+        self._acquire_on = backend._acquire_on
+        backend._run = self.run  # type: ignore[method-assign]
+        backend._acquire_on = self.acquire_on  # type: ignore[method-assign]
+
+    def fail(self, key: str, index: int, nth: int = 1) -> None:
+        self.failing.add((key, index, nth))
+
+    def hold(self, key: str, index: int) -> None:
+        self.holding.add((key, index))
+
+    def deliver(self) -> None:
+        self.go.set()
+
+    def _enter(self, key: str, index: int) -> bool:
+        """Count the call; raise if it is to fail; True if it is to be held."""
+        with self._guard:
+            nth = self.calls[key, index] = self.calls.get((key, index), 0) + 1
+        if (key, index, nth) in self.failing:
+            raise LockBackendUnavailable(f"rl[{index}]", f"the answer to {key} #{nth} was lost")
+        return (key, index) in self.holding
+
+    def _maybe_held(self, key: str, index: int, call: Any) -> Any:
+        if not self._enter(key, index):
+            return call()
+        self.held.release()
+        assert self.go.wait(60), "never delivered"
+        result = call()
+        with self._guard:
+            self.delivered.append((key, index, result))
+        return result
+
+    def run(self, index: int, key: str, *args: Any) -> Any:
+        if key == "acquire":  # an acquire's script: acquire_on has seen it already
+            return self._run(index, key, *args)
+        return self._maybe_held(key, index, lambda: self._run(index, key, *args))
+
+    def acquire_on(self, index: int, *args: Any) -> Any:
+        return self._maybe_held("acquire", index, lambda: self._acquire_on(index, *args))
+
+    def wait_held(self, count: int = 1) -> None:
+        for _ in range(count):
+            assert self.held.acquire(timeout=60), "no call was held"
+
+    def wait_delivered(self, count: int) -> list[tuple[str, int, Any]]:
+        wait_for(lambda: len(self.delivered) >= count, 60, "the held calls delivered")
+        return list(self.delivered)
+
+
+def owners_on(backend: RedlockBackend, servers: list[RedisServer], name: str) -> list[Any]:
+    """The owner recorded on each master (None where it holds no entry)."""
+    found = []
+    for index, server in enumerate(servers):
+        client = raw(server)
+        try:
+            owner = client.hget(backend.masters[index].all_keys(name).lock, "owner")
+        finally:
+            client.close()
+        found.append(owner.decode() if owner is not None else None)
+    return found
+
+
+def test_a_late_give_back_spares_an_entry_the_next_attempt_re_granted(
+    masters: list[RedisServer], name: str
+) -> None:
+    """Attempt 1 is granted by B and C, and confirmed on C, but B's confirmation is
+    lost: the attempt fails and gives back; its give-back to C is delayed. Attempt 2 of
+    the same owner is granted by B, and by C again (same owner), and confirmed on both.
+    The delayed give-back then reaches C: it must not free the entry attempt 2 counts
+    on, or a third caller gets A and C while the lease is held."""
+    with redlock(masters) as backend:
+        a = backend.masters[0]
+        assert backend.inspect(name) is None  # connections to every master are open
+        assert a.acquire(name, "other", 30, current_holder()).acquired
+        net = Interceptor(backend)
+        net.fail("confirm", 1)
+        net.hold("give_back", 2)
+        lease = lock(name, backend="rl", ttl=30, timeout=20, auto_renew=False).acquire()
+        try:
+            net.wait_held()  # the first attempt's give-back to C did not arrive in time
+            assert net.calls["acquire", 2] == 2  # C granted both attempts
+            assert owners_on(backend, masters, name) == ["other", lease.owner, lease.owner]
+            net.deliver()
+            [(_, _, freed)] = net.wait_delivered(1)
+            assert freed == 0  # the give-back script refused
+            assert owners_on(backend, masters, name) == ["other", lease.owner, lease.owner]
+            assert a.release(name, "other")
+            with pytest.raises(LockNotAcquired):
+                lock(name, backend="rl", timeout=0).acquire()
+        finally:
+            net.deliver()
+            lease.release()
+
+
+def test_a_renewal_takes_entries_out_of_reach_of_late_give_backs(
+    masters: list[RedisServer], name: str
+) -> None:
+    """Attempt 1 is granted by A and C and confirmed on A only; it fails, and its
+    give-back to A is delayed. Attempt 2 is granted by B and C (its request to A is
+    lost). C then loses its data, and the lease is renewed: A and B make the quorum.
+    The late give-backs (attempt 1's, and attempt 2's for its lost request) reach A
+    afterwards: they must not free what the renewal counted on."""
+    with redlock(masters) as backend:
+        _, b, c = backend.masters
+        assert backend.inspect(name) is None
+        assert b.acquire(name, "other", 30, current_holder()).acquired
+        net = Interceptor(backend)
+        net.fail("confirm", 2)
+        net.fail("acquire", 0, nth=2)
+        net.hold("give_back", 0)
+        # B frees up while attempt 1 gives back, so that attempt 2 gets it.
+        freed = threading.Thread(target=lambda: (net.wait_held(), b.release(name, "other")))
+        freed.start()
+        lease = lock(name, backend="rl", ttl=30, timeout=20, auto_renew=False).acquire()
+        try:
+            freed.join(60)
+            assert net.calls["acquire", 0] == 2
+            assert owners_on(backend, masters, name) == [lease.owner] * 3
+            client = raw(masters[2])
+            assert client.delete(c.all_keys(name).lock) == 1  # C lost its data
+            client.close()
+            lease.extend()
+            assert lease.held()
+            net.deliver()
+            net.wait_delivered(2)  # attempt 1's give-back, and attempt 2's to A
+            assert owners_on(backend, masters, name) == [lease.owner, lease.owner, None]
+            with pytest.raises(LockNotAcquired):
+                lock(name, backend="rl", timeout=0).acquire()
+        finally:
+            net.deliver()
+            lease.release()
+
+
 def test_partial_leftovers_are_not_reported_as_locks(masters: list[RedisServer], name: str) -> None:
     with redlock(masters) as backend:
         assert backend.masters[0].acquire(name, "stray", 30, current_holder()).acquired
@@ -448,18 +601,41 @@ def test_renewal_extends_every_master_by_the_ttl_and_the_drift(
             lease.release()
 
 
-def test_only_entries_a_grant_adopted_are_renewed(masters: list[RedisServer], name: str) -> None:
-    """An entry of the owner that no grant adopted (what a late request of a failed
-    attempt leaves) may be given back at any moment, so renewal does not count it."""
+def test_late_requests_of_an_attempt_change_nothing_of_the_lease(
+    masters: list[RedisServer], name: str
+) -> None:
+    """Requests of an attempt that reach a master late (a grant, a confirmation, a
+    give-back of the grant's own attempt or of an older one) neither free nor shorten
+    nor re-token an entry the lease renewed."""
     with redlock(masters) as backend:
-        lease = lock(name, backend="rl", ttl=20, auto_renew=False).acquire()
-        for server, master in zip(masters[1:], backend.masters[1:], strict=True):
-            client = raw(server)
-            assert client.hdel(master.all_keys(name).lock, "attempt") == 1
+        lease = lock(name, backend="rl", ttl=5, auto_renew=False).acquire()
+        try:
+            client = raw(masters[0])
+            grant = client.hget(backend.masters[0].all_keys(name).lock, "attempt").decode()
             client.close()
-        with pytest.raises(LockLost):
+            lease.extend(100)
+            attempts = sorted({"1", grant})  # the oldest there is, and the grant's own
+            for index, server in enumerate(masters):
+                keys = backend.masters[index].all_keys(name)
+                client = raw(server)
+                token = client.hget(keys.lock, "token")
+                for attempt in attempts:
+                    late = backend._acquire_on(
+                        index, name, lease.owner, 5, current_holder(), 0.0, False, attempt
+                    )
+                    assert not late.acquired
+                    assert backend._run(index, "confirm", "acquire", name, [keys.lock, keys.fence],
+                                        [lease.owner, "1", attempt]) == 0  # fmt: skip
+                    assert backend._give_back_on(index, name, lease.owner, attempt) is False
+                assert client.hget(keys.lock, "owner") == lease.owner.encode()
+                assert client.hget(keys.lock, "token") == token
+                assert client.pttl(keys.lock) > 50_000  # not cut back to the 5 s ttl
+                client.close()
             lease.extend()
-        assert lease.state == "lost"
+            assert lease.held()
+        finally:
+            lease.release()
+        assert lock_keys_present(backend, masters, name) == []
 
 
 # -- waiting ------------------------------------------------------------------------

@@ -1,23 +1,27 @@
 """Redlock backend: a lock is held when a majority of N independent Redis masters hold it.
 
 Each master is driven by a :class:`~distlocks.backends.redis.RedisBackend` of its
-own, on the single-node key layout: acquire, release, force release and leaving the
-wait queue are the single-node Lua scripts, and this module adds three of its own
-(confirm a grant, give back a failed attempt, extend). Around them, the quorum:
+own, on the single-node key layout: release, force release and leaving the wait
+queue are the single-node Lua scripts; acquire wraps the single-node one, and this
+module adds three of its own (confirm a grant, give back, extend). Around them, the
+quorum:
 
 * every request goes to all masters at once (one thread pool per master, so a
   hung master only backs up its own pool), and each round waits at most the
   socket timeout for answers;
 * an acquisition needs ``N // 2 + 1`` grants, and its validity is what is left
   of the ttl after the round trips and a clock-drift allowance; a failed attempt
-  gives back every grant it got, so no master keeps a partial lock, with a
-  release that spares entries a later attempt of the same owner adopted (a late
-  give-back must not free what that attempt counts on);
+  gives back every grant it got, so no master keeps a partial lock;
+* the attempts of one waiting acquisition share its owner, so every request also
+  carries the attempt's id, and each entry records the newest step of its owner
+  that made it its own: an attempt, or the lease once renewed. A request of an
+  older step (a give-back, confirmation or grant that arrives late) changes
+  nothing, so it cannot free or shorten what a newer attempt or the lease counts on;
 * release and renewal succeed when a quorum confirms them;
 * fencing tokens: each master mints ``max(last + 1, its clock in µs)`` as the
   single-node backend does; the grant takes the largest token of its quorum and,
   in a second short round, raises the counter of every granting master to that
-  token (and adopts the entry), while it still holds the lock there. Any later
+  token, while its own entry is still there. Any later
   quorum shares a master with this one, and that master can only grant after
   this lease ended there, so it mints above the token. See ``docs/backends.md``.
 
@@ -32,11 +36,11 @@ import collections
 import concurrent.futures
 import dataclasses
 import datetime as dt
+import itertools
 import logging
 import random
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
@@ -45,6 +49,7 @@ from urllib.parse import urlsplit
 from django.core.checks import CheckMessage, Warning
 
 from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
+from distlocks.backends.redis import ACQUIRE as SINGLE_ACQUIRE
 from distlocks.backends.redis import RELEASE, RedisBackend
 from distlocks.exceptions import LockBackendUnavailable, LockError
 
@@ -71,50 +76,110 @@ _REDIS_OPTIONS = frozenset(
 _OPTIONS = _REDIS_OPTIONS | {"drift_factor", "drift_margin"}
 _SCHEMES = ("redis", "rediss", "unix")
 
+# Every request of an acquisition attempt carries the attempt's id, and every entry
+# records the id of the step of its owner that last made it its own: an attempt
+# (ids grow, see _next_attempt) or, once renewed, the lease ('lease'). A request of
+# an older step than the entry's is stale: it changes nothing.
+_OURS = """
+local function ours(lock, owner, attempt)
+  local entry = redis.call('HMGET', lock, 'owner', 'attempt')
+  if entry[1] ~= owner then return false end
+  return entry[2] ~= 'lease' and (tonumber(entry[2]) or 0) <= tonumber(attempt)
+end
+"""
+
+# KEYS and ARGV as the single-node acquire, plus a last ARGV: the attempt id.
+# The single-node script, except for an entry its owner holds already: a newer attempt
+# takes it over (the older attempt failed, and its late give-back and confirmation
+# must then miss it), while a stale request leaves it as it is and is refused.
+ACQUIRE = (
+    _OURS
+    + """
+local attempt = ARGV[#ARGV]
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  if not ours(KEYS[1], ARGV[1], attempt) then
+    return {0, 0, redis.call('PTTL', KEYS[1])}
+  end
+  redis.call('HSET', KEYS[1], 'attempt', attempt)
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if tonumber(ARGV[8]) > 0 or ARGV[9] == '1' then
+    -- As a fresh grant does: the owner is no longer waiting here.
+    redis.call('ZREM', KEYS[3], ARGV[1])
+    redis.call('ZREM', KEYS[4], ARGV[1])
+  end
+  return {1, tonumber(redis.call('HGET', KEYS[1], 'token')), tonumber(ARGV[2])}
+end
+local function single_node()
+"""
+    + SINGLE_ACQUIRE
+    + """
+end
+local reply = single_node()
+if reply[1] == 1 then redis.call('HSET', KEYS[1], 'attempt', attempt) end
+return reply
+"""
+)
+
 # KEYS: lock hash, fence counter. ARGV: owner, token, attempt id.
-# Second round of a grant: while ``owner`` still holds the lock here, raise the
-# fencing counter to the grant's token (the largest of the quorum), record that
-# token in the lock hash, so every master of the quorum reports the same one, and
-# mark the entry as adopted by this attempt (once: a retry does not take it over).
+# Second round of a grant: while this attempt's own entry is still there, raise the
+# fencing counter to the grant's token (the largest of the quorum) and record that
+# token in the lock hash, so every master of the quorum reports the same one.
 CONFIRM = """
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+local entry = redis.call('HMGET', KEYS[1], 'owner', 'attempt')
+if entry[1] ~= ARGV[1] or entry[2] ~= ARGV[3] then return 0 end
 if tonumber(redis.call('GET', KEYS[2]) or '0') < tonumber(ARGV[2]) then
   redis.call('SET', KEYS[2], ARGV[2])
 end
 redis.call('HSET', KEYS[1], 'token', ARGV[2])
-redis.call('HSETNX', KEYS[1], 'attempt', ARGV[3])
 return 1
 """
 
 # KEYS and ARGV as the single-node release, plus ARGV[3]: an attempt id.
-# The release of what a failed attempt got, which may reach a master late (its
-# request was still running, or timed out): the owner's next attempt may meanwhile
-# have been granted there and adopted the entry, and that must not be freed. So it
-# frees only an entry that no attempt adopted, or that this attempt adopted itself.
+# The release of what an attempt got and does not count on, which may reach a master
+# late (its request was still running, or timed out). By then the owner's next
+# attempt may have taken the entry over, or the lease renewed it: those are left.
 GIVE_BACK = (
-    """
-local adopted = redis.call('HGET', KEYS[1], 'attempt')
-if adopted and adopted ~= ARGV[3] then return 0 end
+    _OURS
+    + """
+if not ours(KEYS[1], ARGV[1], ARGV[3]) then return 0 end
 """
     + RELEASE
 )
 
 # KEYS: lock hash. ARGV: owner, expiry ms, ttl ms.
 # Compare-and-expire, as the single-node script, but the server keeps the lock for
-# the ttl plus the drift allowance while the hash records the ttl asked for. Only an
-# adopted entry counts: one no grant adopted may still be given back at any moment.
+# the ttl plus the drift allowance while the hash records the ttl asked for. The entry
+# becomes the lease's: no give-back or request of an attempt can touch it any more,
+# so every entry this counts stays the lease's until it is released or expires.
 EXTEND = """
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1]
-    and redis.call('HEXISTS', KEYS[1], 'attempt') == 1 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  redis.call('HSET', KEYS[1], 'ttl', ARGV[3])
-  redis.call('HINCRBY', KEYS[1], 'renewals', 1)
-  return 1
-end
-return 0
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[1], 'ttl', ARGV[3], 'attempt', 'lease')
+redis.call('HINCRBY', KEYS[1], 'renewals', 1)
+return 1
 """
 
-_SCRIPTS = {"confirm": CONFIRM, "give_back": GIVE_BACK, "extend": EXTEND}
+_SCRIPTS = {
+    "acquire": ACQUIRE,
+    "confirm": CONFIRM,
+    "give_back": GIVE_BACK,
+    "extend": EXTEND,
+}
+
+
+_attempt_ids = itertools.count(1)
+_attempt_ids_lock = threading.Lock()
+
+
+def _next_attempt() -> str:
+    """A new attempt id, larger than every one this process handed out before.
+
+    The attempts of one acquisition run one after the other in one process (its
+    owner is unique to it), so on a master a larger id is always the newer attempt:
+    what lets a script tell a late request of a failed attempt from the current one.
+    """
+    with _attempt_ids_lock:
+        return str(next(_attempt_ids))
 
 
 def quorum(masters: int) -> int:
@@ -452,14 +517,14 @@ class RedlockBackend(BaseBackend):
 
     def _acquire_on(
         self, index: int, name: str, owner: str, ttl: float, holder: Holder, wait: float,
-        fair: bool,
+        fair: bool, attempt: str,
     ) -> AcquireResult:  # fmt: skip
-        # The single-node acquire script, called without the single-node backend's own
-        # clean-up after a timeout: here a failed attempt cleans up with GIVE_BACK.
+        # The single-node arguments and reply, and no single-node clean-up after a
+        # timeout: here a failed attempt cleans up with GIVE_BACK.
         master = self.masters[index]
         keys, args = master._acquire_call(name, owner, ttl, holder, wait, fair)
-        with master._errors("acquire", name):
-            return master._acquire_result(master._run("acquire", keys, args))
+        reply = self._run(index, "acquire", "acquire", name, keys, [*args, attempt])
+        return master._acquire_result(reply)
 
     def acquire(
         self,
@@ -472,7 +537,7 @@ class RedlockBackend(BaseBackend):
         fair: bool = False,
     ) -> AcquireResult:
         started = time.monotonic()
-        attempt = uuid.uuid4().hex
+        attempt = _next_attempt()
         spare = len(self.masters) - self.quorum  # how many may fail with a quorum left
 
         def lost_cause(replies: _Replies[AcquireResult]) -> bool:
@@ -480,7 +545,7 @@ class RedlockBackend(BaseBackend):
             return refused + len(replies.errors) > spare
 
         replies = self._round(
-            lambda i: self._acquire_on(i, name, owner, ttl, holder, wait, fair),
+            lambda i: self._acquire_on(i, name, owner, ttl, holder, wait, fair, attempt),
             decided=lost_cause,
         )
         granted = {i: r for i, r in replies.results.items() if r.acquired}
@@ -528,7 +593,7 @@ class RedlockBackend(BaseBackend):
         granted: Mapping[int, AcquireResult],
     ) -> tuple[set[int], dict[int, Exception]]:
         """Second round of a grant, on every master that granted it: raise its counter
-        to ``token`` and adopt its entry for ``attempt``, if it still holds the lock.
+        to ``token``, if the entry ``attempt`` was granted is still there.
 
         Returns the masters that did (only they count toward the quorum), and those
         that failed to answer.
@@ -565,9 +630,10 @@ class RedlockBackend(BaseBackend):
         """In the background, give back on the masters whose request may still grant (or
         may have granted, unanswered) a lock this attempt does not count on.
 
-        GIVE_BACK frees only an entry no later attempt adopted, so it may arrive at any
-        time. Past the moment the entry would have expired anyway it is skipped, so a
-        master that hangs does not pile up work."""
+        GIVE_BACK frees only an entry no newer attempt took over and no renewal made
+        the lease's, so it may arrive at any time. Past the moment the entry would
+        have expired anyway it is skipped, so a master that hangs does not pile up
+        work."""
         skip_after = time.monotonic() + ttl + self.round_timeout
 
         def give_back(index: int) -> None:

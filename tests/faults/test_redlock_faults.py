@@ -1,6 +1,7 @@
 """Redlock with a minority of its masters down: the quorum goes on without it.
 
-And a bug this suite found in Redlock's waiting path, kept as a strict xfail.
+And the replay of a double grant this suite found in Redlock's waiting path (fixed):
+a failed attempt's give-back that reaches a slow master late.
 """
 
 from __future__ import annotations
@@ -8,16 +9,21 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 from django.conf import settings
 from django.test import override_settings
 
 from distlocks import get_backend, lock
 from distlocks.backends import redis as single
+from distlocks.backends import redlock as redlock_module
 from distlocks.backends.base import Holder
+from distlocks.exceptions import LockNotAcquired
 from distlocks.testing.servers import RedisServer
 from tests.faults.helpers import MakeScenario, of
 from tests.faults.proxy import FaultProxy
@@ -57,13 +63,17 @@ def test_redlock_with_a_minority_of_masters_down(
     }
     s = scenario("redlock-minority")
     for proc in WORKERS:
-        # timeout=0: each attempt has an owner of its own. Waiting attempts share one
-        # owner, which the known bug below turns into a double grant.
+        # timeout=0: one attempt per acquisition (waiting acquisitions, whose attempts
+        # share one owner, are replayed under a slow master below).
         s.spawn(proc, backend=config, ttl=1.0, rounds=1000, timeout=0)
     s.wait_accepted(6)
     s.hold("w1", "inside")
     token = s.wait_at("w1", "inside")
-    victim = masters[2]
+    # A master the lease can do without: its quorum is the masters that record its token
+    # (a grant can leave one master out, held by a predecessor's release still on its way).
+    quorum = [i for i, m in enumerate(masters) if token_on(m, s.lock) == token]
+    assert len(quorum) >= 2, quorum
+    victim = masters[2] if len(quorum) == 3 else masters[({0, 1, 2} - set(quorum)).pop()]
     port = victim.port
     with s.fault("one master of three killed"):
         victim.kill()
@@ -90,68 +100,143 @@ def test_redlock_with_a_minority_of_masters_down(
     assert after and min(after) > max(before)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Redlock bug: acquire_lease retries with one owner; an attempt that failed "
-    "while a master's grant was still on the way gives that grant back late "
-    "(_give_back's release_late), and by then the next attempt of the same owner may "
-    "have counted that very master (its same-owner path re-grants): the caller "
-    "believes it holds a quorum it no longer has, and another client can be granted "
-    "the lock too. Seen as an overlap by the minority-down scenario when it waited.",
-)
+class SteeredProxy(FaultProxy):
+    """A fault proxy whose latency changes the moment given requests pass through it.
+
+    ``steer(needle, this, then)``: the first chunk a client sends that contains
+    ``needle`` is delayed by ``this`` seconds, and every chunk read after it (both
+    ways) by ``then``. So one request can be made to overtake another, or an answer
+    to be lost in the delay, whatever the load: nothing waits for a test thread to
+    notice the request. (The proxy counts a watched needle in ``seen`` just before it
+    stamps the chunk's due time with ``latency``; both are hooked here.)
+    """
+
+    _once: float | None = None
+
+    def __init__(self, upstream_port: int) -> None:
+        self._latency = 0.0
+        super().__init__(upstream_port)
+        self.rules: dict[bytes, tuple[float, float]] = {}
+        self.seen = _Steering(self)
+
+    @property  # type: ignore[override]
+    def latency(self) -> float:
+        once, self._once = self._once, None
+        return self._latency if once is None else once
+
+    @latency.setter
+    def latency(self, seconds: float) -> None:
+        self._latency = seconds
+
+    def steer(self, needle: bytes, this: float, then: float) -> None:
+        self.rules[needle] = (this, then)
+        self.watch(needle)
+
+    def passed(self, needle: bytes) -> None:
+        rule = self.rules.pop(needle, None)
+        if rule is not None:
+            self._once, self._latency = rule
+
+
+class _Steering(Counter[bytes]):
+    def __init__(self, proxy: SteeredProxy) -> None:
+        super().__init__()
+        self.proxy = proxy
+
+    def __setitem__(self, needle: bytes, count: int) -> None:
+        super().__setitem__(needle, count)
+        if count > 0:
+            self.proxy.passed(needle)
+
+
+def sha(script: str) -> bytes:
+    """What an EVALSHA of ``script`` carries on the wire."""
+    return hashlib.sha1(script.encode()).hexdigest().encode()
+
+
+@pytest.mark.parametrize("confirmed", [False, True], ids=["unconfirmed", "confirmed"])
 def test_a_late_give_back_does_not_undo_the_next_attempt(
-    masters: list[RedisServer], proxies: Callable[[int], FaultProxy]
+    masters: list[RedisServer], tmp_path: Path, confirmed: bool
 ) -> None:
-    """The third master is slow (a proxy adds 0.5 s each way). A waiting acquire's
-    first attempt is refused by the two fast masters, which are held, and gives up
-    while the slow master's grant is still on the way; one fast master is then
-    released, which wakes the waiter, and its next attempt (same owner) counts the
-    slow master in its quorum. Once everything on the way has landed, including the
-    first attempt's give-back, the holder must still hold a quorum."""
-    slow = proxies(masters[2].port)
+    """A waiting acquisition retries with one owner, and the third master (C) is slow.
+    Its first attempt fails and gives back; the give-back to C is held up 3 s in the
+    network, long enough for the owner's next attempt to be granted on C again (same
+    owner) and to count it in its quorum. Once the give-back has landed, the holder
+    must still hold its quorum, and nobody else may get the lock.
+
+    unconfirmed: A and B are held; the first attempt is refused by both and gives back
+    C's grant when it arrives. The next attempt comes when B's holder expires. (This
+    one passed before the fix too: the give-back then spared an entry that a later
+    attempt had confirmed. It fails if the give-back ignores attempts.)
+    confirmed: A is held; the first attempt gets B and C, and its confirmation to C is
+    delayed past the socket timeout: the attempt fails, and the confirmation lands on
+    C afterwards. The next attempt's confirmation did not take over the entry the
+    first one had marked, so the late give-back still matched and freed it, and once
+    A was free a second caller got the lock. This one failed before the fix.
+    """
+    slow = SteeredProxy(masters[2].port).start()
     urls = [masters[0].url, masters[1].url, slow.url()]
     config = {"BACKEND": "distlocks.backends.redlock.RedlockBackend", "LOCATION": urls,
-              "OPTIONS": {"socket_timeout": 5}}  # fmt: skip
+              "OPTIONS": {"socket_timeout": 1.0, "socket_connect_timeout": 1.0}}  # fmt: skip
     holder = Holder("test", 1, "main")
-    name = "late-give-back"
-    acquire_sha = hashlib.sha1(single.ACQUIRE.encode()).hexdigest().encode()
-    slow.watch(acquire_sha)
-    with override_settings(DISTLOCKS_BACKENDS={**settings.DISTLOCKS_BACKENDS, "rl": config}):
-        redlock = get_backend("rl")
-        first, second, third = redlock.masters  # type: ignore[attr-defined]
-        # Warm connections and loaded scripts: every call to the slow master is then
-        # one delayed round trip, nothing more.
-        slow.set_latency(0.2)
-        pings = [threading.Thread(target=third.client.ping) for _ in range(8)]
-        for thread in pings:
-            thread.start()
-        for thread in pings:
-            thread.join()
-        for script in (single.ACQUIRE, single.RELEASE):
-            third.client.script_load(script)
-        assert first.acquire(name, "someone", 30, holder).acquired
-        assert second.acquire(name, "someone-else", 30, holder).acquired
-        slow.set_latency(0.5)
+    name = f"late-give-back-{tmp_path.name}"
+    try:
+        with override_settings(DISTLOCKS_BACKENDS={**settings.DISTLOCKS_BACKENDS, "rl": config}):
+            redlock = get_backend("rl")
+            first, second, third = redlock.masters  # type: ignore[attr-defined]
+            # Warm connections and every script loaded: each call to the slow master
+            # is then one delayed round trip, nothing more.
+            pings = [threading.Thread(target=third.client.ping) for _ in range(8)]
+            for thread in pings:
+                thread.start()
+            for thread in pings:
+                thread.join()
+            for script in [*single.SCRIPTS.values(), *redlock_module._SCRIPTS.values()]:
+                third.client.script_load(script)
+            assert first.acquire(name, "someone", 30, holder).acquired
+            if confirmed:
+                # The confirmation reaches C after 1.2 s, when the caller has given up
+                # on its answer (1 s socket timeout).
+                slow.steer(sha(redlock_module.CONFIRM), 1.2, 0.0)
+            else:
+                assert second.acquire(name, "someone-else", 1.0, holder).acquired
+                slow.set_latency(0.2)  # C answers after A and B refused
+            slow.steer(sha(redlock_module.GIVE_BACK), 3.0, 0.0)
+            lease = lock(name, backend="rl", ttl=30, timeout=20, auto_renew=False).acquire()
+            try:
+                assert slow.seen[sha(redlock_module.GIVE_BACK)] >= 1
+                # Let the give-back land: the proxy has passed everything on, and a
+                # request on a fresh connection is served after it.
+                wait_for(lambda: slow.stats["up_in"] == slow.stats["up_out"], LIMIT,
+                         "the give-back delivered")  # fmt: skip
+                owners = [owner_on(server, redlock, i, name) for i, server in enumerate(masters)]
+                holding = [i for i, owner in enumerate(owners) if owner == lease.owner]
+                assert holding == [1, 2], owners
+                assert first.release(name, "someone")
+                with pytest.raises(LockNotAcquired):
+                    lock(name, backend="rl", timeout=0).acquire()
+            finally:
+                lease.release()
+    finally:
+        slow.close()
 
-        def free_the_second_master() -> None:
-            wait_for(lambda: slow.seen[acquire_sha] > 0, LIMIT, "the first attempt sent")
-            second.release(name, "someone-else")
 
-        freeing = threading.Thread(target=free_the_second_master)
-        freeing.start()
-        lease = lock(name, backend="rl", ttl=5, timeout=10, auto_renew=False).acquire()
-        freeing.join()
-        assert slow.seen[acquire_sha] >= 2  # the slow master did see both attempts
-        # Let everything on the way to the slow master land and be answered.
-        wait_for(
-            lambda: (
-                slow.stats["up_in"] == slow.stats["up_out"]
-                and slow.last_down_read > slow.last_up_write
-            ),
-            LIMIT,
-            "the proxy idle",
-        )
-        owners = [m.inspect(name) for m in redlock.masters]  # type: ignore[attr-defined]
-        holding = [info for info in owners if info is not None and info.owner == lease.owner]
-        assert len(holding) >= redlock.quorum  # type: ignore[attr-defined]
-        lease.release()
+def token_on(server: RedisServer, name: str) -> int | None:
+    """The fencing token of ``name``'s entry on a master (None if it has none)."""
+    master = single.RedisBackend("probe", {"LOCATION": server.url})
+    try:
+        token = master.client.hget(master.all_keys(name).lock, "token")
+    finally:
+        master.close()
+    return None if token is None else int(token)
+
+
+def owner_on(server: RedisServer, backend: Any, index: int, name: str) -> str | None:
+    """The owner of ``name``'s entry on a master, read straight from the server (a
+    connection of its own, not through the proxy)."""
+    client = redis.Redis.from_url(server.url, socket_timeout=10)
+    try:
+        owner = client.hget(backend.masters[index].all_keys(name).lock, "owner")
+    finally:
+        client.close()
+    return None if owner is None else owner.decode()
