@@ -187,14 +187,15 @@ def test_a_hung_master_costs_at_most_the_socket_timeout(
                 assert lease.held()
             # The acquire waited for the hung master (a round waits for every master)...
             assert acquired_after >= TIMEOUT
-            # ...but no longer than its socket timeout (never the hang itself).
-            assert acquired_after < TIMEOUT + 2.0, acquired_after
+            # ...but no longer than its socket timeout (never the hang itself, which lasts
+            # until this block ends; the margin is for a loaded CI machine).
+            assert acquired_after < TIMEOUT + 5.0, acquired_after
             # Two hung masters: no quorum, reported within the timeout too.
             with paused(masters[2]):
                 start = time.monotonic()
                 with pytest.raises(LockBackendUnavailable, match="only 1 of 3") as excinfo:
                     lock(name, backend="rl", timeout=10).acquire()
-                assert time.monotonic() - start < TIMEOUT + 2.0
+                assert time.monotonic() - start < TIMEOUT + 5.0
                 assert "TimeoutError" in str(excinfo.value) or "did not answer" in str(
                     excinfo.value
                 )
