@@ -269,6 +269,7 @@ def load_registry() -> None:
     # listed) after them.
     import_module("bench.saves")
     import_module("bench.celery_overhead")
+    import_module("bench.admin_list")
 
 
 def floor_of(family: str, names: Iterable[str]) -> str | None:

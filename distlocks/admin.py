@@ -98,6 +98,9 @@ class FencedModelAdmin(admin.ModelAdmin):
         return HttpResponseRedirect(request.get_full_path())
 
 
+#: Between the parts of a permit's LogEntry object id (never in a lock name).
+_SEPARATOR = "\x1f"
+
 #: Columns of the list: (sort key or "", heading).
 _COLUMNS = [
     ("name", _("Name")),
@@ -113,6 +116,12 @@ _COLUMNS = [
     ("renewals", _("Renewals")),
     ("waiters", _("Waiters")),
 ]
+_KIND_LABELS = {
+    livelocks.LOCK: _("lock"),
+    livelocks.SEMAPHORE: _("semaphore permit"),
+    livelocks.READ: _("read lease"),
+    livelocks.WRITE: _("write lease"),
+}
 _STATUS_LABELS = {
     livelocks.OK: _("ok"),
     livelocks.EXPIRING: _("expiring"),
@@ -135,10 +144,14 @@ class LiveLockAdmin(admin.ModelAdmin):
     refresh_interval = 10
     #: Most locks read from one backend for one listing.
     list_limit = livelocks.DEFAULT_LIMIT
-    #: Seconds a listing is reused for other pages, sorts, searches and filters of the
-    #: same backends (0: read the servers on every request). A force release or the
-    #: refresh link reads them again.
-    snapshot_ttl: float = 5.0
+    #: Seconds a listing is reused, by every viewer, for other pages, sorts, searches,
+    #: filters and reloads of the same backends (0: read the servers on every request).
+    #: None: the refresh interval, so that the servers are read at most once per
+    #: interval however many pages are open, and a reload never shows data older than
+    #: one interval (5 seconds if the page does not reload itself). A force release or
+    #: the "read again now" link reads them again.
+    snapshot_ttl: float | None = None
+    PAUSED_SNAPSHOT_TTL = 5.0
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -176,8 +189,14 @@ class LiveLockAdmin(admin.ModelAdmin):
         )
         return f"{url}?{urlencode(params)}" if params else url
 
-    def lock_url(self, alias: str, name: str) -> str:
+    def lock_url(self, alias: str, name: str, kind: str = "", owner: str = "") -> str:
+        """The page of the lock ``name``, or of ``owner``'s permit of ``kind`` on it."""
+        if kind and kind != livelocks.LOCK:
+            return self._url("lock", backend=alias, name=name, kind=kind, owner=owner)
         return self._url("lock", backend=alias, name=name)
+
+    def _item_url(self, view: str, item: livelocks.LiveLock) -> str:
+        return self._url(view, **item.ref)
 
     def _context(self, request: HttpRequest, title: str, **extra: Any) -> dict[str, Any]:
         return {
@@ -193,17 +212,31 @@ class LiveLockAdmin(admin.ModelAdmin):
         if not self.has_view_permission(request):
             raise PermissionDenied
 
-    def _lookup(
-        self, request: HttpRequest, alias: str, name: str
-    ) -> tuple[livelocks.LiveLock | None, HttpResponse | None]:
-        """The live lock, or a redirect with a message saying why there is none."""
+    def _ref(
+        self, request: HttpRequest, data: Any
+    ) -> tuple[tuple[str, str, str, str] | None, HttpResponse | None]:
+        """``(alias, name, kind, owner)`` from the query or the form, checked; or a
+        redirect to the list with a message saying what is wrong."""
+        alias, name = data.get("backend", ""), data.get("name", "")
         if alias not in livelocks.configured_aliases():
             self.message_user(
                 request, _("There is no backend %(alias)r.") % {"alias": alias}, messages.ERROR
             )
             return None, HttpResponseRedirect(self._url("changelist"))
         try:
-            item = livelocks.inspect(alias, name)
+            kind, owner = livelocks.check_ref(data.get("kind", ""), data.get("owner", ""))
+        except ValueError as exc:
+            self.message_user(request, str(exc), messages.ERROR)
+            return None, HttpResponseRedirect(self._url("changelist"))
+        return (alias, name, kind, owner), None
+
+    def _lookup(
+        self, request: HttpRequest, ref: tuple[str, str, str, str]
+    ) -> tuple[livelocks.LiveLock | None, HttpResponse | None]:
+        """The live lock or permit, or a redirect with a message saying why there is none."""
+        alias, name, kind, owner = ref
+        try:
+            item = livelocks.inspect(alias, name, kind, owner)
         except Exception as exc:  # any backend failure is a message, never a 500
             logger.warning("Could not inspect %r on backend %r", name, alias, exc_info=True)
             self.message_user(
@@ -214,10 +247,22 @@ class LiveLockAdmin(admin.ModelAdmin):
             )
             return None, HttpResponseRedirect(self._url("changelist"))
         if item is None:
+            if kind == livelocks.LOCK:
+                text = _("Lock %(name)r on backend %(alias)r is not held (any more).")
+            else:
+                text = _(
+                    "The %(kind)s of owner %(owner)s on %(name)r (backend %(alias)r) is not "
+                    "held (any more)."
+                )
             self.message_user(
                 request,
-                _("Lock %(name)r on backend %(alias)r is not held (any more).")
-                % {"name": name, "alias": alias},
+                text
+                % {
+                    "name": name,
+                    "alias": alias,
+                    "kind": _KIND_LABELS[kind],
+                    "owner": owner,
+                },
                 messages.WARNING,
             )
             return None, HttpResponseRedirect(self._url("changelist"))
@@ -245,13 +290,20 @@ class LiveLockAdmin(admin.ModelAdmin):
             refresh = self.refresh_interval
 
         read = [backend] if backend else aliases
-        if params.get("fresh") or not self.snapshot_ttl:
+        ttl = self.snapshot_ttl
+        if ttl is None:
+            ttl = self.refresh_interval or self.PAUSED_SNAPSHOT_TTL
+        if not ttl:
             snapshot = livelocks.collect(read, limit=self.list_limit)
         else:
-            snapshot = livelocks.snapshots.get(read, self.snapshot_ttl, self.list_limit)
-        searched = livelocks.select(snapshot.locks, query=query, order=order)
-        counts = livelocks.status_counts(searched)
-        rows = [item for item in searched if item.status == status] if status else searched
+            # "Read again now" (fresh): a new listing, which the next views then reuse.
+            snapshot = livelocks.snapshots.get(
+                read, ttl, self.list_limit, refresh=bool(params.get("fresh"))
+            )
+        # Worked out once per snapshot and view: other pages of it cost their rows only.
+        selection = snapshot.select(query=query, status=status, order=order)
+        counts = selection.counts
+        rows = selection.rows
         paginator = Paginator(rows, self.list_per_page)
         page = paginator.get_page(params.get("p"))
         # Details a backend's listing leaves out are fetched for this page only.
@@ -287,7 +339,8 @@ class LiveLockAdmin(admin.ModelAdmin):
             rows=[
                 {
                     "item": item,
-                    "url": self.lock_url(item.backend, item.name),
+                    "url": self._item_url("lock", item),
+                    "kind": "" if item.kind == livelocks.LOCK else item.kind,
                     "held": livelocks.format_seconds(item.held_for) or "-",
                     "expires": livelocks.format_seconds(item.expires_in) or _("never"),
                     "status": _STATUS_LABELS[item.status],
@@ -316,7 +369,7 @@ class LiveLockAdmin(admin.ModelAdmin):
             status_choices=[
                 {
                     "label": _("All"),
-                    "count": len(searched),
+                    "count": selection.searched,
                     "url": link(status="", p=""),
                     "selected": not status,
                 }
@@ -341,19 +394,32 @@ class LiveLockAdmin(admin.ModelAdmin):
     # -- one lock ---------------------------------------------------------------
 
     def lock_view(self, request: HttpRequest) -> HttpResponse:
+        """The page of one lock (``?backend=&name=``) or of one permit of a semaphore or
+        read-write lock (also ``&kind=semaphore|read|write&owner=<owner id>``)."""
         self._check_view(request)
-        alias, name = request.GET.get("backend", ""), request.GET.get("name", "")
-        item, redirect = self._lookup(request, alias, name)
-        if item is None:
+        ref, redirect = self._ref(request, request.GET)
+        item = None
+        if ref is not None:
+            item, redirect = self._lookup(request, ref)
+        if item is None or ref is None:
             assert redirect is not None
             return redirect
+        alias, name, kind, _owner = ref
+        backend = livelocks.get(alias)
         try:
-            counter: int | None = livelocks.get(alias).fencing_counter(name)
+            counter: int | None
+            if kind == livelocks.LOCK:
+                counter = backend.fencing_counter(name)
+            elif kind == livelocks.SEMAPHORE:
+                counter = None  # a semaphore issues no tokens
+            else:
+                counter = backend.permit_counter(name)
         except Exception:
             counter = None
         info = item.info
         fields = [
             (_("Name"), info.name),
+            (_("Kind"), _KIND_LABELS[kind]),
             (_("Backend"), info.backend),
             (_("Status"), _STATUS_LABELS[item.status]),
             (_("Why"), item.reason or "-"),
@@ -368,121 +434,173 @@ class LiveLockAdmin(admin.ModelAdmin):
             (_("Lease (ttl)"), f"{info.ttl:g}s" if info.ttl else "-"),
             (_("Expires in"), livelocks.format_seconds(item.expires_in) or _("never")),
             (_("Fencing token"), info.fencing_token),
-            (_("Fencing counter"), "-" if counter is None else counter),
+            (
+                _("Write fencing counter") if kind in (livelocks.READ, livelocks.WRITE)
+                else _("Fencing counter"),
+                "-" if counter is None else counter,
+            ),
             (_("Renewals"), info.renewals),
             (_("Waiters"), "-" if info.waiters is None else info.waiters),
-        ]
+        ]  # fmt: skip
+        others: list[dict[str, Any]] = []
+        if kind != livelocks.LOCK:
+            # The other holders of the same semaphore or read-write lock.
+            try:
+                holders = backend.permit_holders(kind, name)
+            except Exception:
+                logger.debug("Could not list the holders of %r", name, exc_info=True)
+                holders = []
+            for other in holders:
+                if other.owner == info.owner:
+                    continue
+                row = livelocks.LiveLock(other, *livelocks.classify(other))
+                others.append(
+                    {
+                        "item": row,
+                        "url": self._item_url("lock", row),
+                        "kind": _KIND_LABELS[row.kind],
+                    }
+                )
         context = self._context(
             request,
-            _("Lock %(name)s") % {"name": name},
+            (_("Lock %(name)s") if kind == livelocks.LOCK else _("%(kind)s of %(name)s"))
+            % {"name": name, "kind": str(_KIND_LABELS[kind]).capitalize()},
             item=item,
+            kind_label=_KIND_LABELS[kind],
             fields=fields,
+            others=others,
             can_release=self.has_force_release_permission(request),
-            release_url=self._url("release", backend=alias, name=name),
+            release_url=self._item_url("release", item),
         )
         return TemplateResponse(request, "distlocks/admin/livelock_detail.html", context)
 
     def logged_object_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
-        """``<alias>:<name>`` (a LogEntry's object id) -> the page of that lock."""
+        """A LogEntry's object id -> the page of that lock or permit: ``<alias>:<name>``,
+        and for a permit ``<alias>:<name>\x1f<kind>\x1f<owner>`` (names have no
+        control characters, so the separator cannot be part of one)."""
         self._check_view(request)
         object_id = unquote(object_id)
         for alias in livelocks.configured_aliases():
             if object_id.startswith(f"{alias}:"):
-                return HttpResponseRedirect(self.lock_url(alias, object_id[len(alias) + 1 :]))
+                name, *permit = object_id[len(alias) + 1 :].split(_SEPARATOR)
+                if len(permit) == 2:
+                    return HttpResponseRedirect(self.lock_url(alias, name, *permit))
+                return HttpResponseRedirect(self.lock_url(alias, name))
         return HttpResponseRedirect(self._url("changelist"))
 
     # -- force release ----------------------------------------------------------
 
     def release_view(self, request: HttpRequest) -> HttpResponse:
-        """GET: a confirmation page. POST (CSRF-checked): free the lock, bump its
-        fencing counter, write a LogEntry, send ``lock_force_released``."""
+        """GET: a confirmation page. POST (CSRF-checked): free the lock (or evict the
+        permit's holder), bump the fencing counter, write a LogEntry, send
+        ``lock_force_released``."""
         self._check_view(request)
         if not self.has_force_release_permission(request):
             raise PermissionDenied
         data = request.POST if request.method == "POST" else request.GET
-        alias, name = data.get("backend", ""), data.get("name", "")
+        ref, redirect = self._ref(request, data)
+        if ref is None:
+            assert redirect is not None
+            return redirect
+        alias, name, kind, owner = ref
         if request.method != "POST":
-            item, redirect = self._lookup(request, alias, name)
+            item, redirect = self._lookup(request, ref)
             if item is None:
                 assert redirect is not None
                 return redirect
             context = self._context(
                 request,
-                _("Force-release lock %(name)s?") % {"name": name},
+                (
+                    _("Force-release lock %(name)s?")
+                    if kind == livelocks.LOCK
+                    else _("Evict this holder of %(name)s?")
+                )
+                % {"name": name},
                 item=item,
-                lock_url=self.lock_url(alias, name),
+                kind=kind,
+                kind_label=_KIND_LABELS[kind],
+                lock_url=self._item_url("lock", item),
             )
             return TemplateResponse(request, "distlocks/admin/livelock_release.html", context)
 
-        if alias not in livelocks.configured_aliases():
-            self.message_user(
-                request, _("There is no backend %(alias)r.") % {"alias": alias}, messages.ERROR
-            )
-            return HttpResponseRedirect(self._url("changelist"))
         try:
             expected = int(data.get("fencing_token", ""))
         except ValueError:
             expected = None
+        lock_url = self.lock_url(alias, name, kind, owner)
+        what: dict[str, Any] = {
+            "name": name,
+            "alias": alias,
+            "kind": _KIND_LABELS[kind],
+            "owner": owner,
+        }
         try:
             done = livelocks.force_release(
-                alias, name, expected_token=expected, user=request.user, via="admin"
+                alias,
+                name,
+                kind=kind,
+                owner=owner,
+                expected_token=expected,
+                user=request.user,
+                via="admin",
             )
         except livelocks.TokenChanged as exc:
-            if exc.current is None:
+            if kind != livelocks.LOCK:
+                text = _(
+                    "The %(kind)s of owner %(owner)s on %(name)r (backend %(alias)r) is no "
+                    "longer held: nothing was done."
+                )
+            elif exc.current is None:
                 text = _("Lock %(name)r on backend %(alias)r was released meanwhile.")
             else:
                 text = _(
                     "Lock %(name)r on backend %(alias)r changed hands since you confirmed "
                     "(now fencing token %(token)s): nothing was done. Review it again."
                 )
-            self.message_user(
-                request,
-                text
-                % {
-                    "name": name,
-                    "alias": alias,
-                    "token": exc.current.info.fencing_token if exc.current else "",
-                },
-                messages.WARNING,
-            )
-            return HttpResponseRedirect(
-                self.lock_url(alias, name) if exc.current else self._url("changelist")
-            )
+            what["token"] = exc.current.info.fencing_token if exc.current else ""
+            self.message_user(request, text % what, messages.WARNING)
+            return HttpResponseRedirect(lock_url if exc.current else self._url("changelist"))
         except Exception as exc:  # any backend failure is a message, never a 500
             logger.warning("Could not force-release %r on %r", name, alias, exc_info=True)
+            what["error"] = livelocks.describe_error(exc)
             self.message_user(
                 request,
-                _("Could not force-release %(name)r on backend %(alias)r: %(error)s")
-                % {"name": name, "alias": alias, "error": livelocks.describe_error(exc)},
+                _("Could not force-release %(name)r on backend %(alias)r: %(error)s") % what,
                 messages.ERROR,
             )
-            return HttpResponseRedirect(self.lock_url(alias, name))
+            return HttpResponseRedirect(lock_url)
         self._log(request, done)
-        if done.released:
-            self.message_user(
-                request,
-                _(
-                    "Lock %(name)r on backend %(alias)r was force-released from %(holder)s. "
-                    "Fencing tokens up to %(counter)s are now stale."
-                )
-                % {
-                    "name": name,
-                    "alias": alias,
-                    "holder": done.before.holder if done.before else "-",
-                    "counter": done.counter if done.counter is not None else "?",
-                },
-                messages.SUCCESS,
+        what["holder"] = done.before.holder if done.before else "-"
+        what["counter"] = done.counter if done.counter is not None else "?"
+        if kind == livelocks.LOCK and done.released:
+            text = _(
+                "Lock %(name)r on backend %(alias)r was force-released from %(holder)s. "
+                "Fencing tokens up to %(counter)s are now stale."
+            )
+        elif kind == livelocks.LOCK:
+            text = _(
+                "Lock %(name)r on backend %(alias)r was already free; its fencing "
+                "counter was advanced anyway."
+            )
+        elif not done.released:
+            text = _(
+                "The %(kind)s of owner %(owner)s on %(name)r (backend %(alias)r) ended "
+                "before it could be evicted."
+            )
+        elif kind == livelocks.SEMAPHORE:
+            text = _(
+                "The %(kind)s of owner %(owner)s on %(name)r (backend %(alias)r) was "
+                "force-released from %(holder)s; the other holders keep theirs."
             )
         else:
-            self.message_user(
-                request,
-                _(
-                    "Lock %(name)r on backend %(alias)r was already free; its fencing "
-                    "counter was advanced anyway."
-                )
-                % {"name": name, "alias": alias},
-                messages.WARNING,
+            text = _(
+                "The %(kind)s of owner %(owner)s on %(name)r (backend %(alias)r) was "
+                "force-released from %(holder)s; the other holders keep theirs. Write "
+                "fencing tokens up to %(counter)s are now stale."
             )
+        self.message_user(
+            request, text % what, messages.SUCCESS if done.released else messages.WARNING
+        )
         return HttpResponseRedirect(self._url("changelist"))
 
     def _log(self, request: HttpRequest, done: livelocks.ForceReleased) -> None:
@@ -496,16 +614,24 @@ class LiveLockAdmin(admin.ModelAdmin):
             holder += f", Celery task {before.celery_task_id}"
         user_id = request.user.pk
         assert user_id is not None  # admin views are for signed-in staff only
+        object_id = f"{done.alias}:{done.name}"
+        object_repr = f"{done.name} ({done.alias})"
+        what = "Force-released"
+        if done.kind != livelocks.LOCK:
+            object_id += f"{_SEPARATOR}{done.kind}{_SEPARATOR}{done.owner}"
+            object_repr = f"{done.name} ({done.alias}, {done.kind} of {done.owner})"
+            what = f"Force-released a {livelocks.describe_kind(done.kind)}"
+        state = "was held" if done.released else "was free"
+        counter = "" if done.counter is None else f"; fencing counter now {done.counter}"
+        if done.counter is None and done.kind != livelocks.SEMAPHORE:
+            counter = "; fencing counter now unknown"
         LogEntry.objects.create(
             user_id=user_id,
             content_type_id=ContentType.objects.get_for_model(
                 LiveLock, for_concrete_model=False
             ).pk,
-            object_id=f"{done.alias}:{done.name}",
-            object_repr=f"{done.name} ({done.alias})"[:200],
+            object_id=object_id,
+            object_repr=object_repr[:200],
             action_flag=DELETION,
-            change_message=(
-                f"Force-released ({'was held' if done.released else 'was free'}): {holder}; "
-                f"fencing counter now {done.counter if done.counter is not None else 'unknown'}."
-            ),
+            change_message=f"{what} ({state}): {holder}{counter}.",
         )

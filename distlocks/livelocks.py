@@ -19,23 +19,30 @@ is listed, so a new backend shows up without changes here. Each lock gets a stat
 
 A backend that cannot be reached, or fails in any way, is reported as an error of its
 own and never hides the locks of the others.
+
+Besides plain locks, a listing has semaphore permits and read-write leases: several
+holders may share one name, so a row is identified by its backend, kind, name and,
+for a permit, its holder's owner id (see :class:`LiveLock`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import datetime as dt
+import functools
 import logging
+import operator
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from distlocks import signals
-from distlocks.backends.base import BaseBackend, LockInfo
+from distlocks.backends.base import READ, SEMAPHORE, WRITE, BaseBackend, LockInfo
 from distlocks.conf import conf
 from distlocks.handler import backend_configs, backends
 
@@ -52,6 +59,12 @@ EXPIRING_FRACTION = 1 / 3
 #: Upper bound of locks read per backend for one listing; beyond it the listing is
 #: marked truncated rather than exhausting memory or time.
 DEFAULT_LIMIT = 100_000
+#: Backends read at the same time by one listing, at most.
+MAX_READERS = 8
+#: What a row can be: a plain lock, or a permit of one of these kinds.
+LOCK = "lock"
+KINDS = (LOCK, SEMAPHORE, READ, WRITE)
+PERMIT_KINDS = frozenset({SEMAPHORE, READ, WRITE})
 
 _HOSTNAME = socket.gethostname()
 
@@ -87,6 +100,29 @@ class LiveLock:
     @property
     def backend(self) -> str:
         return self.info.backend
+
+    @property
+    def kind(self) -> str:
+        """``"lock"``, or the kind of permit: ``"semaphore"``, ``"read"``, ``"write"``."""
+        kind = self.info.extra.get("kind")
+        return kind if kind in PERMIT_KINDS else LOCK
+
+    @property
+    def is_permit(self) -> bool:
+        return self.kind != LOCK
+
+    @property
+    def ref(self) -> dict[str, str]:
+        """What identifies this row among the others (query parameters of its page):
+        the backend and name, and for a permit its kind and its holder's owner id."""
+        if not self.is_permit:
+            return {"backend": self.backend, "name": self.name}
+        return {
+            "backend": self.backend,
+            "name": self.name,
+            "kind": self.kind,
+            "owner": self.info.owner,
+        }
 
     @property
     def celery_task_id(self) -> str:
@@ -128,6 +164,7 @@ class LiveLock:
         info = self.info
         return {
             "name": info.name,
+            "kind": self.kind,
             "backend": info.backend,
             "also": list(self.also),
             "status": self.status,
@@ -236,26 +273,145 @@ def format_seconds(seconds: float | None) -> str:
     return f"{minutes}m {secs:02d}s"
 
 
+# A listed lock is kept as one flat tuple of plain values (strings, numbers,
+# datetimes): the fields of its LockInfo but the extra details, its status, reason,
+# other aliases (joined by NUL) and Celery task id, then the extra details as key,
+# value, key, value... The garbage collector stops tracking such a tuple the first time
+# it sees it, where objects per lock would stay tracked: with 10,000 locks, every full
+# collection of the process would then walk them, which cost more than reading them.
+Row = tuple[Any, ...]
+_INFO_FIELDS = tuple(f.name for f in dataclasses.fields(LockInfo))
+(_NAME, _BACKEND, _OWNER, _TOKEN, _HOST, _PID, _THREAD, _ACQUIRED, _EXPIRES, _TTL, _RENEWALS,
+ _WAITERS) = range(12)  # fmt: skip
+assert _INFO_FIELDS == (
+    "name", "backend", "owner", "fencing_token", "host", "pid", "thread", "acquired_at",
+    "expires_at", "ttl", "renewals", "waiters", "extra",
+)  # fmt: skip
+_STATUS, _REASON, _ALSO, _TASK, _EXTRA = 12, 13, 14, 15, 16
+
+
+def _row(info: LockInfo, status: str, reason: str, also: str) -> Row:
+    extra = info.extra
+    row = (
+        info.name, info.backend, info.owner, info.fencing_token, info.host, info.pid,
+        info.thread, info.acquired_at, info.expires_at, info.ttl, info.renewals,
+        info.waiters, status, reason, also,
+        str(extra.get("celery_task_id") or "") if extra else "",
+    )  # fmt: skip
+    if not extra:
+        return row
+    flat = list(row)
+    for item in extra.items():
+        flat += item
+    return tuple(flat)
+
+
+def _also(row: Row) -> tuple[str, ...]:
+    return tuple(row[_ALSO].split("\x00")) if row[_ALSO] else ()
+
+
+def _live(row: Row) -> LiveLock:
+    info = LockInfo(
+        name=row[_NAME], backend=row[_BACKEND], owner=row[_OWNER], fencing_token=row[_TOKEN],
+        host=row[_HOST], pid=row[_PID], thread=row[_THREAD], acquired_at=row[_ACQUIRED],
+        expires_at=row[_EXPIRES], ttl=row[_TTL], renewals=row[_RENEWALS],
+        waiters=row[_WAITERS], extra=dict(zip(row[_EXTRA::2], row[_EXTRA + 1 :: 2], strict=True)),
+    )  # fmt: skip
+    return LiveLock(info, row[_STATUS], row[_REASON], _also(row))
+
+
+class Rows(Sequence[LiveLock]):
+    """Listed rows, seen as :class:`LiveLock` objects made when asked for: a page of a
+    listing makes a page of them."""
+
+    def __init__(self, rows: list[Row]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[LiveLock]:
+        return (_live(row) for row in self.rows)
+
+    @overload
+    def __getitem__(self, index: int) -> LiveLock: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[LiveLock]: ...
+
+    def __getitem__(self, index: int | slice) -> LiveLock | list[LiveLock]:
+        if isinstance(index, slice):
+            return [_live(row) for row in self.rows[index]]
+        return _live(self.rows[index])
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One view of a snapshot: the rows a search, filters and sort leave, in order."""
+
+    rows: Rows
+    #: Status -> rows of the search (before the status filter): the sidebar's counts.
+    counts: Mapping[str, int]
+    #: Rows of the search before the status filter.
+    searched: int
+
+
 @dataclass
 class Snapshot:
     """The live locks of some backends at one moment, and what went wrong reading them."""
 
     #: When it was read (wall clock, for display).
     taken_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
-    locks: list[LiveLock] = field(default_factory=list)
+    #: The locks, as tuples (see :data:`Row`); :attr:`locks` has them as objects.
+    rows: list[Row] = field(default_factory=list, repr=False)
     #: alias -> message, for each backend that could not be read.
     errors: dict[str, str] = field(default_factory=dict)
     #: Aliases whose listing stopped at the limit.
     truncated: list[str] = field(default_factory=list)
     #: Every alias asked for, in settings order.
     aliases: list[str] = field(default_factory=list)
+    #: Views already worked out: (query, status, backend, order) -> Selection.
+    _views: dict[tuple[str, str, str, str], Selection] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    @functools.cached_property
+    def locks(self) -> list[LiveLock]:
+        """Every lock, as :class:`LiveLock` objects (made on first use)."""
+        return [_live(row) for row in self.rows]
 
     def counts(self) -> dict[str, dict[str, int]]:
         """alias -> status -> number of locks."""
         counts = {alias: dict.fromkeys(STATUSES, 0) for alias in self.aliases}
-        for item in self.locks:
-            counts.setdefault(item.backend, dict.fromkeys(STATUSES, 0))[item.status] += 1
+        for row in self.rows:
+            counts.setdefault(row[_BACKEND], dict.fromkeys(STATUSES, 0))[row[_STATUS]] += 1
         return counts
+
+    def select(
+        self, *, query: str = "", status: str = "", backend: str = "", order: str = "name"
+    ) -> Selection:
+        """:func:`select` over this snapshot, remembered: another page of the same view,
+        or the same view again (an automatic reload), costs nothing but its page."""
+        key = (query, status, backend, order)
+        found = self._views.get(key)
+        if found is None:
+            searched = self._views.get((query, "", backend, order))
+            if searched is None:
+                rows = _select_rows(self.rows, query=query, backend=backend, order=order)
+                searched = Selection(Rows(rows), _count_rows(rows), len(rows))
+                self._remember((query, "", backend, order), searched)
+            found = searched
+            if status:
+                rows = [row for row in searched.rows.rows if row[_STATUS] == status]
+                found = Selection(Rows(rows), searched.counts, searched.searched)
+                self._remember(key, found)
+        return found
+
+    def _remember(self, key: tuple[str, str, str, str], selection: Selection) -> None:
+        # Requests share a snapshot: a bounded memo, replaced whole (no lock needed).
+        views = self._views if len(self._views) < 32 else {}
+        views[key] = selection
+        self._views = views
 
 
 def configured_aliases() -> list[str]:
@@ -284,9 +440,12 @@ def collect(
 ) -> Snapshot:
     """Read the live locks of ``aliases`` (default: every configured backend).
 
-    One pass per backend, in turn; a failing backend is recorded and skipped. Aliases
-    that point at the same server see the same locks: each lock is listed once, under
-    the first of them in settings order, with the others in :attr:`LiveLock.also`.
+    One pass per backend, the backends read at the same time (each mostly waits for its
+    server); a failing backend is recorded and skipped. Aliases that point at the same
+    server see the same locks: each lock is listed once, under the first of them in
+    settings order, with the others in :attr:`LiveLock.also`, and that server is read
+    once. With many locks this is the whole cost of a listing, so each lock is kept as
+    one :data:`Row`.
     """
     snapshot = Snapshot(aliases=list(configured_aliases() if aliases is None else aliases))
     now = now or dt.datetime.now(dt.UTC)
@@ -298,41 +457,65 @@ def collect(
             gone[pid] = _pid_gone(pid)
         return gone[pid]
 
-    read: dict[Any, str] = {}  # where -> the alias it was read through
+    sources = {alias: _source(alias) for alias in snapshot.aliases}
+    first: dict[Any, str] = {}  # where -> the alias it is read through
     for alias in snapshot.aliases:
-        where = _source(alias)
-        if where is not None and where in read:
-            # The same server and key prefix as an alias already read: same locks.
-            first = read[where]
-            if first in snapshot.errors:
-                snapshot.errors[alias] = snapshot.errors[first]
-            continue
-        found: list[LiveLock] = []
+        where = sources[alias]
+        if where is not None and where not in first:
+            first[where] = alias
+    readers = [
+        alias
+        for alias in snapshot.aliases
+        if sources[alias] is None or first[sources[alias]] == alias
+    ]
+
+    def read(alias: str) -> tuple[list[Row], bool, str]:
+        """The rows of one backend, whether the limit cut them short, and its error."""
+        where = sources[alias]
+        also = "\x00".join(
+            other
+            for other in snapshot.aliases
+            if other != alias and where is not None and sources[other] == where
+        )
+        found: list[Row] = []
+        append = found.append
         try:
             for info in get(alias).iter_locks():
                 if len(found) >= limit:
-                    snapshot.truncated.append(alias)
-                    break
-                status = classify(info, now=now, stuck_after=stuck_after, pid_gone=pid_gone)
-                found.append(LiveLock(info, *status))
+                    return found, True, ""
+                status, reason = classify(info, now=now, stuck_after=stuck_after, pid_gone=pid_gone)
+                append(_row(info, status, reason, also))
         except Exception as exc:
             # The page and the command must still answer: report this backend, go on.
             logger.warning("Could not list the locks of backend %r", alias, exc_info=True)
-            snapshot.errors[alias] = describe_error(exc)
-        if where is not None:
-            read[where] = alias
-        snapshot.locks.extend(found)
-    snapshot.locks = _merge_aliases(snapshot.locks)
-    also: dict[str, tuple[str, ...]] = {}
-    for where, first in read.items():
-        also[first] = tuple(a for a in snapshot.aliases if a != first and _source(a) == where)
-    if any(also.values()):
-        snapshot.locks = [
-            dataclasses.replace(item, also=(*item.also, *also.get(item.backend, ())))
-            if also.get(item.backend)
-            else item
-            for item in snapshot.locks
-        ]
+            return found, False, describe_error(exc)
+        return found, False, ""
+
+    if len(readers) > 1:
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(len(readers), MAX_READERS), thread_name_prefix="distlocks-list"
+        ) as pool:
+            results = dict(zip(readers, pool.map(read, readers), strict=True))
+    else:
+        results = {alias: read(alias) for alias in readers}
+    for alias in snapshot.aliases:
+        where = sources[alias]
+        if alias not in results:
+            # The same server and key prefix as an alias already read: same locks.
+            error = results[first[where]][2]
+            if error:
+                snapshot.errors[alias] = error
+            continue
+        found, truncated, error = results[alias]
+        if truncated:
+            snapshot.truncated.append(alias)
+        if error:
+            snapshot.errors[alias] = error
+        snapshot.rows.extend(found)
+    classes = [where[0] for where in first]
+    if len(set(classes)) < len(classes):
+        # Two aliases of one class that look different may still be one server.
+        snapshot.rows = _merge_aliases(snapshot.rows)
     return snapshot
 
 
@@ -340,26 +523,49 @@ class SnapshotCache:
     """The last snapshot of each set of aliases, reused for ``ttl`` seconds.
 
     Paging, sorting, searching and filtering a listing then cost one page of work, not
-    a new pass over every lock. A force release empties it; the page of one lock
-    always reads the server.
+    a new pass over every lock; so does a reload by any viewer within ``ttl``. When a
+    snapshot is due, one request reads the servers and concurrent ones wait for its
+    result instead of each reading them too. A force release empties it; the page of
+    one lock always reads the server.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[Any, tuple[float, Snapshot]] = {}
+        self._readers: dict[Any, threading.Lock] = {}
 
-    def get(self, aliases: Sequence[str], ttl: float, limit: int = DEFAULT_LIMIT) -> Snapshot:
+    def get(
+        self,
+        aliases: Sequence[str],
+        ttl: float,
+        limit: int = DEFAULT_LIMIT,
+        *,
+        refresh: bool = False,
+    ) -> Snapshot:
+        """The snapshot of ``aliases`` if younger than ``ttl`` seconds, else a new one
+        (``refresh``: a new one in any case, which the next calls then reuse)."""
         key = (tuple(aliases), limit, conf.STUCK_AFTER)
-        now = time.monotonic()
+        asked = time.monotonic()
         with self._lock:
             found = self._entries.get(key)
-        if found is not None and now - found[0] < ttl:
-            return found[1]
-        snapshot = collect(aliases, limit=limit)
-        with self._lock:
-            if len(self._entries) > 32:
-                self._entries.clear()
-            self._entries[key] = (time.monotonic(), snapshot)
+            if not refresh and found is not None and asked - found[0] < ttl:
+                return found[1]
+            reader = self._readers.setdefault(key, threading.Lock())
+        with reader:
+            # Another request may have read them while this one waited (a read begun
+            # after this call was made is fresh enough, even for a refresh).
+            with self._lock:
+                found = self._entries.get(key)
+            if found is not None and (
+                found[0] >= asked or (not refresh and asked - found[0] < ttl)
+            ):
+                return found[1]
+            began = time.monotonic()  # its age counts from the start of the read
+            snapshot = collect(aliases, limit=limit)
+            with self._lock:
+                if len(self._entries) > 32:
+                    self._entries.clear()
+                self._entries[key] = (began, snapshot)
         return snapshot
 
     def clear(self) -> None:
@@ -382,31 +588,74 @@ def _source(alias: str) -> Any:
     return (repr(config.get("BACKEND")), server, prefix)
 
 
-def _merge_aliases(items: list[LiveLock]) -> list[LiveLock]:
+def _merge_aliases(rows: list[Row]) -> list[Row]:
     # The owner is a random id per acquisition: the same (name, owner) read through
     # two aliases is one lock.
     first: dict[tuple[str, str], int] = {}
-    merged: list[LiveLock] = []
-    for item in items:
-        key = (item.name, item.info.owner)
+    merged: list[Row] = []
+    for row in rows:
+        key = (row[_NAME], row[_OWNER])
         index = first.get(key)
         if index is None:
             first[key] = len(merged)
-            merged.append(item)
-        elif item.backend != merged[index].backend and item.backend not in merged[index].also:
-            kept = merged[index]
-            merged[index] = dataclasses.replace(kept, also=(*kept.also, item.backend))
+            merged.append(row)
+            continue
+        kept = merged[index]
+        if row[_BACKEND] != kept[_BACKEND] and row[_BACKEND] not in _also(kept):
+            also = "\x00".join((*_also(kept), row[_BACKEND]))
+            merged[index] = (*kept[:_ALSO], also, *kept[_ALSO + 1 :])
     return merged
 
 
-def inspect(alias: str, name: str) -> LiveLock | None:
-    """The live lock ``name`` on ``alias`` (None when free); errors propagate."""
-    info = get(alias).inspect(name)
+def check_ref(kind: str | None, owner: str | None) -> tuple[str, str]:
+    """``(kind, owner)`` of a row reference, checked: ``kind`` is ``"lock"`` (or empty)
+    or a permit kind, and a permit names its holder's owner id (a lock needs none).
+    ValueError, saying what to change, otherwise."""
+    kind = kind or LOCK
+    owner = owner or ""
+    if kind not in KINDS:
+        raise ValueError(f"Unknown kind {kind!r}: use {', '.join(KINDS)}.")
+    if kind == LOCK:
+        if owner:
+            raise ValueError(
+                "A lock is identified by its name alone: drop the owner, or give the kind "
+                "of permit it belongs to (semaphore, read or write)."
+            )
+    elif not owner:
+        raise ValueError(
+            f"Several holders may share a {kind} name: give the owner id of the one meant."
+        )
+    return kind, owner
+
+
+def describe_kind(kind: str) -> str:
+    """``lock``, ``semaphore permit``, ``read lease``, ``write lease``."""
+    return {SEMAPHORE: "semaphore permit", READ: "read lease", WRITE: "write lease"}.get(
+        kind, "lock"
+    )
+
+
+def _holder_info(backend: BaseBackend, name: str, kind: str, owner: str) -> LockInfo | None:
+    """What the server shows of ``name`` (a lock), or of ``owner``'s permit of ``kind``."""
+    if kind == LOCK:
+        return backend.inspect(name)
+    for info in backend.permit_holders(kind, name):
+        if info.owner == owner and info.extra.get("kind") == kind:
+            return info
+    return None
+
+
+def inspect(alias: str, name: str, kind: str = LOCK, owner: str = "") -> LiveLock | None:
+    """The live lock ``name`` on ``alias``, or the permit of ``kind`` that ``owner``
+    holds on it (None when free, or gone); errors propagate (ValueError for a bad
+    reference, see :func:`check_ref`)."""
+    kind, owner = check_ref(kind, owner)
+    info = _holder_info(get(alias), name, kind, owner)
     return None if info is None else LiveLock(info, *classify(info))
 
 
 def complete(items: Sequence[LiveLock]) -> list[LiveLock]:
-    """Fill in what a backend's listing leaves out (e.g. waiters on Redis) for a few
+    """Fill in what a backend's listing leaves out (e.g. waiters on Redlock) for a few
     rows, one ``inspect()`` each: for one page of a listing, never the whole of it."""
     done = []
     for item in items:
@@ -414,7 +663,8 @@ def complete(items: Sequence[LiveLock]) -> list[LiveLock]:
             done.append(item)
             continue
         try:
-            fresh = inspect(item.backend, item.name)
+            owner = item.info.owner if item.is_permit else ""
+            fresh = inspect(item.backend, item.name, item.kind, owner)
         except Exception:
             logger.debug("Could not inspect %r on %r", item.name, item.backend, exc_info=True)
             fresh = None
@@ -433,14 +683,20 @@ class ForceReleased:
     name: str
     #: The holder just before (None: the lock was already free).
     before: LiveLock | None
-    #: True when the call freed a held lock.
+    #: True when the call freed a held lock (or evicted the permit's holder).
     released: bool
-    #: The lock's fencing counter afterwards: every token up to it is now stale.
+    #: The fencing counter afterwards (for a read-write lock, of its writes): every
+    #: token up to it is now stale. None for a semaphore, which issues no tokens.
     counter: int | None
+    #: ``"lock"``, or the kind of the permit evicted.
+    kind: str = LOCK
+    #: The owner id of the permit evicted ("" for a lock).
+    owner: str = ""
 
 
 class TokenChanged(Exception):
-    """The lock changed hands since the operator looked at it."""
+    """The lock changed hands since the operator looked at it (for a permit: its
+    holder is no longer there)."""
 
     def __init__(self, current: LiveLock | None) -> None:
         self.current = current
@@ -451,33 +707,49 @@ def force_release(
     alias: str,
     name: str,
     *,
+    kind: str = LOCK,
+    owner: str = "",
     expected_token: int | None = None,
     user: Any = None,
     via: str = "admin",
 ) -> ForceReleased:
-    """Free ``name`` on ``alias`` whoever holds it, advancing its fencing counter.
+    """Free ``name`` on ``alias`` whoever holds it, advancing its fencing counter; or,
+    with a permit ``kind`` and ``owner``, evict that one holder of the semaphore or
+    read-write lock ``name`` (the others keep theirs).
 
     With ``expected_token``, refuse (:class:`TokenChanged`) when the lock is no longer
     held under that token: the operator confirmed the eviction of one holder, not of
-    whoever took the lock since. Sends ``lock_force_released``.
+    whoever took the lock since. A permit is refused when its owner no longer holds
+    it (nothing of it is left to evict). Sends ``lock_force_released``.
     """
+    kind, owner = check_ref(kind, owner)
     backend = get(alias)
-    before = inspect(alias, name)
+    before = inspect(alias, name, kind, owner)
     current_token = None if before is None else before.info.fencing_token
+    if kind != LOCK and before is None:
+        raise TokenChanged(None)
     if expected_token is not None and current_token != expected_token:
         raise TokenChanged(before)
-    released = backend.force_release(name)
+    if before is not None and kind != LOCK:
+        released = backend.force_release_holder(before.info)
+    else:
+        released = backend.force_release(name)
     if released and before is not None:
-        _wait_evicted(backend, name, before.info.owner)
+        _wait_evicted(backend, name, kind, before.info.owner)
     snapshots.clear()
     try:
-        counter: int | None = backend.fencing_counter(name)
+        counter: int | None
+        if kind == LOCK:
+            counter = backend.fencing_counter(name)
+        else:
+            counter = backend.permit_counter(name) if kind in (READ, WRITE) else None
     except Exception:
         logger.warning("Could not read the fencing counter of %r on %r", name, alias, exc_info=True)
         counter = None
     logger.warning(
-        "Lock %r on backend %r force-released via %s by %s (holder before: %s, token %s)",
-        name, alias, via, user or "-", before.holder if before else "none",
+        "%s %r on backend %r force-released via %s by %s (holder before: %s, owner %s, token %s)",
+        describe_kind(kind).capitalize(), name, alias, via, user or "-",
+        before.holder if before else "none", before.info.owner if before else "-",
         before.info.fencing_token if before else "-",
     )  # fmt: skip
     signals.lock_force_released.send_robust(
@@ -489,15 +761,16 @@ def force_release(
         user=user,
         via=via,
     )
-    return ForceReleased(alias, name, before, released, counter)
+    return ForceReleased(alias, name, before, released, counter, kind, owner)
 
 
 #: Longest wait for an evicted holder to disappear from the server's view.
 EVICTION_WAIT = 5.0
 
 
-def _wait_evicted(backend: BaseBackend, name: str, owner: str) -> None:
-    """Return once the server no longer shows ``owner`` holding ``name``.
+def _wait_evicted(backend: BaseBackend, name: str, kind: str, owner: str) -> None:
+    """Return once the server no longer shows ``owner`` holding ``name`` (or its
+    permit of ``kind``).
 
     A backend may evict asynchronously (PostgreSQL signals the holder's session to
     end, and its locks go when it has exited): the page shown next, and the caller,
@@ -506,15 +779,15 @@ def _wait_evicted(backend: BaseBackend, name: str, owner: str) -> None:
     deadline = time.monotonic() + EVICTION_WAIT
     while True:
         try:
-            info = backend.inspect(name)
+            info = _holder_info(backend, name, kind, owner)
         except Exception:
             return  # nothing to wait on that can be read
         if info is None or info.owner != owner:
             return
         if time.monotonic() >= deadline:
             logger.warning(
-                "Lock %r on backend %r still shows its evicted holder after %ss",
-                name, backend.alias, EVICTION_WAIT,
+                "%s %r on backend %r still shows its evicted holder after %ss",
+                describe_kind(kind).capitalize(), name, backend.alias, EVICTION_WAIT,
             )  # fmt: skip
             return
         time.sleep(0.01)
@@ -522,28 +795,72 @@ def _wait_evicted(backend: BaseBackend, name: str, owner: str) -> None:
 
 # -- listing: search, filters, sort, pages -----------------------------------------
 
-#: Sort keys: query value -> (key function, reversed). Times sort by the stored
-#: instant (held longest = acquired earliest), which needs no clock read per row.
-SORTS: dict[str, tuple[Callable[[LiveLock], Any], bool]] = {
-    "name": (lambda x: x.name, False),
-    "backend": (lambda x: (x.backend, x.also), False),
-    "holder": (lambda x: x.holder, False),
-    "acquired": (lambda x: x.info.acquired_at, False),
-    "held": (lambda x: x.info.acquired_at, True),
-    "expires": (lambda x: x.info.expires_at, False),
-    "token": (lambda x: x.info.fencing_token, False),
-    "renewals": (lambda x: x.info.renewals, False),
-    "waiters": (lambda x: x.info.waiters, False),
-    "status": (lambda x: STATUSES.index(x.status), False),
+
+def _holder_of(row: Row) -> str:
+    parts = [row[_HOST] or "?"]
+    if row[_PID] is not None:
+        parts.append(f"pid {row[_PID]}")
+    if row[_THREAD]:
+        parts.append(row[_THREAD])
+    return " ".join(parts)
+
+
+_STATUS_RANK = {status: rank for rank, status in enumerate(STATUSES)}
+
+#: Sort keys: query value -> (key function of a row, reversed). Times sort by the
+#: stored instant (held longest = acquired earliest), which needs no clock read per row.
+SORTS: dict[str, tuple[Callable[[Row], Any], bool]] = {
+    "name": (operator.itemgetter(_NAME), False),
+    "backend": (operator.itemgetter(_BACKEND, _ALSO), False),
+    "holder": (_holder_of, False),
+    "acquired": (operator.itemgetter(_ACQUIRED), False),
+    "held": (operator.itemgetter(_ACQUIRED), True),
+    "expires": (operator.itemgetter(_EXPIRES), False),
+    "token": (operator.itemgetter(_TOKEN), False),
+    "renewals": (operator.itemgetter(_RENEWALS), False),
+    "waiters": (operator.itemgetter(_WAITERS), False),
+    "status": (lambda row: _STATUS_RANK[row[_STATUS]], False),
 }
+#: Ties keep name order; holders of one semaphore or read-write lock share its name,
+#: and their owner ids break those ties.
+_BASE_ORDER = operator.itemgetter(_NAME, _BACKEND, _OWNER)
 
 
 def matches(item: LiveLock, query: str) -> bool:
     """Case-insensitive search in the name, the holder's host and its Celery task id."""
+    return _matches(_row(item.info, item.status, item.reason, ""), query.casefold())
+
+
+def _matches(row: Row, query: str) -> bool:
+    return any(query in text.casefold() for text in (row[_NAME], row[_HOST], row[_TASK]))
+
+
+def _select_rows(
+    rows: Iterable[Row], *, query: str = "", status: str = "", backend: str = "", order: str = ""
+) -> list[Row]:
     query = query.casefold()
-    return any(
-        query in text.casefold() for text in (item.name, item.info.host, item.celery_task_id)
-    )
+    chosen = [
+        row
+        for row in rows
+        if (not status or row[_STATUS] == status)
+        and (not backend or row[_BACKEND] == backend or backend in _also(row))
+        and (not query or _matches(row, query))
+    ]
+    name, flip = order.lstrip("-"), order.startswith("-")
+    if name not in SORTS:
+        name, flip = "name", False
+    chosen.sort(key=_BASE_ORDER)
+    if name == "name":
+        if flip:
+            chosen.reverse()
+        return chosen
+    key, reverse = SORTS[name]
+    descending = flip != reverse
+    keyed = [(key(row), row) for row in chosen]
+    # Rows without a value go last.
+    present = [pair for pair in keyed if pair[0] is not None]
+    present.sort(key=operator.itemgetter(0), reverse=descending)
+    return [row for _, row in present] + [row for k, row in keyed if k is None]
 
 
 def select(
@@ -555,21 +872,16 @@ def select(
     order: str = "name",
 ) -> list[LiveLock]:
     """Filter and sort; ``order`` is a :data:`SORTS` key, ``-`` in front for descending."""
-    chosen = [
-        item
-        for item in items
-        if (not status or item.status == status)
-        and (not backend or item.backend == backend or backend in item.also)
-        and (not query or matches(item, query))
-    ]
-    key, flip = SORTS.get(order.lstrip("-"), SORTS["name"])
-    descending = order.startswith("-") != flip
-    # Each key computed once; ties keep name order; rows without a value go last.
-    chosen.sort(key=lambda x: (x.name, x.backend))
-    keyed = [(key(item), item) for item in chosen]
-    present = [pair for pair in keyed if pair[0] is not None]
-    present.sort(key=lambda pair: pair[0], reverse=descending)
-    return [item for _, item in present] + [item for k, item in keyed if k is None]
+    rows = [_row(item.info, item.status, item.reason, "\x00".join(item.also)) for item in items]
+    chosen = _select_rows(rows, query=query, status=status, backend=backend, order=order)
+    return [_live(row) for row in chosen]
+
+
+def _count_rows(rows: Iterable[Row]) -> Mapping[str, int]:
+    counts = dict.fromkeys(STATUSES, 0)
+    for row in rows:
+        counts[row[_STATUS]] += 1
+    return counts
 
 
 def status_counts(items: Iterable[LiveLock]) -> Mapping[str, int]:

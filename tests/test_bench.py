@@ -34,9 +34,15 @@ SAVE_REFERENCES = {"postgres": "fenced-save"}
 CELERY_WORKLOADS = ("celery-run", "celery-enqueue", "celery-e2e")
 CELERY_FLOORS = {"celery": "celery-plain"}
 CELERY_REFERENCES = {"celery": "celery-single"}
+#: The admin page of live locks: a raw client reading every lock once is its floor.
+ADMIN_WORKLOADS = ("admin-list",)
+ADMIN_FLOORS = {"redis": "admin-redis-raw", "postgres": "admin-pg-raw"}
+ADMIN_REFERENCES = {"redis": "admin-redis-first", "postgres": "admin-pg-first"}
 
 
 def _floors_and_references(workload: str) -> tuple[dict[str, str], dict[str, str]]:
+    if workload in ADMIN_WORKLOADS:
+        return ADMIN_FLOORS, ADMIN_REFERENCES
     if workload in SAVE_WORKLOADS:
         return SAVE_FLOORS, SAVE_REFERENCES
     if workload in CELERY_WORKLOADS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -40,7 +41,8 @@ def test_list_shows_locks_of_every_backend(name: str) -> None:
         assert len(lines) == 2
         assert any(f"{name}:a" in line and "locmem" in line for line in lines)
         assert any(str(b.fencing_token) in line and "default" in line for line in lines)
-        assert out.splitlines()[0].split()[:3] == ["NAME", "BACKEND", "STATUS"]
+        assert out.splitlines()[0].split()[:4] == ["NAME", "KIND", "BACKEND", "STATUS"]
+        assert all(line.split()[1] == "lock" for line in lines)
         assert str(a.fencing_token) in out
 
 
@@ -171,3 +173,73 @@ def test_exit_codes_from_manage_py(name: str) -> None:
     )
     assert ok.returncode == 0, ok.stderr
     assert isinstance(json.loads(ok.stdout), list)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("permit_alias", ["redis", "pg"])
+def test_inspect_and_release_one_permit(name: str, permit_alias: str, pg_ready: None) -> None:
+    from distlocks import rwlock, semaphore
+
+    first = semaphore(name, limit=2, backend=permit_alias, ttl=30).acquire()
+    second = semaphore(name, limit=2, backend=permit_alias, ttl=30).acquire()
+    reader = rwlock(name, backend=permit_alias).read(ttl=30).acquire()
+    seen: list[dict[str, Any]] = []
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        seen.append(kwargs)
+
+    try:
+        listed = json.loads(run("list", "--backend", permit_alias, "--json")[0])
+        mine = {(d["kind"], d["owner"]) for d in listed if d["name"] == name}
+        assert mine == {
+            ("semaphore", first.owner),
+            ("semaphore", second.owner),
+            ("read", reader.owner),
+        }
+        # No plain lock of that name: the permits are apart from it.
+        with pytest.raises(CommandError, match=re.escape(f"No live lock '{name}'")):
+            run("inspect", name, "--backend", permit_alias)
+        found = json.loads(
+            run("inspect", name, "--backend", permit_alias, "--kind", "semaphore", "--json")[0]
+        )
+        assert sorted(d["owner"] for d in found) == sorted([first.owner, second.owner])
+        out, _ = run(
+            "inspect", name, "--backend", permit_alias, "--kind", "semaphore",
+            "--owner", second.owner,
+        )  # fmt: skip
+        assert second.owner in out and first.owner not in out
+        # Several holders share the name: releasing one takes its owner id.
+        with pytest.raises(CommandError, match="give the owner id"):
+            run("release", name, "--backend", permit_alias, "--kind", "semaphore", "--yes")
+        lock_force_released.connect(receiver)
+        out, _ = run(
+            "release", name, "--backend", permit_alias, "--kind", "semaphore",
+            "--owner", second.owner, "--yes",
+        )  # fmt: skip
+        assert f"Released '{name}'" in out and second.owner in out
+        holders = get_backend(permit_alias).permit_holders("semaphore", name)
+        assert [info.owner for info in holders] == [first.owner]
+        with pytest.raises(LockLost):
+            second.extend()
+        first.extend()
+        assert reader.held()
+        assert [(s["name"], s["via"], s["released"]) for s in seen] == [(name, "command", True)]
+        assert seen[0]["info"].extra["kind"] == "semaphore"
+        # Gone now: a second release says so and does nothing.
+        with pytest.raises(CommandError, match="nothing to release"):
+            run(
+                "release", name, "--backend", permit_alias, "--kind", "semaphore",
+                "--owner", second.owner, "--yes",
+            )  # fmt: skip
+    finally:
+        lock_force_released.disconnect(receiver)
+        for lease in (first, second, reader):
+            if lease.held():
+                lease.release()
+
+
+def test_owner_without_kind_is_an_error(name: str) -> None:
+    with pytest.raises(CommandError, match="add --kind"):
+        run("inspect", name, "--owner", "abc")
+    with pytest.raises(CommandError, match="identified by its name alone"):
+        run("release", name, "--backend", "redis", "--owner", "abc", "--yes")

@@ -131,6 +131,8 @@ class _Rows(HTMLParser):
                 "name": attr["data-lock-name"] or "",
                 "backend": attr["data-backend"] or "",
                 "status": attr["data-status"] or "",
+                "kind": attr.get("data-kind") or "lock",
+                "owner": attr.get("data-owner") or "",
             }
         elif self._row is not None and tag in ("td", "th"):
             classes = (attr.get("class") or "").split()
@@ -566,3 +568,396 @@ def test_listing_is_reused_for_a_few_seconds(
     finally:
         first.release()
         second.release()
+
+
+# -- semaphore permits and read-write leases ---------------------------------------------
+
+
+def hold_permits_in_child(
+    alias: str, sem_name: str, rw_name: str, work_dir: str, ttl: float
+) -> None:
+    """Run in another process: hold a permit of ``sem_name`` and a read lease of
+    ``rw_name`` (renewed), report their owners, and record each one that is lost."""
+    from tests.workers import setup_django
+
+    setup_django()
+    from distlocks import rwlock, semaphore
+
+    work = Path(work_dir)
+    lost: dict[str, threading.Event] = {"semaphore": threading.Event(), "read": threading.Event()}
+    permit = semaphore(
+        sem_name, limit=3, backend=alias, ttl=ttl, timeout=30,
+        on_lost=lambda _: lost["semaphore"].set(),
+    ).acquire()  # fmt: skip
+    reader = (
+        rwlock(rw_name, backend=alias)
+        .read(ttl=ttl, timeout=30, on_lost=lambda _: lost["read"].set())
+        .acquire()
+    )
+    tmp = work / "acquired.tmp"
+    tmp.write_text(f"{permit.owner} {reader.owner} {os.getpid()}")
+    os.replace(tmp, work / "acquired")
+    deadline = time.monotonic() + 240
+    while not (work / "stop").exists() and time.monotonic() < deadline:
+        for kind, event in lost.items():
+            if event.is_set() and not (work / f"lost-{kind}").exists():
+                (work / f"lost-{kind}").write_text("lost")
+        time.sleep(0.05)
+    for lease in (permit, reader):
+        if lease.held():
+            lease.release()
+
+
+class ChildPermits:
+    """A semaphore permit and a read lease held by another OS process."""
+
+    def __init__(self, alias: str, sem_name: str, rw_name: str, work: Path) -> None:
+        self.work = work
+        ctx = multiprocessing.get_context("spawn")
+        self.process = ctx.Process(
+            target=hold_permits_in_child,
+            args=(alias, sem_name, rw_name, str(work), 2.0),
+            daemon=True,
+        )
+
+    def start(self) -> ChildPermits:
+        self.process.start()
+        wait_for(lambda: (self.work / "acquired").exists(), 90, "the child holding permits")
+        sem_owner, read_owner, pid = (self.work / "acquired").read_text().split()
+        self.sem_owner, self.read_owner, self.pid = sem_owner, read_owner, int(pid)
+        return self
+
+    def lost(self, kind: str) -> bool:
+        return (self.work / f"lost-{kind}").exists()
+
+    def stop(self) -> None:
+        (self.work / "stop").write_text("")
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+
+
+@pytest.fixture
+def child_permits(tmp_path: Path, pg_ready: None) -> Iterator[Any]:
+    started: list[ChildPermits] = []
+
+    def start(alias: str, sem_name: str, rw_name: str) -> ChildPermits:
+        work = tmp_path / f"permits{len(started)}"
+        work.mkdir()
+        child = ChildPermits(alias, sem_name, rw_name, work)
+        started.append(child)
+        return child.start()
+
+    yield start
+    for child in started:
+        child.stop()
+
+
+def _permit_rows(rows: list[dict[str, str]], name: str) -> dict[str, dict[str, str]]:
+    """owner -> row, for the rows of ``name`` (holders of one name differ by owner)."""
+    return {r["owner"]: r for r in rows if r["name"] == name}
+
+
+@pytest.mark.parametrize("permit_alias", ["redis", "pg"])
+def test_permits_listed_inspected_and_evicted_one_at_a_time(
+    releaser: Client, name: str, permit_alias: str, child_permits: Any
+) -> None:
+    """Several holders share a semaphore's or a read-write lock's name: each is a row of
+    its own, with a page of its own, and a force release evicts that holder only."""
+    from django.contrib.admin.models import DELETION, LogEntry
+
+    from distlocks import rwlock, semaphore
+    from distlocks.signals import lock_force_released
+
+    sem_name, rw_name = f"{name}:sem", f"{name}:rw"
+    child = child_permits(permit_alias, sem_name, rw_name)
+    mine = semaphore(sem_name, limit=3, backend=permit_alias, ttl=30).acquire()
+    my_read = rwlock(rw_name, backend=permit_alias).read(ttl=30).acquire()
+    listed_as = "default" if permit_alias == "redis" else "pg"
+    seen: list[dict[str, Any]] = []
+
+    def receiver(sender: Any, **kwargs: Any) -> None:
+        seen.append(kwargs)
+
+    try:
+        rows = rows_of(releaser.get(LIST_URL, {"q": name}))
+        sems, reads = _permit_rows(rows, sem_name), _permit_rows(rows, rw_name)
+        assert set(sems) == {mine.owner, child.sem_owner}
+        assert set(reads) == {my_read.owner, child.read_owner}
+        assert {r["kind"] for r in sems.values()} == {"semaphore"}
+        assert {r["kind"] for r in reads.values()} == {"read"}
+        assert f"pid {child.pid}" in sems[child.sem_owner]["holder"]
+        assert f"pid {os.getpid()}" in sems[mine.owner]["holder"]
+        assert {r["backend"] for r in rows} == {listed_as}
+
+        # The page of the other process's permit: identified by kind and owner.
+        ref = {"backend": listed_as, "name": sem_name, "kind": "semaphore"}
+        detail = releaser.get(LOCK_URL, {**ref, "owner": child.sem_owner})
+        assert detail.status_code == 200
+        page = detail.content.decode()
+        assert child.sem_owner in page and "semaphore permit" in page
+        # The other holder of the semaphore is named, with a link to its own page.
+        assert f'data-owner="{mine.owner}"' in page
+
+        lock_force_released.connect(receiver)
+        response = csrf_post(
+            releaser, RELEASE_URL, {**ref, "owner": child.sem_owner, "fencing_token": 0}
+        )
+        assert response.status_code == 302
+        assert response["Location"] == LIST_URL
+        follow = releaser.get(LIST_URL, {"q": name})
+        assert "the other holders keep theirs" in follow.content.decode()
+        # Only that holder is gone: this process keeps its permit of the same semaphore.
+        holders = get_backend(permit_alias).permit_holders("semaphore", sem_name)
+        assert [info.owner for info in holders] == [mine.owner]
+        mine.extend()
+        assert mine.held()
+        assert set(_permit_rows(rows_of(follow), sem_name)) == {mine.owner}
+        # The evicted process learns it at its next renewal; its read lease stays.
+        wait_for(lambda: child.lost("semaphore"), 30, "the child to lose its permit")
+        assert not child.lost("read")
+        entry = LogEntry.objects.get(object_repr__startswith=sem_name)
+        assert entry.action_flag == DELETION
+        assert child.sem_owner in entry.change_message
+        assert "semaphore permit" in entry.change_message
+        assert [(s["name"], s["backend"], s["released"], s["via"]) for s in seen] == [
+            (sem_name, listed_as, True, "admin")
+        ]
+        assert seen[0]["info"].owner == child.sem_owner
+        assert seen[0]["info"].extra["kind"] == "semaphore"
+        # The admin's action history links to the page of that permit.
+        link = releaser.get(entry.get_admin_url())
+        assert link.status_code == 302
+        assert "kind=semaphore" in link["Location"] and child.sem_owner in link["Location"]
+        # Evicting it again (a second confirmation, sent late): it is no longer there,
+        # so nothing is done.
+        token = releaser.cookies["csrftoken"].value
+        response = releaser.post(
+            RELEASE_URL,
+            {**ref, "owner": child.sem_owner, "fencing_token": 0, "csrfmiddlewaretoken": token},
+        )
+        assert response.status_code == 302
+        assert "is no longer held: nothing was done" in releaser.get(LIST_URL).content.decode()
+        assert mine.held() and len(seen) == 1
+
+        # The read lease of this process: evicted, the other process's one stays.
+        read_ref = {"backend": listed_as, "name": rw_name, "kind": "read"}
+        counter = rwlock(rw_name, backend=permit_alias).fencing_counter()
+        response = csrf_post(
+            releaser, RELEASE_URL, {**read_ref, "owner": my_read.owner, "fencing_token": 0}
+        )
+        assert response.status_code == 302
+        with pytest.raises(LockLost):
+            my_read.extend()
+        holders = get_backend(permit_alias).permit_holders("read", rw_name)
+        assert [info.owner for info in holders] == [child.read_owner]
+        # The write counter moved on: writes fenced with an earlier write token are stale.
+        assert rwlock(rw_name, backend=permit_alias).fencing_counter() > counter
+        assert not child.lost("read")
+    finally:
+        lock_force_released.disconnect(receiver)
+        for lease in (mine, my_read):
+            if lease.held():
+                lease.release()
+
+
+def test_bad_permit_references_give_messages(releaser: Client, name: str) -> None:
+    cases = [
+        ({"kind": "mutex", "owner": "x"}, "Unknown kind"),
+        ({"kind": "semaphore"}, "give the owner id"),
+        ({"owner": "abc"}, "identified by its name alone"),
+    ]
+    for params, message in cases:
+        for url in (LOCK_URL, RELEASE_URL):
+            response = releaser.get(url, {"backend": "redis", "name": name, **params}, follow=True)
+            assert response.status_code == 200
+            assert message in response.content.decode(), (url, params)
+    gone = releaser.get(
+        LOCK_URL,
+        {"backend": "redis", "name": name, "kind": "read", "owner": "nobody"},
+        follow=True,
+    )
+    assert "is not held (any more)" in gone.content.decode()
+
+
+def test_a_listing_reads_its_own_key_prefix_only(name: str) -> None:
+    """Aliases on one Redis server with other key prefixes (glob characters included):
+    each listing asks the server for its own prefix's keys, and shows its own locks and
+    permits only."""
+    from distlocks import semaphore
+
+    def alias_with(prefix: str) -> dict[str, Any]:
+        return {
+            "BACKEND": "distlocks.backends.redis.RedisBackend",
+            "LOCATION": settings.REDIS_URL,
+            "OPTIONS": {"key_prefix": prefix},
+        }
+
+    # Unescaped, "lt*" would match the keys of "lt[*]" and "lt[*]" those of "lt*".
+    extra = {"star": alias_with("lt*"), "class": alias_with("lt[*]")}
+    with override_settings(DISTLOCKS_BACKENDS={**settings.DISTLOCKS_BACKENDS, **extra}):
+        held = [
+            lock(f"{name}:star", backend="star", ttl=30).acquire(),
+            lock(f"{name}:class", backend="class", ttl=30).acquire(),
+            semaphore(f"{name}:class-sem", limit=2, backend="class", ttl=30).acquire(),
+        ]
+        try:
+            listed = {
+                alias: sorted(
+                    (info.name, str(info.extra.get("kind", "lock")))
+                    for info in get_backend(alias).iter_locks()
+                    if info.name.startswith(name)
+                )
+                for alias in ("star", "class", "redis")
+            }
+            assert listed == {
+                "star": [(f"{name}:star", "lock")],
+                "class": [(f"{name}:class", "lock"), (f"{name}:class-sem", "semaphore")],
+                "redis": [],
+            }
+            snapshot = livelocks.collect(["star", "class", "redis"])
+            rows = {(item.name, item.backend) for item in snapshot.locks}
+            assert {row for row in rows if row[0].startswith(name)} == {
+                (f"{name}:star", "star"),
+                (f"{name}:class", "class"),
+                (f"{name}:class-sem", "class"),
+            }
+        finally:
+            for lease in held:
+                lease.release()
+
+
+def test_listing_is_reused_for_one_refresh_interval_by_default(
+    viewer: Client, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every viewer's reloads within one refresh interval share one read of the servers."""
+    from distlocks.admin import LiveLockAdmin
+
+    monkeypatch.setattr(LiveLockAdmin, "snapshot_ttl", None)
+    monkeypatch.setattr(LiveLockAdmin, "refresh_interval", 3600)
+    first = lock(f"{name}:1", backend="locmem", ttl=30).acquire()
+    try:
+        assert [r["name"] for r in rows_of(viewer.get(LIST_URL, {"q": name}))] == [first.name]
+        with lock(f"{name}:2", backend="locmem", ttl=30):
+            # A reload (and another viewer's page) within the interval: the same read.
+            assert [r["name"] for r in rows_of(viewer.get(LIST_URL, {"q": name}))] == [first.name]
+            # The "read again now" link reads them.
+            again = rows_of(viewer.get(LIST_URL, {"q": name, "fresh": 1}))
+            assert [r["name"] for r in again] == [first.name, f"{name}:2"]
+    finally:
+        first.release()
+
+
+def test_concurrent_requests_for_a_due_listing_share_one_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When a listing is due, one request reads the servers; the others wait for it."""
+    cache = livelocks.SnapshotCache()
+    reads: list[list[str]] = []
+    reading, go_on = threading.Event(), threading.Event()
+    real_collect = livelocks.collect
+
+    def slow_collect(aliases: Any, **kwargs: Any) -> Any:
+        reads.append(list(aliases))
+        reading.set()
+        assert go_on.wait(60)
+        return real_collect(aliases, **kwargs)
+
+    class Gate:
+        """The cache's per-listing lock, counting who came to it."""
+
+        def __init__(self) -> None:
+            self.lock, self.arrived = threading.Lock(), 0
+
+        def __enter__(self) -> None:
+            self.arrived += 1
+            self.lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.release()
+
+    gate = Gate()
+    key = (("locmem",), livelocks.DEFAULT_LIMIT, livelocks.conf.STUCK_AFTER)
+    cache._readers[key] = gate  # type: ignore[assignment]
+    monkeypatch.setattr(livelocks, "collect", slow_collect)
+    got: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(cache.get(["locmem"], 60))) for _ in range(3)
+    ]
+    threads[0].start()
+    assert reading.wait(60)
+    for thread in threads[1:]:
+        thread.start()
+    wait_for(lambda: gate.arrived == 3, 30, "the other requests to wait for the read")
+    go_on.set()
+    for thread in threads:
+        thread.join(30)
+    assert reads == [["locmem"]]
+    assert len(got) == 3 and got[0] is got[1] is got[2]
+    # Asked to read again: a new read, which the next requests reuse.
+    fresh = cache.get(["locmem"], 60, refresh=True)
+    assert fresh is not got[0] and cache.get(["locmem"], 60) is fresh
+    assert len(reads) == 2
+
+
+@pytest.fixture(scope="module")
+def redis_cluster_set() -> Iterator[Any]:
+    from distlocks.testing.servers import RedisClusterSet
+
+    cluster = RedisClusterSet(masters=3, replicas=0, node_timeout_ms=1000).start()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def cluster_alias(redis_cluster_set: Any) -> Iterator[str]:
+    config = {
+        **settings.DISTLOCKS_BACKENDS,
+        "cluster": {
+            "BACKEND": "distlocks.backends.redis.RedisBackend",
+            "LOCATION": redis_cluster_set.url,
+        },
+    }
+    with override_settings(DISTLOCKS_BACKENDS=config):
+        yield "cluster"
+
+
+def test_permits_listed_and_evicted_on_a_redis_cluster(
+    redis_cluster_set: Any, cluster_alias: str, name: str
+) -> None:
+    """On a cluster, locks and permits of names in every primary's slots are listed (a
+    cluster client pipelines no scripts: each semaphore is read by its own call)."""
+    from distlocks import rwlock, semaphore
+    from tests.test_redis_cluster import cluster_backend, name_on, primaries
+
+    redis_cluster = redis_cluster_set
+    backend = cluster_backend(cluster_alias)
+    names = [name_on(redis_cluster, backend, node, name) for node in primaries(redis_cluster)]
+    permits = [semaphore(n, limit=2, backend=cluster_alias, ttl=30).acquire() for n in names]
+    readers = [rwlock(n, backend=cluster_alias).read(ttl=30).acquire() for n in names]
+    locks = [lock(n, backend=cluster_alias, ttl=30).acquire() for n in names]
+    try:
+        listed = {
+            (info.name, str(info.extra.get("kind", "lock")), info.owner)
+            for info in backend.iter_locks()
+            if info.name.startswith(name)
+        }
+        assert listed == {
+            *((p.name, "semaphore", p.owner) for p in permits),
+            *((r.name, "read", r.owner) for r in readers),
+            *((lk.name, "lock", lk.owner) for lk in locks),
+        }
+        done = livelocks.force_release(
+            cluster_alias, names[0], kind="semaphore", owner=permits[0].owner
+        )
+        assert done.released
+        assert backend.permit_holders("semaphore", names[0]) == []
+        with pytest.raises(LockLost):
+            permits[0].extend()
+        found = livelocks.inspect(cluster_alias, names[1], "read", readers[1].owner)
+        assert found is not None and found.info.waiters == 0
+    finally:
+        for lease in [*permits, *readers, *locks]:
+            if lease.held():
+                lease.release()

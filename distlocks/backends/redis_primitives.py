@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import functools
 import hashlib
 import json
 import logging
-import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -46,7 +44,6 @@ from distlocks.backends.base import (
     SEMAPHORE,
     WRITE,
     AcquireResult,
-    BaseBackend,
     Holder,
     LockInfo,
     permit_family,
@@ -451,14 +448,15 @@ class RedisPermits:
     """Semaphores and read-write locks for :class:`~distlocks.backends.redis.RedisBackend`,
     on the backend's own client, key layout and error mapping.
 
-    A class that lists this mixin among its direct bases also gets the permits in
-    its own ``iter_locks()``, so every listing (admin page, command, metrics)
-    shows them next to the plain locks.
+    The backend's ``iter_locks()`` lists the permits next to the plain locks (through
+    :meth:`permits_at`, from the same walk over the keys), so every listing (admin
+    page, command, metrics) shows them.
     """
 
     if TYPE_CHECKING:
         alias: str
         key_prefix: str
+        mode: str
 
         @property
         def client(self) -> Any: ...
@@ -470,19 +468,17 @@ class RedisPermits:
 
         def _errors(self, action: str, name: str) -> contextlib.AbstractContextManager[None]: ...
 
-        def _scan_batches(self, pattern: str, size: int = 1000) -> Iterator[list[bytes]]: ...
+        def _scan_batches(
+            self, pattern: str, *, kind: str | None = None
+        ) -> Iterator[list[str]]: ...
+
+        def _hash_pattern(self) -> str: ...
 
         def check_permit_kind(self, kind: str) -> None: ...
 
         def release_quietly(self, name: str, owner: str) -> bool: ...
 
     permit_kinds = frozenset({SEMAPHORE, READ, WRITE})
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        listing = cls.__dict__.get("iter_locks")
-        if listing is not None and RedisPermits in cls.__bases__:
-            setattr(cls, "iter_locks", _with_permits(listing))  # noqa: B010
 
     # -- helpers ----------------------------------------------------------------
 
@@ -594,6 +590,10 @@ class RedisPermits:
     def _holders_at(self, family: str, keys: list[str], name: str) -> list[LockInfo]:
         with self._errors("inspect", name):
             reply = _SCRIPTS[family, "list"](self.client, keys, [])
+        return self._holders(family, reply)
+
+    def _holders(self, family: str, reply: list[Any]) -> list[LockInfo]:
+        """The permits a listing script's ``reply`` describes."""
         now_ms, waiters = int(reply[0]), int(reply[1])
         now = dt.datetime.now(dt.UTC)
         infos = []
@@ -645,21 +645,42 @@ class RedisPermits:
         return self._holders_at(family, self._permit_keys(kind, name), name)
 
     def iter_permits(self) -> Iterator[LockInfo]:
-        # Glob characters in the prefix must match themselves.
-        prefix = re.sub(r"([*?\[\]\\])", r"\\\1", self.key_prefix)
-        for family, suffix in ((SEMAPHORE, "sem"), (RWLOCK, "rw")):
-            pattern = f"{prefix}:{{*}}:{suffix}"
-            with self._errors("list", pattern):
-                found = [_text(key) for batch in self._scan_batches(pattern) for key in batch]
-            for key in found:
-                keys = _keys_at(family, key.removesuffix(f":{suffix}"))
-                yield from self._holders_at(family, keys, key)
+        found: dict[str, list[str]] = {SEMAPHORE: [], RWLOCK: []}
+        for batch in self._scan_batches(self._hash_pattern(), kind="hash"):
+            for key in batch:
+                if key.endswith(":sem:info"):
+                    found[SEMAPHORE].append(key.removesuffix(":sem:info"))
+                elif key.endswith(":rw:info"):
+                    found[RWLOCK].append(key.removesuffix(":rw:info"))
+        yield from self.permits_at(found)
 
+    #: Semaphores or read-write locks read by one pipeline of listing scripts.
+    PERMIT_BATCH = 500
 
-def _with_permits(listing: Callable[[Any], Iterator[LockInfo]]) -> Callable[..., Any]:
-    @functools.wraps(listing)
-    def iter_locks(self: BaseBackend) -> Iterator[LockInfo]:
-        yield from listing(self)
-        yield from self.iter_permits()
-
-    return iter_locks
+    def permits_at(self, bases: Mapping[str, list[str]]) -> Iterator[LockInfo]:
+        """The live permits of the semaphores (``bases[SEMAPHORE]``) and read-write
+        locks (``bases[RWLOCK]``) whose keys start with the given bases; each is read
+        by its own script (which drops its ended permits first), pipelined."""
+        for family, found in bases.items():
+            script = _SCRIPTS[family, "list"]
+            for start in range(0, len(found), self.PERMIT_BATCH):
+                batch = [
+                    _keys_at(family, base) for base in found[start : start + self.PERMIT_BATCH]
+                ]
+                with self._errors("list", self.key_prefix):
+                    if self.mode == "cluster":
+                        # A cluster client pipelines no scripts: one call each.
+                        replies = [script(self.client, keys, []) for keys in batch]
+                    else:
+                        pipe = self.client.pipeline(transaction=False)
+                        for keys in batch:
+                            pipe.evalsha(script.sha, len(keys), *keys)
+                        replies = pipe.execute(raise_on_error=False)
+                    for index, reply in enumerate(replies):
+                        if isinstance(reply, redis.exceptions.NoScriptError):
+                            # Not loaded on that server yet: run it once in full.
+                            replies[index] = script(self.client, batch[index], [])
+                        elif isinstance(reply, Exception):
+                            raise reply
+                for reply in replies:
+                    yield from self._holders(family, reply)

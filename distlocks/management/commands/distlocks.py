@@ -3,8 +3,12 @@
 ::
 
     manage.py distlocks list [--backend ALIAS] [--status STATUS] [--json]
-    manage.py distlocks inspect NAME [--backend ALIAS] [--json]
-    manage.py distlocks release NAME --backend ALIAS [--yes]
+    manage.py distlocks inspect NAME [--backend ALIAS] [--kind KIND [--owner OWNER]] [--json]
+    manage.py distlocks release NAME --backend ALIAS [--kind KIND --owner OWNER] [--yes]
+
+``--kind semaphore|read|write`` names the permits of a semaphore or read-write lock
+instead of the plain lock ``NAME``; several holders share one name, so releasing one
+takes its ``--owner`` (the owner id ``inspect`` and ``list --json`` show).
 
 Exit codes: 0 done; 1 an error (unknown backend or lock, a backend that cannot be
 read, a release not confirmed). ``list`` still prints what it could read.
@@ -25,6 +29,7 @@ from distlocks import livelocks
 
 _TABLE = [
     ("NAME", lambda x: x.name),
+    ("KIND", lambda x: x.kind),
     ("BACKEND", lambda x: x.backend),
     ("STATUS", lambda x: x.status),
     ("HOLDER", lambda x: x.holder),
@@ -47,16 +52,30 @@ class Command(BaseCommand):
         listing.add_argument("--backend", help="only this DISTLOCKS_BACKENDS alias")
         listing.add_argument("--status", choices=livelocks.STATUSES, help="only this status")
         listing.add_argument("--json", action="store_true", help="one JSON list on stdout")
-        inspect = sub.add_parser("inspect", help="one lock, in detail")
+        inspect = sub.add_parser("inspect", help="one lock (or the permits of a name), in detail")
         inspect.add_argument("name")
         inspect.add_argument("--backend", help="look only here (default: every backend)")
+        self._permit_arguments(inspect, "only the permit of this owner id")
         inspect.add_argument("--json", action="store_true")
         release = sub.add_parser(
-            "release", help="free a lock whoever holds it, advancing its fencing counter"
+            "release",
+            help="free a lock whoever holds it (or evict one permit's holder), advancing "
+            "its fencing counter",
         )
         release.add_argument("name")
         release.add_argument("--backend", required=True, help="the DISTLOCKS_BACKENDS alias")
+        self._permit_arguments(release, "the owner id of the permit to evict (required)")
         release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+    @staticmethod
+    def _permit_arguments(parser: ArgumentParser, owner_help: str) -> None:
+        parser.add_argument(
+            "--kind",
+            choices=livelocks.KINDS,
+            default=livelocks.LOCK,
+            help="a permit of a semaphore or read-write lock instead of a lock",
+        )
+        parser.add_argument("--owner", default="", help=owner_help)
 
     def handle(self, *args: Any, **options: Any) -> None:
         action = options["action"]
@@ -92,7 +111,7 @@ class Command(BaseCommand):
     def list_locks(self, options: dict[str, Any]) -> None:
         aliases = self._aliases(options["backend"])
         snapshot = livelocks.collect(aliases)
-        items = livelocks.select(snapshot.locks, status=options["status"] or "", order="name")
+        items = list(snapshot.select(status=options["status"] or "", order="name").rows)
         if options["json"]:
             self._json([item.as_dict() for item in items])
         elif items:
@@ -119,25 +138,41 @@ class Command(BaseCommand):
 
     # -- inspect ----------------------------------------------------------------------
 
+    def _found(self, alias: str, name: str, kind: str, owner: str) -> list[livelocks.LiveLock]:
+        """The lock ``name`` on ``alias``; or its permits of ``kind`` (``owner``'s only,
+        when given)."""
+        if kind == livelocks.LOCK:
+            item = livelocks.inspect(alias, name)
+            return [] if item is None else [item]
+        holders = livelocks.get(alias).permit_holders(kind, name)
+        return [
+            livelocks.LiveLock(info, *livelocks.classify(info))
+            for info in holders
+            if info.extra.get("kind") == kind and (not owner or info.owner == owner)
+        ]
+
     def inspect_lock(self, options: dict[str, Any]) -> None:
-        name = options["name"]
+        name, kind, owner = options["name"], options["kind"], options["owner"]
+        if kind == livelocks.LOCK and owner:
+            raise CommandError(
+                "--owner names one holder of a semaphore or read-write lock: add --kind "
+                "semaphore, read or write (a lock has a single holder)."
+            )
         found: list[livelocks.LiveLock] = []
         failed: list[str] = []
         for alias in self._aliases(options["backend"]):
             try:
-                item = livelocks.inspect(alias, name)
+                found += self._found(alias, name, kind, owner)
             except Exception as exc:  # reported, with the backend's error
                 failed.append(alias)
                 self.stderr.write(
                     f"Backend {alias!r} cannot be read: {livelocks.describe_error(exc)}"
                 )
-                continue
-            if item is not None:
-                found.append(item)
         if not found:
             where = f"backend {options['backend']!r}" if options["backend"] else "any backend"
             more = f" ({len(failed)} backend(s) could not be read)" if failed else ""
-            raise CommandError(f"No live lock {name!r} on {where}{more}.")
+            what = "live lock" if kind == livelocks.LOCK else livelocks.describe_kind(kind)
+            raise CommandError(f"No {what} {name!r} on {where}{more}.")
         if options["json"]:
             self._json([item.as_dict() for item in found])
             return
@@ -159,22 +194,32 @@ class Command(BaseCommand):
         name, alias = options["name"], options["backend"]
         self._aliases(alias)
         try:
-            item = livelocks.inspect(alias, name)
+            kind, owner = livelocks.check_ref(options["kind"], options["owner"])
+        except ValueError as exc:
+            raise CommandError(f"{exc} (--kind, --owner)") from exc
+        what = "Lock" if kind == livelocks.LOCK else f"The {livelocks.describe_kind(kind)}"
+        which = f"{what} {name!r}" + (f" of owner {owner}" if owner else "")
+        try:
+            item = livelocks.inspect(alias, name, kind, owner)
         except Exception as exc:  # reported, with the backend's error
             raise CommandError(
                 f"Backend {alias!r} cannot be read: {livelocks.describe_error(exc)}"
             ) from exc
         if item is None:
-            raise CommandError(f"No live lock {name!r} on backend {alias!r}: nothing to release.")
+            raise CommandError(f"No live {which[0].lower()}{which[1:]} on backend {alias!r}: "
+                               f"nothing to release.")  # fmt: skip
         if not options["yes"]:
             self.stdout.write(
-                f"Lock {name!r} on backend {alias!r} is held by {item.holder} "
+                f"{which} on backend {alias!r} is held by {item.holder} "
                 f"(owner {item.info.owner}, fencing token {item.info.fencing_token}, "
                 f"status {item.status}{': ' + item.reason if item.reason else ''})."
             )
-            self.stdout.write(
-                "Force-release it? The holder's fenced writes will be rejected. [y/N] ", ending=""
+            question = (
+                "Force-release it? The holder's fenced writes will be rejected. [y/N] "
+                if kind == livelocks.LOCK
+                else "Evict this holder? The other holders keep theirs. [y/N] "
             )
+            self.stdout.write(question, ending="")
             self.stdout.flush()
             answer = sys.stdin.readline()  # "" at end of input: not confirmed
             if answer.strip().lower() not in ("y", "yes"):
@@ -183,13 +228,15 @@ class Command(BaseCommand):
             done = livelocks.force_release(
                 alias,
                 name,
+                kind=kind,
+                owner=owner,
                 expected_token=item.info.fencing_token,
                 user=_os_user(),
                 via="command",
             )
         except livelocks.TokenChanged as exc:
             raise CommandError(
-                f"Lock {name!r} on backend {alias!r} changed hands meanwhile; nothing was "
+                f"{which} on backend {alias!r} changed hands meanwhile; nothing was "
                 f"released. Inspect it again."
             ) from exc
         except Exception as exc:  # reported, with the backend's error
@@ -198,11 +245,12 @@ class Command(BaseCommand):
                 f"{livelocks.describe_error(exc)}"
             ) from exc
         if not done.released:
-            raise CommandError(f"Lock {name!r} on backend {alias!r} was released meanwhile.")
+            raise CommandError(f"{which} on backend {alias!r} was released meanwhile.")
+        counter = "" if done.counter is None else f"; fencing counter now {done.counter}"
         self.stdout.write(
             self.style.SUCCESS(
                 f"Released {name!r} on backend {alias!r} (was held by {item.holder}, token "
-                f"{item.info.fencing_token}); fencing counter now {done.counter}."
+                f"{item.info.fencing_token}{', owner ' + owner if owner else ''}){counter}."
             )
         )
 
