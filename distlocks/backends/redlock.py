@@ -791,7 +791,7 @@ class RedlockBackend(BaseBackend):
         for name in sorted(by_name):
             views = by_name[name]
             views += [None] * (len(replies.results) - len(views))
-            held = self._holder(views, len(replies.errors), count_waiters=False)
+            held = self._holder(views, len(replies.errors), count_waiters=True)
             if held is not None:
                 yield held
 
