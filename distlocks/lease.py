@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from distlocks import signals
 from distlocks.exceptions import LockError, LockLost
+from distlocks.reentrancy import forget
 from distlocks.validation import validate_ttl
 
 if TYPE_CHECKING:
@@ -77,8 +78,11 @@ class BaseLease:
         now = dt.datetime.now(dt.UTC)
         #: Wall-clock time of the acquisition (for display; deadlines use the monotonic clock).
         self.acquired_at = now
-        #: Wall-clock end of the lease, or None where the backend has no expiry.
-        self.expires_at = None if remaining is None else now + dt.timedelta(seconds=remaining)
+        # (wall-clock start, seconds) of the current term; ``expires_at`` adds them up
+        # when asked, which most holders never do.
+        self._term: tuple[dt.datetime, float] | None = (
+            None if remaining is None else (now, remaining)
+        )
         self.on_lost = on_lost
         self.auto_renew = auto_renew
         #: Stop renewing once the lease has been held this long (seconds), if set.
@@ -101,6 +105,12 @@ class BaseLease:
             f"<{type(self).__name__} {self.name!r} backend={self.backend!r} "
             f"token={self.fencing_token} state={self.state}>"
         )
+
+    @property
+    def expires_at(self) -> dt.datetime | None:
+        """Wall-clock end of the lease, or None where the backend has no expiry."""
+        term = self._term
+        return None if term is None else term[0] + dt.timedelta(seconds=term[1])
 
     @property
     def state(self) -> str:
@@ -162,15 +172,12 @@ class BaseLease:
                 logger.exception("on_lost callback for lock %r raised", self.name)
 
     def _on_finished(self) -> None:
-        """Hook run once when the lease ends (released or lost)."""
-        from distlocks.reentrancy import forget
+        """Hook run once when the lease ends (released or lost).
 
+        The renewer needs no word: it drops ended leases when it meets them (at their
+        next turn, or when it compacts its heap)."""
         self._ended["ended"] = True
         forget(self)
-        if self.auto_renew and type(self) is Lease:
-            from distlocks.renewal import renewer
-
-            renewer(self.backend).finished()
 
     # -- release, renewal and extension, split into the decision (here), the
     # server call (blocking in Lease, awaited in AsyncLease) and the bookkeeping of
@@ -274,7 +281,7 @@ class BaseLease:
         self._last_renew_error = ""
         if self._valid_until is not None:  # a lease with a deadline gets a new one
             self._valid_until = started + ttl
-            self.expires_at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=ttl)
+            self._term = (dt.datetime.now(dt.UTC), ttl)
 
 
 class Lease(BaseLease):
@@ -307,7 +314,8 @@ class Lease(BaseLease):
             if step != RELEASE or not self._released(self._backend.release(self.name, self.owner)):
                 return False
         self._on_finished()
-        signals.lock_released.send(sender=Lease, lease=self)
+        if signals.lock_released.receivers:  # skips building the arguments of a no-op
+            signals.lock_released.send(sender=Lease, lease=self)
         return True
 
     def release_after(self, seconds: float) -> None:

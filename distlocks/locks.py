@@ -11,7 +11,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 import weakref
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from types import MappingProxyType, TracebackType
@@ -44,17 +43,26 @@ holder_extra: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar
 )
 
 
+# The last Holder built by each thread: most threads take lock after lock with the
+# same name, pid and extra metadata, and a Holder is immutable, so it can be reused.
+_holders = threading.local()
+
+
 def current_holder() -> Holder:
-    return Holder(
-        host=_HOSTNAME,
-        pid=os.getpid(),
-        thread=threading.current_thread().name,
-        extra=holder_extra.get(),
-    )
+    """Who is asking: this host, process and thread, and the context's extra metadata."""
+    thread = threading.current_thread().name
+    extra = holder_extra.get()
+    pid = os.getpid()  # not cached: a forked child must record its own
+    holder: Holder | None = getattr(_holders, "holder", None)
+    if holder is None or holder.thread != thread or holder.extra is not extra or holder.pid != pid:
+        holder = _holders.holder = Holder(host=_HOSTNAME, pid=pid, thread=thread, extra=extra)
+    return holder
 
 
 def new_owner() -> str:
-    return uuid.uuid4().hex
+    """A random owner id for one acquisition: 128 random bits as 32 hex characters
+    (the length the live-lock table stores), without building a UUID object."""
+    return os.urandom(16).hex()
 
 
 class _Attempt:
@@ -63,6 +71,12 @@ class _Attempt:
     The blocking and the asyncio loops share it and differ only in how they call
     the backend. Waits are measured on the monotonic clock.
     """
+
+    # One per acquisition: slots make it cheaper to build.
+    __slots__ = (
+        "backend", "began", "deadline", "fair", "holder", "interval", "name", "options",
+        "owner", "registered", "timeout", "ttl",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -75,19 +89,19 @@ class _Attempt:
         fair: bool,
         options: Mapping[str, Any],
     ) -> None:
+        #: When the acquisition began (monotonic), for the wait time the signals report.
+        self.began = time.monotonic()
         self.backend = backend
         self.name = name
         self.ttl = ttl
         self.timeout = timeout
         if deadline is None and timeout is not None:
-            deadline = time.monotonic() + timeout
+            deadline = self.began + timeout
         self.deadline = deadline
         self.fair = fair
         self.options = options
         self.owner = new_owner()
         self.holder = current_holder()
-        #: When the acquisition began (monotonic), for the wait time the signals report.
-        self.began = time.monotonic()
         self.interval = FIRST_POLL_INTERVAL
         #: True while the backend may list this caller as a waiter (to be undone).
         self.registered = False
@@ -142,14 +156,31 @@ class _Attempt:
             "max_hold": self.options.get("max_hold"),
         }
 
-    def guard(self, lease: BaseLease) -> None:
-        """A lease that nothing renews and the server never ends: if its holder drops
-        it without releasing, release it then (off the collector's thread)."""
-        if lease._renewal_due() is None and not self.backend.expires_on_server:
+    def guard(self, lease: BaseLease, due: float | None) -> None:
+        """A lease that nothing renews (``due`` is None) and the server never ends: if
+        its holder drops it without releasing, release it then (off the collector's
+        thread)."""
+        if due is None and not self.backend.expires_on_server:
             weakref.finalize(
                 lease, _in_thread, release_dropped,
                 self.backend, self.name, self.owner, lease._ended,
             )  # fmt: skip
+
+
+#: Names that passed validate_name() (a pure function of the string): a lock object is
+#: typically built per use, always with one of the same few names.
+_valid_names: dict[str, None] = {}
+
+
+def _checked_name(name: Any) -> str:
+    if type(name) is str and name in _valid_names:
+        return name
+    name = validate_name(name)
+    if type(name) is str:  # a subclass could compare equal to a name it is not
+        if len(_valid_names) >= 4096:
+            _valid_names.clear()
+        _valid_names[name] = None
+    return name
 
 
 def _in_thread(func: Callable[..., object], *args: Any) -> None:
@@ -191,11 +222,13 @@ def acquire_lease(
     due = lease._renewal_due()
     if due is not None:
         renewer(backend.alias).add(lease, due)
-    attempt.guard(lease)
+    attempt.guard(lease, due)
     try:
-        signals.lock_acquired.send(
-            sender=Lease, lease=lease, waited=time.monotonic() - attempt.began
-        )
+        # send() would return at once too; checking first skips building its arguments.
+        if signals.lock_acquired.receivers:
+            signals.lock_acquired.send(
+                sender=Lease, lease=lease, waited=time.monotonic() - attempt.began
+            )
     except BaseException:
         # A failing receiver must not leave a lease that nobody will release.
         with contextlib.suppress(Exception):
@@ -206,6 +239,8 @@ def acquire_lease(
 
 def _not_acquired(attempt: _Attempt, error: LockError) -> None:
     """Tell ``lock_not_acquired`` receivers (e.g. metrics) that no lease came of it."""
+    if not signals.lock_not_acquired.receivers:
+        return
     signals.lock_not_acquired.send_robust(
         sender=type(attempt.backend),
         name=attempt.name,
@@ -257,7 +292,7 @@ async def aacquire_lease(
                 logger.warning("Could not leave the wait queue of %r", name, exc_info=True)
     lease = AsyncLease(**attempt.lease_kwargs(result, started))
     lease._start_renewal()
-    attempt.guard(lease)
+    attempt.guard(lease, lease._renewal_due())
     try:
         signals.lock_acquired.send(
             sender=AsyncLease, lease=lease, waited=time.monotonic() - attempt.began
@@ -339,7 +374,7 @@ class _LockBase:
         max_hold: float | None = None,
         on_lost: Callable[[Any], object] | None = None,
     ) -> None:
-        self.name = validate_name(name)
+        self.name = _checked_name(name)
         check_alias(backend)
         self.backend_alias = backend
         self._ttl = None if ttl is None else validate_ttl(ttl)
@@ -353,7 +388,10 @@ class _LockBase:
         if on_lost is not None and not callable(on_lost):
             raise TypeError(f"on_lost must be a callable taking the lease, not {on_lost!r}.")
         self.on_lost = on_lost
-        self._local = threading.local()
+        # What each thread entered and has not left yet, by thread id (one object may
+        # be entered by several threads at once). A plain dict: a threading.local would
+        # cost more to create than the rest of a short-lived lock object.
+        self._entered: dict[int, Any] = {}
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} backend={self.backend_alias!r}>"
@@ -416,16 +454,15 @@ class Lock(_LockBase):
             reentrancy.remember(lease)
         return lease
 
-    def _stack(self) -> list[tuple[Lease, Any]]:
-        stack: list[tuple[Lease, Any]] | None = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
-
     def __enter__(self) -> Lease:
         lease = self.acquire()
         # Saves of fenced rows inside the block find the lease (and its token) here.
-        self._stack().append((lease, fencing.enter(lease)))
+        entry = (lease, fencing.enter(lease))
+        stack: list[tuple[Lease, Any]] | None = self._entered.get(threading.get_ident())
+        if stack is None:
+            self._entered[threading.get_ident()] = [entry]
+        else:
+            stack.append(entry)
         return lease
 
     def __exit__(
@@ -434,7 +471,11 @@ class Lock(_LockBase):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        lease, token = self._stack().pop()
+        ident = threading.get_ident()
+        stack: list[tuple[Lease, Any]] = self._entered[ident]
+        lease, token = stack.pop()
+        if not stack:
+            del self._entered[ident]
         fencing.leave(token)
         finish_lease(lease, body_failed=exc_type is not None)
 
@@ -490,12 +531,10 @@ class AsyncLock(_LockBase):
         return lease
 
     def _leases(self) -> dict[int, list[tuple[AsyncLease, Any]]]:
-        # Per task, since one AsyncLock may be entered by several tasks at once.
-        leases: dict[int, list[tuple[AsyncLease, Any]]] | None = getattr(
-            self._local, "leases", None
+        # Per thread and task, since one AsyncLock may be entered by several tasks at once.
+        leases: dict[int, list[tuple[AsyncLease, Any]]] = self._entered.setdefault(
+            threading.get_ident(), {}
         )
-        if leases is None:
-            leases = self._local.leases = {}
         return leases
 
     @staticmethod
@@ -520,6 +559,8 @@ class AsyncLock(_LockBase):
         lease, token = leases[key].pop()
         if not leases[key]:
             del leases[key]
+            if not leases:
+                self._entered.pop(threading.get_ident(), None)
         fencing.leave(token)
         await afinish_lease(lease, body_failed=exc_type is not None)
 

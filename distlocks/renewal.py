@@ -8,7 +8,9 @@ forked child (threads do not survive ``fork``).
 
 The heap holds weak references: a lease that its holder dropped without
 releasing is released at its next renewal time instead of being kept alive for
-as long as the process runs.
+as long as the process runs. A lease that ended stays in the heap until its turn
+comes (then it is dropped) or until the heap has doubled since it was last
+compacted, whichever is first: ending a lease costs the renewer nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -31,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 #: Seconds the thread lingers with no lease before exiting.
 IDLE_EXIT = 30.0
+#: The heap is compacted when it reaches this size, or twice its size after the last
+#: compaction: amortised O(1) per lease, and it never holds much more than twice the
+#: leases not yet ended.
+COMPACT_AT = 128
 
 
 class Renewer:
@@ -42,36 +49,42 @@ class Renewer:
             tuple[float, int, weakref.ref[Lease], tuple[Any, str, str, dict[str, bool]]]
         ] = []
         self._seq = itertools.count()
-        self._cond = threading.Condition()
+        # The condition's own lock, taken directly on the hot path (add), which saves
+        # the condition's Python-level __enter__/__exit__.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
-        self._finished = 0  # entries in the heap whose lease has ended
+        self._compact_at = COMPACT_AT
+        # When the waiting thread wakes by itself (monotonic): a new lease due later
+        # needs no wake-up. Only read and written under the condition.
+        self._wake_at = math.inf
 
     def add(self, lease: Lease, due: float) -> None:
         """Renew ``lease`` at monotonic time ``due`` (and after that as it asks)."""
-        with self._cond:
-            earliest = self._heap[0][0] if self._heap else None
-            heapq.heappush(self._heap, (due, next(self._seq), weakref.ref(lease), _ident(lease)))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
+        entry = (due, next(self._seq), weakref.ref(lease), _ident(lease))
+        with self._lock:
+            if len(self._heap) >= self._compact_at:
+                self._compact()
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                thread = threading.Thread(
                     target=self._run, name=f"distlocks-renewer:{self.alias}", daemon=True
                 )
-                self._thread.start()
-            elif earliest is None or due < earliest:
+                # Recorded once started (it waits for this lock before doing anything):
+                # if it cannot start, the next lease tries again.
+                thread.start()
+                self._thread = thread
+            elif due < self._wake_at:
                 # Wake the thread only if it now has to run sooner than planned.
                 self._cond.notify()
 
-    def finished(self) -> None:
-        """A lease ended; compact the heap once ended leases dominate it."""
-        with self._cond:
-            self._finished += 1
-            if self._finished > 64 and self._finished * 2 > len(self._heap):
-                self._heap = [
-                    entry
-                    for entry in self._heap
-                    if (lease := entry[2]()) is None or lease._state == "held"
-                ]
-                heapq.heapify(self._heap)
-                self._finished = 0
+    def _compact(self) -> None:
+        """Drop the entries of leases that ended, released or lost, whether or not the
+        lease object still exists (called with the condition held). Entries of leases
+        dropped without a release stay: their turn releases them."""
+        self._heap = [entry for entry in self._heap if not entry[3][3]["ended"]]
+        heapq.heapify(self._heap)
+        self._compact_at = max(COMPACT_AT, 2 * len(self._heap))
 
     def _next(self) -> Lease | None:
         """Wait for the next due lease; None when idle long enough to exit."""
@@ -79,18 +92,23 @@ class Renewer:
         with self._cond:
             while True:
                 if not self._heap:
-                    if time.monotonic() - idle_since >= IDLE_EXIT:
+                    now = time.monotonic()
+                    if now - idle_since >= IDLE_EXIT:
                         self._thread = None
                         return None
+                    self._wake_at = now + IDLE_EXIT
                     self._cond.wait(IDLE_EXIT)
                     continue
                 due, _, ref, ident = self._heap[0]
                 delay = due - time.monotonic()
                 if delay > 0:
+                    self._wake_at = due
                     self._cond.wait(delay)
                     continue
                 heapq.heappop(self._heap)
                 lease = ref()
+                if lease is None and ident[3]["ended"]:
+                    continue  # released or lost, then let go of: nothing to do
                 if lease is None:
                     # Dropped by its holder without a release: nobody can release it
                     # now, so do it here (outside the lock) rather than renew it.
@@ -100,11 +118,18 @@ class Renewer:
                     finally:
                         self._cond.acquire()
                     continue
-                if lease._state != "held" and self._finished:
-                    self._finished -= 1
                 return lease
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # However the thread ends, the next lease added starts a new one.
+            with self._cond:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _loop(self) -> None:
         while True:
             lease = self._next()
             if lease is None:

@@ -38,14 +38,21 @@ import json
 import re
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
+from distlocks.backends.base import (
+    RWLOCK,
+    SEMAPHORE,
+    AcquireResult,
+    BaseBackend,
+    Holder,
+    LockInfo,
+)
 from distlocks.backends.redis_primitives import RedisPermits
 from distlocks.conf import conf
 from distlocks.exceptions import LockBackendUnavailable, LockError
@@ -60,7 +67,7 @@ try:
     from redis.asyncio.retry import Retry as AsyncRetry
     from redis.backoff import NoBackoff
     from redis.connection import parse_url
-    from redis.exceptions import RedisClusterException, SlotNotCoveredError
+    from redis.exceptions import NoScriptError, RedisClusterException, SlotNotCoveredError
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImproperlyConfigured(
@@ -227,13 +234,44 @@ return 1
 """
 )
 
-# KEYS: lock hash, waiters. Returns {hash fields (flat), pttl, waiter count}: one
+# What inspection reads of one lock, in this order: the hash fields of _FIELDS, then
+# the lock's pttl and its number of registered waiters.
+_FIELDS = ("owner", "name", "token", "host", "pid", "thread", "acquired_at", "ttl",
+           "renewals", "extra")  # fmt: skip
+_DESCRIBE = f"""
+local function describe(lock, waiters, out)
+  local f = redis.call('HMGET', lock, '{"', '".join(_FIELDS)}')
+  if not f[1] then return end
+  for j = 1, #f do out[#out + 1] = f[j] end
+  out[#out + 1] = redis.call('PTTL', lock)
+  out[#out + 1] = redis.call('ZCARD', waiters)
+end
+"""
+_WIDTH = len(_FIELDS) + 2
+
+# KEYS: lock hash, waiters. Returns the values _DESCRIBE lists (empty when free): one
 # consistent snapshot. A script rather than MULTI/EXEC, because the cluster client
 # refreshes its slot map after a failover for scripts, not for transactions.
-INSPECT = """
-return {redis.call('HGETALL', KEYS[1]), redis.call('PTTL', KEYS[1]),
-        redis.call('ZCARD', KEYS[2])}
+INSPECT = (
+    _DESCRIBE
+    + """
+local out = {}
+describe(KEYS[1], KEYS[2], out)
+return out
 """
+)
+
+# KEYS: lock hash, waiters, lock hash, waiters, ... of many locks (not on a cluster:
+# they are in many slots). Returns what INSPECT returns for each live one, one after
+# the other: a batch of a listing costs one round trip and no per-key reply parsing.
+LIST = (
+    _DESCRIBE
+    + """
+local out = {}
+for i = 1, #KEYS, 2 do describe(KEYS[i], KEYS[i + 1], out) end
+return out
+"""
+)
 
 SCRIPTS = {
     "acquire": ACQUIRE,
@@ -242,6 +280,7 @@ SCRIPTS = {
     "force_release": FORCE_RELEASE,
     "leave": LEAVE,
     "inspect": INSPECT,
+    "list": LIST,
 }
 
 
@@ -364,6 +403,9 @@ class Keys(NamedTuple):
     wake_prefix: str
 
 
+# What the driver raises; every one becomes a LockError (see RedisBackend._error).
+_DRIVER_ERRORS = (redis.RedisError, RedisClusterException)
+
 _UNAVAILABLE = (
     redis.ConnectionError,  # includes "no primary found" from Sentinel
     redis.TimeoutError,
@@ -438,6 +480,26 @@ class _AsyncSentinelSSLConnection(
 
 def _extra_json(extra: Mapping[str, Any]) -> str:
     return json.dumps(dict(extra), separators=(",", ":")) if extra else "{}"
+
+
+def _evalsha(client: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
+    """Run a registered script on ``client``: one EVALSHA, as calling the script object
+    does, without the per-call work it spends on pipelines and argument copies."""
+    try:
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        # The server's script cache was emptied (a restart, a failover, SCRIPT FLUSH):
+        # load the script and run it again.
+        script.sha = client.script_load(script.script)
+        return client.evalsha(script.sha, len(keys), *keys, *args)
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def _decoded(values: list[Any]) -> list[Any]:
+    """``values`` with bytes decoded (the client may or may not decode replies)."""
+    return [value.decode() if type(value) is bytes else value for value in values]
 
 
 def _decode(value: bytes | str | None) -> str:
@@ -736,34 +798,40 @@ class RedisBackend(RedisPermits, BaseBackend):
     def _errors(self, action: str, name: str) -> Iterator[None]:
         try:
             yield
-        except (redis.RedisError, RedisClusterException) as exc:
-            detail = f"{type(exc).__name__}: {exc}"
-            if _is_unavailable(exc):
-                raise LockBackendUnavailable(
-                    self.alias, f"{action} {name!r} failed: {detail}"
-                ) from exc
-            if "Cluster mode is not enabled" in detail:
-                detail += " (LOCATION redis+cluster:// names a server that is not a cluster node)"
-            raise LockError(
-                f"Redis error while trying to {action} lock {name!r} on backend "
-                f"{self.alias!r}: {detail}"
-            ) from exc
+        except _DRIVER_ERRORS as exc:
+            raise self._error(action, name, exc) from exc
+
+    def _error(self, action: str, name: str, exc: Exception) -> LockError:
+        """The LockError to raise (from ``exc``) for a driver error during ``action``.
+
+        The acquire, release and extend paths call it from a plain ``except``: a
+        generator-based context manager costs more than the rest of their Python work."""
+        detail = f"{type(exc).__name__}: {exc}"
+        if _is_unavailable(exc):
+            return LockBackendUnavailable(self.alias, f"{action} {name!r} failed: {detail}")
+        if "Cluster mode is not enabled" in detail:
+            detail += " (LOCATION redis+cluster:// names a server that is not a cluster node)"
+        return LockError(
+            f"Redis error while trying to {action} lock {name!r} on backend "
+            f"{self.alias!r}: {detail}"
+        )
+
+    def _acquire_error(self, name: str, owner: str, exc: Exception) -> LockError:
+        """:meth:`_error` for an acquire, which a timeout leaves in doubt."""
+        if isinstance(exc, redis.TimeoutError):
+            # The script may have run and only the reply was lost: give the lock
+            # back rather than leave it held by a lease nobody knows about. In the
+            # background, so the caller hears of the outage after one timeout.
+            threading.Thread(target=self.release_quietly, args=(name, owner), daemon=True).start()
+        return self._error("acquire", name, exc)
 
     @contextlib.contextmanager
     def _acquiring(self, name: str, owner: str) -> Iterator[None]:
-        """:meth:`_errors` for an acquire, which a timeout leaves in doubt."""
+        """:meth:`_errors` for an acquire (see :meth:`_acquire_error`)."""
         try:
-            with self._errors("acquire", name):
-                yield
-        except LockBackendUnavailable as exc:
-            if isinstance(exc.__cause__, redis.TimeoutError):
-                # The script may have run and only the reply was lost: give the lock
-                # back rather than leave it held by a lease nobody knows about. In the
-                # background, so the caller hears of the outage after one timeout.
-                threading.Thread(
-                    target=self.release_quietly, args=(name, owner), daemon=True
-                ).start()
-            raise
+            yield
+        except _DRIVER_ERRORS as exc:
+            raise self._acquire_error(name, owner, exc) from exc
 
     def _demoted(self, exc: redis.ResponseError) -> bool:
         """A Sentinel-managed connection still open to a primary that a failover made
@@ -774,7 +842,7 @@ class RedisBackend(RedisPermits, BaseBackend):
     def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         client = self.client
         try:
-            return self._scripts[script](keys=keys, args=args, client=client)
+            return _evalsha(client, self._scripts[script], keys, args)
         except redis.ResponseError as exc:
             if not self._demoted(exc):
                 raise
@@ -837,8 +905,11 @@ class RedisBackend(RedisPermits, BaseBackend):
         fair: bool = False,
     ) -> AcquireResult:
         keys, args = self._acquire_call(name, owner, ttl, holder, wait, fair)
-        with self._acquiring(name, owner):
-            return self._acquire_result(self._run("acquire", keys, args))
+        try:
+            reply = self._run("acquire", keys, args)
+        except _DRIVER_ERRORS as exc:
+            raise self._acquire_error(name, owner, exc) from exc
+        return self._acquire_result(reply)
 
     async def aacquire(
         self,
@@ -859,8 +930,11 @@ class RedisBackend(RedisPermits, BaseBackend):
         return [k.lock, k.waiters, k.queue, k.signal], [owner, k.wake_prefix]
 
     def release(self, name: str, owner: str) -> bool:
-        with self._errors("release", name):
-            return bool(self._run("release", *self._release_call(name, owner)))
+        keys, args = self._release_call(name, owner)
+        try:
+            return bool(self._run("release", keys, args))
+        except _DRIVER_ERRORS as exc:
+            raise self._error("release", name, exc) from exc
 
     async def arelease(self, name: str, owner: str) -> bool:
         with self._errors("release", name):
@@ -868,8 +942,10 @@ class RedisBackend(RedisPermits, BaseBackend):
 
     def extend(self, name: str, owner: str, ttl: float) -> bool:
         ttl_ms = max(1, round(ttl * 1000))
-        with self._errors("extend", name):
+        try:
             return bool(self._run("extend", [self.all_keys(name).lock], [owner, ttl_ms]))
+        except _DRIVER_ERRORS as exc:
+            raise self._error("extend", name, exc) from exc
 
     async def aextend(self, name: str, owner: str, ttl: float) -> bool:
         ttl_ms = max(1, round(ttl * 1000))
@@ -928,78 +1004,120 @@ class RedisBackend(RedisPermits, BaseBackend):
 
     # -- inspection -----------------------------------------------------------
 
-    def _info(self, fields: Mapping[bytes, bytes], pttl: int) -> LockInfo:
-        def get(key: str) -> str:
-            return _decode(fields.get(key.encode()))
+    #: Keys one SCAN call walks on the server (it returns those that match): a
+    #: listing is then a few round trips, each a few milliseconds of server time.
+    SCAN_COUNT = 10_000
+    #: Locks read by one listing script (or one pipeline, on a cluster).
+    LIST_BATCH = 1_000
 
-        acquired_ms = int(get("acquired_at") or 0)
-        now = dt.datetime.now(dt.UTC)
+    def _info(self, values: Sequence[Any], at: int, now: dt.datetime) -> LockInfo:
+        """The lock described by ``values[at:at + _WIDTH]`` (the layout of INSPECT, with
+        the strings decoded)."""
+        owner, name, token, host, pid, thread, acquired, ttl, renewals, extra, pttl, waiters = (
+            values[at : at + _WIDTH]
+        )
         try:
-            extra = json.loads(get("extra") or "{}")
+            details = json.loads(extra) if extra and extra != "{}" else {}
         except ValueError:
-            extra = {}
+            details = {}
         return LockInfo(
-            name=get("name"),
+            name=name or "",
             backend=self.alias,
-            owner=get("owner"),
-            fencing_token=int(get("token") or 0),
-            host=get("host"),
-            pid=int(get("pid")) if get("pid").isdigit() else None,
-            thread=get("thread"),
-            acquired_at=dt.datetime.fromtimestamp(acquired_ms / 1000, dt.UTC)
-            if acquired_ms
-            else None,
+            owner=owner,
+            fencing_token=int(token or 0),
+            host=host or "",
+            pid=int(pid) if pid and pid.isdigit() else None,
+            thread=thread or "",
+            acquired_at=_EPOCH + dt.timedelta(milliseconds=int(acquired)) if acquired else None,
             expires_at=now + dt.timedelta(milliseconds=pttl) if pttl >= 0 else None,
-            ttl=int(get("ttl") or 0) / 1000 or None,
-            renewals=int(get("renewals") or 0),
-            extra=extra,
+            ttl=int(ttl or 0) / 1000 or None,
+            renewals=int(renewals or 0),
+            # Lapsed registrations are pruned at every release, so ZCARD is close enough.
+            waiters=int(waiters),
+            extra=details,
         )
 
     def inspect(self, name: str) -> LockInfo | None:
         keys = self.all_keys(name)
         with self._errors("inspect", name):
-            flat, pttl, waiters = self._run("inspect", [keys.lock, keys.waiters], [])
-        if not flat:
-            return None
-        fields = dict(zip(flat[::2], flat[1::2], strict=True))
-        # Lapsed registrations are pruned at every release, so ZCARD is close enough.
-        return dataclasses.replace(self._info(fields, pttl), waiters=int(waiters))
+            values = _decoded(self._run("inspect", [keys.lock, keys.waiters], []))
+        return self._info(values, 0, dt.datetime.now(dt.UTC)) if values else None
 
     def iter_locks(self) -> Iterator[LockInfo]:
+        """Every lock, then every semaphore permit and read-write lease, found by one
+        walk over this backend's hashes (one per lock, semaphore or read-write lock)."""
+        permits: dict[str, list[str]] = {SEMAPHORE: [], RWLOCK: []}
+        for batch in self._scan_batches(self._hash_pattern(), kind="hash"):
+            locks = []
+            for key in batch:
+                if key.endswith(":lock"):
+                    locks.append(key)
+                elif key.endswith(":sem:info"):
+                    permits[SEMAPHORE].append(key.removesuffix(":sem:info"))
+                elif key.endswith(":rw:info"):
+                    permits[RWLOCK].append(key.removesuffix(":rw:info"))
+            for start in range(0, len(locks), self.LIST_BATCH):
+                yield from self._describe(locks[start : start + self.LIST_BATCH])
+        yield from self.permits_at(permits)
+
+    def _hash_pattern(self) -> str:
+        """A SCAN pattern for this backend's keys, and no other prefix's."""
         # Glob characters in the prefix must match themselves.
         prefix = re.sub(r"([*?\[\]\\])", r"\\\1", self.key_prefix)
-        pattern = f"{prefix}:{{*}}:lock"
-        with self._errors("list", pattern):
-            for keys in self._scan_batches(pattern):
-                # On a cluster the pipeline sends each node the keys it serves.
-                pipe = self.client.pipeline(transaction=False)
-                for key in keys:
-                    pipe.hgetall(key)
-                    pipe.pttl(key)
-                replies = pipe.execute()
-                for fields, pttl in zip(replies[::2], replies[1::2], strict=True):
-                    if fields:
-                        yield self._info(fields, pttl)
+        return f"{prefix}:{{*}}:*"
 
-    def _scan_batches(self, pattern: str, size: int = 1000) -> Iterator[list[bytes]]:
-        """The keys matching ``pattern``, in batches (SCAN, so the server is not blocked)."""
-        if self.mode == "cluster":
-            # Each primary holds only its own slots' keys: scan every one of them.
-            batch: list[bytes] = []
-            for key in self.client.scan_iter(
-                match=pattern, count=size, target_nodes=redis.cluster.RedisCluster.PRIMARIES
-            ):
-                batch.append(key)
-                if len(batch) >= size:
+    def _describe(self, locks: list[str]) -> Iterator[LockInfo]:
+        """The live ones of the lock hashes ``locks``, read in one round trip."""
+        with self._errors("list", self.key_prefix):
+            if self.mode == "cluster":
+                # Keys of many slots: a pipeline, which sends each node the keys it serves.
+                pipe = self.client.pipeline(transaction=False)
+                for key in locks:
+                    pipe.hmget(key, _FIELDS)
+                    pipe.pttl(key)
+                    pipe.zcard(key.removesuffix(":lock") + ":waiters")
+                replies = pipe.execute()
+                values: list[Any] = []
+                for at in range(0, len(replies), 3):
+                    if replies[at][0] is not None:
+                        values += [*replies[at], replies[at + 1], replies[at + 2]]
+            else:
+                keys: list[str] = []
+                for key in locks:
+                    keys += (key, key.removesuffix(":lock") + ":waiters")
+                values = self._run("list", keys, [])
+        values = _decoded(values)
+        now = dt.datetime.now(dt.UTC)
+        for at in range(0, len(values), _WIDTH):
+            yield self._info(values, at, now)
+
+    def _scan_batches(self, pattern: str, *, kind: str | None = None) -> Iterator[list[str]]:
+        """The keys matching ``pattern`` (of the type ``kind``, if given), in batches:
+        SCAN, so the server is never blocked for long."""
+        size = self.SCAN_COUNT
+        with self._errors("list", pattern):
+            if self.mode == "cluster":
+                # Each primary holds only its own slots' keys: scan every one of them.
+                batch: list[str] = []
+                for key in self.client.scan_iter(
+                    match=pattern,
+                    count=size,
+                    _type=kind,
+                    target_nodes=redis.cluster.RedisCluster.PRIMARIES,
+                ):
+                    batch.append(_decode(key))
+                    if len(batch) >= size:
+                        yield batch
+                        batch = []
+                if batch:
                     yield batch
-                    batch = []
-            if batch:
-                yield batch
-            return
-        cursor = 0
-        while True:
-            cursor, keys = self.client.scan(cursor=cursor, match=pattern, count=size)
-            if keys:
-                yield keys
-            if cursor == 0:
-                break
+                return
+            cursor = 0
+            while True:
+                cursor, keys = self.client.scan(
+                    cursor=cursor, match=pattern, count=size, _type=kind
+                )
+                if keys:
+                    yield [_decode(key) for key in keys]
+                if cursor == 0:
+                    break
