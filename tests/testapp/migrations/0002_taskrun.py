@@ -4,23 +4,27 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('testapp', '0001_initial'),
+        ("testapp", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='TaskRun',
+            name="TaskRun",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('run', models.CharField(db_index=True, max_length=64)),
-                ('task_id', models.CharField(max_length=64)),
-                ('attempt', models.IntegerField(default=0)),
-                ('pid', models.IntegerField()),
-                ('fencing_token', models.BigIntegerField(null=True)),
-                ('started', models.FloatField()),
-                ('ended', models.FloatField(null=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("run", models.CharField(db_index=True, max_length=64)),
+                ("task_id", models.CharField(max_length=64)),
+                ("attempt", models.IntegerField(default=0)),
+                ("pid", models.IntegerField()),
+                ("fencing_token", models.BigIntegerField(null=True)),
+                ("started", models.FloatField()),
+                ("ended", models.FloatField(null=True)),
             ],
         ),
     ]
