@@ -4,6 +4,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -11,12 +12,14 @@ import redis
 from distlocks import get_backend
 from distlocks.backends.base import BaseBackend
 from distlocks.handler import backends
-from distlocks.testing.servers import RedisServer
+from distlocks.testing.servers import RedisClusterSet, RedisServer
 
 #: Every backend alias the contract suite runs against.
 CONTRACT_BACKENDS = ["locmem", "redis", "pg", "redlock"]
 #: Backends whose locks are shared between OS processes.
 CROSS_PROCESS_BACKENDS = ["redis", "pg", "redlock"]
+#: Backends with semaphores and read-write locks (Redlock has none).
+PERMIT_BACKENDS = ["locmem", "redis", "pg"]
 
 
 @pytest.fixture(scope="session")
@@ -28,21 +31,26 @@ def pg_ready(django_db_setup: None) -> None:
     os.environ["DISTLOCKS_TEST_DB_NAME"] = connection.settings_dict["NAME"]
 
 
-def _prepare(request: pytest.FixtureRequest, alias: str) -> str:
-    if alias.startswith("pg"):
-        request.getfixturevalue("pg_ready")
-    return alias
+def alias_fixture(name: str, aliases: list[str], doc: str) -> Any:
+    """A fixture ``name`` giving each of ``aliases`` in turn; PostgreSQL ones get the
+    test database (see pytest_collection_modifyitems, which reads these names)."""
+
+    def each(request: pytest.FixtureRequest) -> str:
+        alias = str(request.param)
+        if alias.startswith("pg"):
+            request.getfixturevalue("pg_ready")
+        return alias
+
+    each.__doc__ = doc
+    return pytest.fixture(params=aliases, name=name)(each)
 
 
-@pytest.fixture(params=CONTRACT_BACKENDS)
-def alias(request: pytest.FixtureRequest) -> str:
-    """The alias of each backend in turn (the contract suite's parameter)."""
-    return _prepare(request, str(request.param))
-
-
-@pytest.fixture(params=CROSS_PROCESS_BACKENDS)
-def shared_alias(request: pytest.FixtureRequest) -> str:
-    return _prepare(request, str(request.param))
+alias = alias_fixture(
+    "alias", CONTRACT_BACKENDS, "The alias of each backend in turn (the contract suite's)."
+)
+shared_alias = alias_fixture(
+    "shared_alias", CROSS_PROCESS_BACKENDS, "Each backend whose locks processes share."
+)
 
 
 @pytest.fixture
@@ -62,6 +70,15 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterSet]:
+    """A throwaway Redis Cluster, started on first use: three primaries, the first
+    with a replica; a node missing for 1 s is failed."""
+    cluster = RedisClusterSet(masters=3, replicas=1, node_timeout_ms=1000).start()
+    yield cluster
+    cluster.close()
 
 
 @pytest.fixture

@@ -901,37 +901,22 @@ def test_concurrent_requests_for_a_due_listing_share_one_read(
     assert len(reads) == 2
 
 
-@pytest.fixture(scope="module")
-def redis_cluster_set() -> Iterator[Any]:
-    from distlocks.testing.servers import RedisClusterSet
-
-    cluster = RedisClusterSet(masters=3, replicas=0, node_timeout_ms=1000).start()
-    yield cluster
-    cluster.close()
-
-
 @pytest.fixture
-def cluster_alias(redis_cluster_set: Any) -> Iterator[str]:
-    config = {
-        **settings.DISTLOCKS_BACKENDS,
-        "cluster": {
-            "BACKEND": "distlocks.backends.redis.RedisBackend",
-            "LOCATION": redis_cluster_set.url,
-        },
-    }
-    with override_settings(DISTLOCKS_BACKENDS=config):
-        yield "cluster"
+def cluster_alias(redis_cluster: Any) -> Iterator[str]:
+    from tests.redis_contract import redis_alias
+
+    with redis_alias("cluster", redis_cluster.url) as alias:
+        yield alias
 
 
 def test_permits_listed_and_evicted_on_a_redis_cluster(
-    redis_cluster_set: Any, cluster_alias: str, name: str
+    redis_cluster: Any, cluster_alias: str, name: str
 ) -> None:
     """On a cluster, locks and permits of names in every primary's slots are listed (a
     cluster client pipelines no scripts: each semaphore is read by its own call)."""
     from distlocks import rwlock, semaphore
     from tests.test_redis_cluster import cluster_backend, name_on, primaries
 
-    redis_cluster = redis_cluster_set
     backend = cluster_backend(cluster_alias)
     names = [name_on(redis_cluster, backend, node, name) for node in primaries(redis_cluster)]
     permits = [semaphore(n, limit=2, backend=cluster_alias, ttl=30).acquire() for n in names]

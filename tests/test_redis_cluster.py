@@ -25,76 +25,25 @@ from django.conf import settings
 from django.test import override_settings
 from redis.cluster import RedisCluster, key_slot
 
-from distlocks import alock, get_backend, lock
+from distlocks import alock, lock
 from distlocks.backends.redis import RedisBackend
 from distlocks.exceptions import LockBackendUnavailable, LockError, LockNotAcquired
 from distlocks.locks import current_holder
 from distlocks.testing import servers
 from distlocks.testing.servers import RedisClusterNode, RedisClusterSet, RedisServer
-from tests.test_alock import (  # noqa: F401 - collected here again, on the cluster
-    test_async_with_holds_and_releases,
-    test_fair_async_waiters,
-    test_tasks_exclude_each_other,
-    test_waiting_does_not_block_the_event_loop,
-)
-from tests.test_lifecycle import (  # noqa: F401
-    test_a_fair_waiter_that_gives_up_does_not_block_the_next,
-    test_every_release_wakes_a_waiter,
-    test_fair_waiters_are_served_in_arrival_order,
-)
-from tests.test_locks import (  # noqa: F401
-    test_acquire_is_retry_safe_for_the_same_owner,
-    test_extend_pushes_expiry,
-    test_fencing_tokens_increase_across_force_release,
-    test_inspect_records_the_holder,
-    test_lock_many_takes_all,
-    test_release_is_idempotent,
-    test_second_holder_is_refused_while_held,
-    test_waiter_gets_the_lock_after_release,
-    test_with_block_holds_then_releases,
-)
+from tests.redis_contract import *  # noqa: F403 - the contract tests, on this alias
+from tests.redis_contract import BACKEND, redis_alias, redis_backend
 from tests.test_redis import SCRIPT_INNER
 from tests.waiting import process_alive, wait_for, wait_gone
 
-BACKEND = "distlocks.backends.redis.RedisBackend"
-
-
-@pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[RedisClusterSet]:
-    """Three primaries, the first with a replica; a node missing for 1 s is failed."""
-    cluster = RedisClusterSet(masters=3, replicas=1, node_timeout_ms=1000).start()
-    yield cluster
-    cluster.close()
-
 
 @pytest.fixture
-def cluster_alias(redis_cluster: RedisClusterSet) -> Iterator[str]:
-    config = {**settings.DISTLOCKS_BACKENDS}
-    config["cluster"] = {"BACKEND": BACKEND, "LOCATION": redis_cluster.url}
-    with override_settings(DISTLOCKS_BACKENDS=config):
-        yield "cluster"
+def topology_alias(redis_cluster: RedisClusterSet) -> Iterator[str]:
+    with redis_alias("cluster", redis_cluster.url) as alias:
+        yield alias
 
 
-# The contract tests above take their backend from these.
-@pytest.fixture
-def alias(cluster_alias: str) -> str:
-    return cluster_alias
-
-
-@pytest.fixture
-def shared_alias(cluster_alias: str) -> str:
-    return cluster_alias
-
-
-@pytest.fixture
-def waking_alias(cluster_alias: str) -> str:
-    return cluster_alias
-
-
-def cluster_backend(alias: str) -> RedisBackend:
-    backend = get_backend(alias)
-    assert isinstance(backend, RedisBackend)
-    return backend
+cluster_backend = redis_backend
 
 
 def name_on(
@@ -125,8 +74,8 @@ def primaries(cluster: RedisClusterSet) -> list[RedisClusterNode]:
 # -- configuration ----------------------------------------------------------------
 
 
-def test_cluster_location_builds_a_cluster_client(cluster_alias: str) -> None:
-    backend = cluster_backend(cluster_alias)
+def test_cluster_location_builds_a_cluster_client(topology_alias: str) -> None:
+    backend = cluster_backend(topology_alias)
     assert backend.mode == "cluster"
     assert isinstance(backend.client, RedisCluster)
     # Our timeouts reach the node connections.
@@ -287,23 +236,23 @@ def test_every_key_an_operation_touches_is_in_the_lock_slot(own_redis: RedisServ
     plain.close()
 
 
-def test_keys_of_every_lock_share_one_slot_on_the_cluster(cluster_alias: str) -> None:
-    backend = cluster_backend(cluster_alias)
+def test_keys_of_every_lock_share_one_slot_on_the_cluster(topology_alias: str) -> None:
+    backend = cluster_backend(topology_alias)
     for lock_name in ("plain", "with{brace", "}x", "{}", "ü:ñ"):
         slots = {key_slot(key.encode()) for key in backend.all_keys(lock_name)}
         assert len(slots) == 1
-        with lock(lock_name, backend=cluster_alias, timeout=0) as lease:
+        with lock(lock_name, backend=topology_alias, timeout=0) as lease:
             assert backend.inspect(lock_name) is not None
         assert backend.fencing_counter(lock_name) == lease.fencing_token
 
 
 def test_iter_locks_lists_the_locks_of_every_primary(
-    redis_cluster: RedisClusterSet, cluster_alias: str, name: str
+    redis_cluster: RedisClusterSet, topology_alias: str, name: str
 ) -> None:
-    backend = cluster_backend(cluster_alias)
+    backend = cluster_backend(topology_alias)
     names = [name_on(redis_cluster, backend, node, name) for node in primaries(redis_cluster)]
     assert len(names) == 3
-    leases = [lock(n, backend=cluster_alias, ttl=30).acquire() for n in names]
+    leases = [lock(n, backend=topology_alias, ttl=30).acquire() for n in names]
     try:
         listed = {info.name: info for info in backend.iter_locks() if info.name.startswith(name)}
         assert set(listed) == set(names)
@@ -347,9 +296,9 @@ class CommandCounter:
 
 
 def test_each_operation_is_one_evalsha(
-    redis_cluster: RedisClusterSet, cluster_alias: str, name: str
+    redis_cluster: RedisClusterSet, topology_alias: str, name: str
 ) -> None:
-    backend = cluster_backend(cluster_alias)
+    backend = cluster_backend(topology_alias)
     holder = current_holder()
     names = [f"{name}:{i}" for i in range(10)]
     for n in names:  # warm up: connections to every primary, scripts loaded
@@ -383,13 +332,13 @@ def _replica_has(node: RedisClusterNode, key: str, value: int) -> bool:
 
 
 def test_primary_loss_fails_over_while_other_slots_keep_working(
-    redis_cluster: RedisClusterSet, cluster_alias: str, name: str
+    redis_cluster: RedisClusterSet, topology_alias: str, name: str
 ) -> None:
     """A primary with a replica is killed. While the cluster fails over, locks on the
     other primaries keep working, and those of the lost slots fail fast with
     LockBackendUnavailable; afterwards they work again, on the promoted replica,
     through the same backend (sync and asyncio), with tokens still increasing."""
-    backend = cluster_backend(cluster_alias)
+    backend = cluster_backend(topology_alias)
     victim = next(node for node in primaries(redis_cluster) if redis_cluster.replicas_of(node))
     (replica,) = redis_cluster.replicas_of(victim)
     other = next(node for node in primaries(redis_cluster) if node is not victim)
@@ -398,10 +347,10 @@ def test_primary_loss_fails_over_while_other_slots_keep_working(
     loop = asyncio.new_event_loop()  # one loop: its client lives through the failover
 
     async def take(lock_name: str) -> int:
-        async with alock(lock_name, backend=cluster_alias, ttl=10, timeout=0) as lease:
+        async with alock(lock_name, backend=topology_alias, ttl=10, timeout=0) as lease:
             return lease.fencing_token
 
-    holder = lock(lost_name, backend=cluster_alias, ttl=120, auto_renew=False).acquire()
+    holder = lock(lost_name, backend=topology_alias, ttl=120, auto_renew=False).acquire()
     tokens = [holder.fencing_token, loop.run_until_complete(take(other_name))]
     fence = backend.all_keys(lost_name).fence
     wait_for(lambda: _replica_has(replica, fence, holder.fencing_token), what="replicated")
@@ -414,7 +363,7 @@ def test_primary_loss_fails_over_while_other_slots_keep_working(
         while True:
             assert time.monotonic() < deadline, "no failover within 60 s"
             # The other primaries' slots are not affected.
-            with lock(other_name, backend=cluster_alias, ttl=10, timeout=0) as lease:
+            with lock(other_name, backend=topology_alias, ttl=10, timeout=0) as lease:
                 tokens.append(lease.fencing_token)
             tokens.append(loop.run_until_complete(take(other_name)))
             served_elsewhere += 1
@@ -435,9 +384,9 @@ def test_primary_loss_fails_over_while_other_slots_keep_working(
         # The lock had reached the replica before the kill: it is still held.
         assert info is not None and info.owner == holder.owner
         with pytest.raises(LockNotAcquired):
-            lock(lost_name, backend=cluster_alias, timeout=0).acquire()
+            lock(lost_name, backend=topology_alias, timeout=0).acquire()
         assert holder.release() is True
-        with lock(lost_name, backend=cluster_alias, timeout=0) as lease:
+        with lock(lost_name, backend=topology_alias, timeout=0) as lease:
             assert lease.fencing_token > holder.fencing_token
         assert loop.run_until_complete(take(lost_name)) > lease.fencing_token
         assert tokens[1:] == sorted(set(tokens[1:]))

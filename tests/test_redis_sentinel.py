@@ -16,40 +16,17 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from django.conf import settings
 from django.test import override_settings
 
-from distlocks import alock, get_backend, lock
+from distlocks import alock, lock
 from distlocks.backends.redis import RedisBackend
 from distlocks.exceptions import LockBackendUnavailable
 from distlocks.locks import current_holder
 from distlocks.testing.servers import RedisSentinelSet, RedisServer, ServerError
-from tests.test_alock import (  # noqa: F401 - collected here again, through Sentinel
-    test_async_with_holds_and_releases,
-    test_fair_async_waiters,
-    test_tasks_exclude_each_other,
-    test_waiting_does_not_block_the_event_loop,
-)
-from tests.test_lifecycle import (  # noqa: F401
-    test_a_fair_waiter_that_gives_up_does_not_block_the_next,
-    test_every_release_wakes_a_waiter,
-    test_fair_waiters_are_served_in_arrival_order,
-)
-from tests.test_locks import (  # noqa: F401
-    test_acquire_is_retry_safe_for_the_same_owner,
-    test_extend_pushes_expiry,
-    test_fencing_tokens_increase_across_force_release,
-    test_inspect_records_the_holder,
-    test_lock_many_takes_all,
-    test_release_is_idempotent,
-    test_second_holder_is_refused_while_held,
-    test_waiter_gets_the_lock_after_release,
-    test_with_block_holds_then_releases,
-)
+from tests.redis_contract import *  # noqa: F403 - the contract tests, on this alias
+from tests.redis_contract import BACKEND, redis_alias, redis_backend
 from tests.test_redis import SCRIPT_INNER
 from tests.waiting import wait_for
-
-BACKEND = "distlocks.backends.redis.RedisBackend"
 
 
 @pytest.fixture(scope="session")
@@ -61,33 +38,12 @@ def redis_sentinel() -> Iterator[RedisSentinelSet]:
 
 
 @pytest.fixture
-def sentinel_alias(redis_sentinel: RedisSentinelSet) -> Iterator[str]:
-    config = {**settings.DISTLOCKS_BACKENDS}
-    config["sentinel"] = {"BACKEND": BACKEND, "LOCATION": redis_sentinel.url}
-    with override_settings(DISTLOCKS_BACKENDS=config):
-        yield "sentinel"
+def topology_alias(redis_sentinel: RedisSentinelSet) -> Iterator[str]:
+    with redis_alias("sentinel", redis_sentinel.url) as alias:
+        yield alias
 
 
-# The contract tests above take their backend from these.
-@pytest.fixture
-def alias(sentinel_alias: str) -> str:
-    return sentinel_alias
-
-
-@pytest.fixture
-def shared_alias(sentinel_alias: str) -> str:
-    return sentinel_alias
-
-
-@pytest.fixture
-def waking_alias(sentinel_alias: str) -> str:
-    return sentinel_alias
-
-
-def sentinel_backend(alias: str) -> RedisBackend:
-    backend = get_backend(alias)
-    assert isinstance(backend, RedisBackend)
-    return backend
+sentinel_backend = redis_backend
 
 
 def direct(server: RedisServer) -> redis.Redis:
@@ -118,11 +74,11 @@ def running(server: RedisServer) -> bool:
 
 
 def test_sentinel_location_leads_to_the_primary(
-    redis_sentinel: RedisSentinelSet, sentinel_alias: str, name: str
+    redis_sentinel: RedisSentinelSet, topology_alias: str, name: str
 ) -> None:
-    backend = sentinel_backend(sentinel_alias)
+    backend = sentinel_backend(topology_alias)
     assert backend.mode == "sentinel"
-    with lock(name, backend=sentinel_alias, timeout=0) as lease:
+    with lock(name, backend=topology_alias, timeout=0) as lease:
         primary = direct(redis_sentinel.current_master())
         try:
             # The lock lives on the primary the Sentinels name, in database 0.
@@ -207,9 +163,9 @@ _BACKGROUND = {"info", "ping", "publish", "replconf", "psync", "sync", "config"}
 
 
 def test_each_operation_is_one_evalsha(
-    redis_sentinel: RedisSentinelSet, sentinel_alias: str, name: str
+    redis_sentinel: RedisSentinelSet, topology_alias: str, name: str
 ) -> None:
-    backend = sentinel_backend(sentinel_alias)
+    backend = sentinel_backend(topology_alias)
     holder = current_holder()
     assert backend.acquire(name, "warm", 5, holder).acquired  # connect, load the scripts
     assert backend.release(name, "warm")
@@ -241,21 +197,21 @@ def test_each_operation_is_one_evalsha(
 
 
 def test_switchover_is_followed_without_a_restart(
-    redis_sentinel: RedisSentinelSet, sentinel_alias: str, name: str
+    redis_sentinel: RedisSentinelSet, topology_alias: str, name: str
 ) -> None:
     """SENTINEL FAILOVER swaps the roles while both servers run: the connections to
     the old primary are closed by Sentinel, and the next calls (sync and asyncio, on
     their existing clients) reach the new primary."""
     wait_for(redis_sentinel.sentinels_ready, 60, what="Sentinels ready")
-    backend = sentinel_backend(sentinel_alias)
+    backend = sentinel_backend(topology_alias)
     loop = asyncio.new_event_loop()  # one loop: its client lives through the switchover
 
     async def take() -> int:
-        async with alock(name, backend=sentinel_alias, ttl=10, timeout=0) as lease:
+        async with alock(name, backend=topology_alias, ttl=10, timeout=0) as lease:
             return lease.fencing_token
 
     try:
-        with lock(name, backend=sentinel_alias, timeout=0) as before:
+        with lock(name, backend=topology_alias, timeout=0) as before:
             pass
         tokens = [before.fencing_token, loop.run_until_complete(take())]
         old = redis_sentinel.current_master()
@@ -270,7 +226,7 @@ def test_switchover_is_followed_without_a_restart(
         deadline = time.monotonic() + 30
         while True:  # until the new primary takes writes (it may still be promoting)
             try:
-                with lock(name, backend=sentinel_alias, timeout=0) as after:
+                with lock(name, backend=topology_alias, timeout=0) as after:
                     break
             except LockBackendUnavailable:
                 assert time.monotonic() < deadline, "the new primary took no writes"
@@ -283,7 +239,7 @@ def test_switchover_is_followed_without_a_restart(
 
 
 def test_primary_killed_before_replicating_tokens_keep_increasing(
-    redis_sentinel: RedisSentinelSet, sentinel_alias: str, name: str
+    redis_sentinel: RedisSentinelSet, topology_alias: str, name: str
 ) -> None:
     """The replica is cut off, a lock is taken (a write it never gets), and the primary
     is killed. Sentinel promotes the replica, which has never heard of that lease, so
@@ -291,18 +247,18 @@ def test_primary_killed_before_replicating_tokens_keep_increasing(
     higher than every earlier one (the counter falls back to the server clock), and
     the backend follows the new primary without a restart, sync and asyncio alike."""
     wait_for(redis_sentinel.sentinels_ready, 60, what="Sentinels ready")
-    backend = sentinel_backend(sentinel_alias)
+    backend = sentinel_backend(topology_alias)
     primary = redis_sentinel.current_master()
     (replica,) = [n for n in redis_sentinel.redis_nodes if n is not primary and running(n)]
     fence = backend.all_keys(name).fence
     loop = asyncio.new_event_loop()  # one loop: its client lives through the failover
 
     async def take() -> int:
-        async with alock(name, backend=sentinel_alias, ttl=10, timeout=0) as lease:
+        async with alock(name, backend=topology_alias, ttl=10, timeout=0) as lease:
             return lease.fencing_token
 
     try:
-        with lock(name, backend=sentinel_alias, timeout=0) as first:
+        with lock(name, backend=topology_alias, timeout=0) as first:
             pass
         replicated = loop.run_until_complete(take())
         assert replicated > first.fencing_token
@@ -313,7 +269,7 @@ def test_primary_killed_before_replicating_tokens_keep_increasing(
             lambda: replication(replica)["master_link_status"] == "down",
             what="replica cut off",
         )
-        stale = lock(name, backend=sentinel_alias, ttl=120, auto_renew=False).acquire()
+        stale = lock(name, backend=topology_alias, ttl=120, auto_renew=False).acquire()
         assert stale.fencing_token > replicated
         assert _fence_on(replica, fence) == replicated  # the replica never got it
 
@@ -324,7 +280,7 @@ def test_primary_killed_before_replicating_tokens_keep_increasing(
             assert time.monotonic() < deadline, "no failover within 60 s"
             start = time.monotonic()
             try:
-                second = lock(name, backend=sentinel_alias, ttl=30, timeout=0).acquire()
+                second = lock(name, backend=topology_alias, ttl=30, timeout=0).acquire()
                 break
             except LockBackendUnavailable:
                 failures.append(time.monotonic() - start)

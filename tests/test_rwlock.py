@@ -16,25 +16,16 @@ from distlocks import arwlock, get_backend, lock, rwlock
 from distlocks.exceptions import LockLost, LockNotAcquired
 from distlocks.lease import AsyncLease, Lease
 from tests import workers
-from tests.test_semaphore import PERMIT_BACKENDS, most_at_once, run_forked
+from tests.conftest import PERMIT_BACKENDS, alias_fixture
+from tests.test_semaphore import most_at_once, run_forked
 from tests.waiting import wait_for
 
-
-@pytest.fixture(params=PERMIT_BACKENDS)
-def alias(request: pytest.FixtureRequest) -> str:
-    """Each backend with read-write locks in turn (named like conftest's, so
-    PostgreSQL runs get the test database)."""
-    if request.param == "pg":
-        request.getfixturevalue("pg_ready")
-    return str(request.param)
-
-
-@pytest.fixture(params=[a for a in PERMIT_BACKENDS if a != "locmem"])
-def shared_alias(request: pytest.FixtureRequest) -> str:
-    """Each backend whose read-write locks are shared between processes."""
-    if request.param == "pg":
-        request.getfixturevalue("pg_ready")
-    return str(request.param)
+alias = alias_fixture("alias", PERMIT_BACKENDS, "Each backend with read-write locks in turn.")
+shared_alias = alias_fixture(
+    "shared_alias",
+    [a for a in PERMIT_BACKENDS if a != "locmem"],
+    "Each backend whose read-write locks processes share.",
+)
 
 
 # -- code run in worker processes ------------------------------------------------------

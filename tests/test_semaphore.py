@@ -20,27 +20,15 @@ from distlocks import asemaphore, get_backend, rwlock, semaphore
 from distlocks.exceptions import LockLost, LockNotAcquired
 from distlocks.lease import AsyncLease, Lease
 from tests import workers
+from tests.conftest import PERMIT_BACKENDS, alias_fixture
 from tests.waiting import wait_for, wait_gone
 
-#: Backends with semaphores (Redlock has none; see test_other_backends_say_so).
-PERMIT_BACKENDS = ["locmem", "redis", "pg"]
-
-
-@pytest.fixture(params=PERMIT_BACKENDS)
-def alias(request: pytest.FixtureRequest) -> str:
-    """Each backend with semaphores in turn (named like conftest's, so PostgreSQL
-    runs get the test database)."""
-    if request.param == "pg":
-        request.getfixturevalue("pg_ready")
-    return str(request.param)
-
-
-@pytest.fixture(params=[a for a in PERMIT_BACKENDS if a != "locmem"])
-def shared_alias(request: pytest.FixtureRequest) -> str:
-    """Each backend whose semaphores are shared between processes."""
-    if request.param == "pg":
-        request.getfixturevalue("pg_ready")
-    return str(request.param)
+alias = alias_fixture("alias", PERMIT_BACKENDS, "Each backend with semaphores in turn.")
+shared_alias = alias_fixture(
+    "shared_alias",
+    [a for a in PERMIT_BACKENDS if a != "locmem"],
+    "Each backend whose semaphores processes share.",
+)
 
 
 # -- code run in worker processes (spawned: they import this module) -----------------
