@@ -290,6 +290,15 @@ class CommandCounter:
                     totals[command] = totals.get(command, 0) + value["calls"]
         return totals
 
+    def errors(self) -> dict[str, int]:
+        """Error replies sent, by prefix (INFO errorstats): MOVED, NOSCRIPT..."""
+        totals: dict[str, int] = {}
+        for client in self.clients:
+            for key, value in client.info("errorstats").items():
+                error = key.removeprefix("errorstat_")
+                totals[error] = totals.get(error, 0) + value["count"]
+        return totals
+
     def close(self) -> None:
         for client in self.clients:
             client.close()
@@ -315,6 +324,33 @@ def test_each_operation_is_one_evalsha(
             assert backend.extend(n, "owner", 5)
             assert backend.release(n, "owner")
         assert counter.calls() == {"evalsha": 20}
+    finally:
+        counter.close()
+
+
+def test_a_new_event_loops_first_calls_go_to_the_right_primary(
+    redis_cluster: RedisClusterSet, topology_alias: str, name: str
+) -> None:
+    """Each event loop gets its own asyncio client. Its first operations, started
+    together before it has read the slot map, still go straight to the primary of
+    their slot: no MOVED reply, and every one of them succeeds."""
+    backend = cluster_backend(topology_alias)
+    holder = current_holder()
+    names = [f"{name}:{i}" for i in range(12)]
+    slots = [key_slot(backend.all_keys(n).lock.encode()) for n in names]
+    assert len({redis_cluster.master_for_slot(slot).port for slot in slots}) == 3
+
+    async def main() -> list[bool]:
+        granted = await asyncio.gather(*(backend.aacquire(n, "o", 5, holder) for n in names))
+        released = await asyncio.gather(*(backend.arelease(n, "o") for n in names))
+        return [g.acquired for g in granted] + list(released)
+
+    counter = CommandCounter(redis_cluster)
+    try:
+        for _ in range(3):  # a fresh client (and event loop) each time
+            counter.reset()
+            assert all(asyncio.run(main()))
+            assert counter.errors().get("MOVED", 0) == 0
     finally:
         counter.close()
 

@@ -451,6 +451,16 @@ class _AsyncClusterClient(redis.asyncio.cluster.RedisCluster):
 
     ERRORS_ALLOW_RETRY = _ClusterClient.ERRORS_ALLOW_RETRY  # type: ignore[assignment]
 
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        # Read the slot map before routing. Some redis-py releases (8.1) choose the
+        # node of a keyed command before their lazy first read of the map, and after
+        # the client closed itself to re-read it: with no map the command goes to a
+        # random node. Every EVALSHA then costs a MOVED, and enough of them make the
+        # client close the connections its other coroutines are using.
+        if self.nodes_manager.default_node is None:
+            await self.initialize()
+        return await super().execute_command(*args, **kwargs)
+
 
 class _AsyncSentinelReconnect:
     """Reconnect a Sentinel-managed asyncio connection through the Sentinels.
