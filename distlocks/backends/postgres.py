@@ -38,6 +38,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import struct
 import threading
 import time
@@ -287,14 +288,128 @@ def key_parts(key: int) -> tuple[int, int]:
     return unsigned >> 32, unsigned & 0xFFFFFFFF
 
 
+class NoAnswer(psycopg.OperationalError):
+    """The server did not answer a request in time; the connection was cut."""
+
+
+class _Watchdog:
+    """Cuts the connections whose server stopped answering.
+
+    libpq waits for a reply as long as the TCP connection lives, and a server that is
+    stopped, frozen or behind a silent network keeps it alive (its kernel, or a proxy
+    in between, still acknowledges): keepalives and ``tcp_user_timeout`` never fire.
+    Each request registers its deadline here; one thread shuts down the socket of a
+    request still unanswered at its deadline, which ends libpq's wait at once with an
+    error. The connection is then unusable, and the server frees its locks when it
+    sees it closed."""
+
+    TICK = 0.1
+
+    def __init__(self) -> None:
+        self._watched: dict[int, tuple[float, _Connection]] = {}
+        self._wake = threading.Event()
+        self._start_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, conn: _Connection, deadline: float) -> None:
+        self._watched[id(conn)] = (deadline, conn)
+        if self._thread is None:
+            self._start()
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def unwatch(self, conn: _Connection) -> None:
+        self._watched.pop(id(conn), None)
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, name="distlocks-pg-watchdog")
+                thread.daemon = True
+                thread.start()
+                self._thread = thread
+
+    def _run(self) -> None:
+        while True:
+            # Cleared before looking, so that a request registered meanwhile wakes us.
+            self._wake.clear()
+            if not self._watched:
+                self._wake.wait()
+                continue
+            now = time.monotonic()
+            for key, (deadline, conn) in list(self._watched.items()):
+                if deadline <= now and self._watched.get(key, (0, None))[1] is conn:
+                    self._watched.pop(key, None)
+                    conn.cut()
+            self._wake.wait(self.TICK)
+
+    def after_fork(self) -> None:
+        self._watched = {}
+        self._wake = threading.Event()
+        self._start_lock = threading.Lock()
+        self._thread = None
+
+
+_watchdog = _Watchdog()
+
+
+class _Connection(psycopg.Connection[Any]):
+    """A connection whose every request waits at most ``reply_timeout`` seconds for
+    the server (plus ``lock_wait`` while a lock wait is under way): see
+    :class:`_Watchdog`."""
+
+    reply_timeout: float | None = None
+    lock_wait: float = 0.0
+    _cut = False
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        if self.reply_timeout is None:
+            return super().wait(*args, **kwargs)
+        _watchdog.watch(self, time.monotonic() + self.reply_timeout + self.lock_wait)
+        try:
+            result = super().wait(*args, **kwargs)
+        except psycopg.OperationalError as exc:
+            if self._cut:
+                raise self._no_answer() from exc
+            raise
+        finally:
+            _watchdog.unwatch(self)
+        if self._cut:  # cut just as the answer came: the connection is gone all the same
+            raise self._no_answer()
+        return result
+
+    def _no_answer(self) -> NoAnswer:
+        return NoAnswer(
+            f"no answer from the server within {self.reply_timeout:g} s "
+            f"(OPTIONS['socket_timeout']); the connection was closed"
+        )
+
+    def cut(self) -> None:
+        """Shut the socket down under libpq's wait (from the watchdog thread)."""
+        self._cut = True
+        try:
+            fd = self.pgconn.socket
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, psycopg.Error):
+            pass  # already closed: the wait has ended anyway
+
+
 class _Pool:
     """A small LIFO pool of autocommit connections, connected in the caller's thread
     so that a connection failure surfaces at once, with its cause."""
 
-    def __init__(self, kwargs: dict[str, Any], max_size: int, timeout: float) -> None:
+    def __init__(
+        self,
+        kwargs: dict[str, Any],
+        max_size: int,
+        timeout: float,
+        reply_timeout: float | None = None,
+    ) -> None:
         self.kwargs = kwargs
         self.max_size = max_size
         self.timeout = timeout
+        self.reply_timeout = reply_timeout
         self._idle: list[psycopg.Connection[Any]] = []
         self._count = 0
         self._cond = threading.Condition()
@@ -316,7 +431,9 @@ class _Pool:
                     raise PoolExhausted
                 self._cond.wait(left)
         try:
-            return psycopg.connect(**self.kwargs)
+            conn = _Connection.connect(**self.kwargs)
+            conn.reply_timeout = self.reply_timeout
+            return conn
         except BaseException:
             with self._cond:
                 self._count -= 1
@@ -358,6 +475,7 @@ def _forget_connections_after_fork() -> None:
         backend._held = {}
         backend._pool_lock = threading.Lock()
         backend._held_lock = threading.Lock()
+    _watchdog.after_fork()
 
 
 if hasattr(os, "register_at_fork"):
@@ -386,6 +504,8 @@ class PostgresBackend(BaseBackend):
 
     DEFAULT_POOL_SIZE = 20
     DEFAULT_CONNECT_TIMEOUT = 2
+    #: Longest wait for the server's answer to one request (beyond a lock wait).
+    DEFAULT_SOCKET_TIMEOUT = 5.0
 
     def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
         super().__init__(alias, config)
@@ -453,6 +573,12 @@ class PostgresBackend(BaseBackend):
                         "use OPTIONS['mode'] = 'transaction' or connect past the pooler",
                     )
                 )
+            for key in ("socket_timeout", "connect_timeout", "pool_timeout"):
+                value = options.get(key, 1)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                    problems.append(
+                        ("E004", f"OPTIONS[{key!r}] must be a number of seconds > 0, not {value!r}")
+                    )
             size = options.get("pool_size", cls.DEFAULT_POOL_SIZE)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 problems.append(("E004", f"OPTIONS['pool_size'] must be an int >= 1, not {size!r}"))
@@ -509,6 +635,9 @@ class PostgresBackend(BaseBackend):
                         self._connect_kwargs(),
                         max_size=self.options.get("pool_size", self.DEFAULT_POOL_SIZE),
                         timeout=self.options.get("pool_timeout", 5.0),
+                        reply_timeout=self.options.get(
+                            "socket_timeout", self.DEFAULT_SOCKET_TIMEOUT
+                        ),
                     )
         return self._pool
 
@@ -655,12 +784,19 @@ class PostgresBackend(BaseBackend):
         statement: str = _ACQUIRE.format(lock=WAIT),
     ) -> int | None:
         """Wait in the server's queue for up to ``wait`` seconds (one round trip)."""
-        timeout_ms = max(1, round(min(wait, 3600.0) * 1000))
+        wait = min(wait, 3600.0)
+        timeout_ms = max(1, round(wait * 1000))
         try:
-            with conn.pipeline():
-                conn.execute(f"SET lock_timeout = {timeout_ms}")
-                cur = conn.execute(statement, params)
-                conn.execute("SET lock_timeout = 0")
+            if isinstance(conn, _Connection):
+                conn.lock_wait = wait  # the server answers only when the wait is over
+            try:
+                with conn.pipeline():
+                    conn.execute(f"SET lock_timeout = {timeout_ms}")
+                    cur = conn.execute(statement, params)
+                    conn.execute("SET lock_timeout = 0")
+            finally:
+                if isinstance(conn, _Connection):
+                    conn.lock_wait = 0.0
             row = cur.fetchone()
             return None if row is None else int(row[0])
         except psycopg.errors.LockNotAvailable:
