@@ -11,7 +11,10 @@ release for holders of the ``distlocks.force_release_livelock`` permission.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlencode
 
@@ -19,14 +22,14 @@ from django.contrib import admin, messages
 from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.admin.utils import unquote
 from django.contrib.contenttypes.models import ContentType
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.translation import gettext_lazy as _
 
-from distlocks import livelocks
+from distlocks import livelocks, lock_many
 from distlocks.exceptions import (
     LockBackendUnavailable,
     LockNotAcquired,
@@ -72,30 +75,72 @@ class FencedModelAdmin(admin.ModelAdmin):
             obj = self.get_object(request, unquote(object_id))
         if obj is None:
             return super().changeform_view(request, object_id, form_url, extra_context)
-        try:
-            # The lock is held around the admin's whole transaction and released
-            # after COMMIT, so no holder can read the row before the edit is visible.
-            with obj.fenced_lock(
+        # The lock is held around the admin's whole transaction and released after
+        # COMMIT, so no holder can read the row before the edit is visible.
+        with (
+            self._refusals(request, several=False),
+            obj.fenced_lock(
                 backend=self.fencing_backend, ttl=self.fencing_ttl, timeout=self.fencing_timeout
-            ):
-                return super().changeform_view(request, object_id, form_url, extra_context)
+            ),
+        ):
+            return super().changeform_view(request, object_id, form_url, extra_context)
+        return HttpResponseRedirect(request.get_full_path())
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """The list, and saves of ``list_editable`` rows: the locks of every row in the
+        submitted form are taken together (all or none), and held until COMMIT."""
+        if not (request.method == "POST" and self.list_editable and "_save" in request.POST):
+            return super().changelist_view(request, extra_context)
+        names = [obj.get_fencing_lock_name() for obj in self._edited_rows(request)]
+        if not names:  # nothing to lock: let the formset report what is wrong
+            return super().changelist_view(request, extra_context)
+        with (
+            self._refusals(request, several=True),
+            lock_many(
+                names,
+                backend=self.fencing_backend,
+                ttl=self.fencing_ttl,
+                timeout=self.fencing_timeout,
+            ),
+        ):
+            return super().changelist_view(request, extra_context)
+        return HttpResponseRedirect(request.get_full_path())
+
+    def _edited_rows(self, request: HttpRequest) -> list[Any]:
+        """The rows a ``list_editable`` POST submits (by the primary keys in its forms)."""
+        field = re.compile(rf"^form-\d+-{re.escape(self.opts.pk.name)}$")
+        pks = [value for key, value in request.POST.items() if field.match(key)]
+        try:
+            return list(self.get_queryset(request).filter(pk__in=pks))
+        except (ValueError, ValidationError):
+            return []
+
+    @contextlib.contextmanager
+    def _refusals(self, request: HttpRequest, *, several: bool) -> Iterator[None]:
+        """A save refused because of the locks, as a message on the page. The
+        exception ended the admin's transaction: nothing was written."""
+        try:
+            yield
         except LockNotAcquired:
-            self.message_user(
-                request,
-                _("Not saved: the row is locked by another holder right now. Try again."),
-                messages.ERROR,
+            text = (
+                _("Not saved: one of these rows is locked by another holder right now. Try again.")
+                if several
+                else _("Not saved: the row is locked by another holder right now. Try again.")
             )
+            self.message_user(request, text, messages.ERROR)
         except StaleFencingToken:
-            self.message_user(
-                request,
-                _("Not saved: a newer lock holder changed this row meanwhile. Reload it."),
-                messages.ERROR,
+            text = (
+                _("Not saved: a newer lock holder changed one of these rows meanwhile. Reload.")
+                if several
+                else _("Not saved: a newer lock holder changed this row meanwhile. Reload it.")
             )
+            self.message_user(request, text, messages.ERROR)
         except LockBackendUnavailable:
             self.message_user(
                 request, _("Not saved: the lock server cannot be reached."), messages.ERROR
             )
-        return HttpResponseRedirect(request.get_full_path())
 
 
 #: Between the parts of a permit's LogEntry object id (never in a lock name).

@@ -9,3 +9,5 @@ from tests.testapp.models import Account
 @admin.register(Account)
 class AccountAdmin(FencedModelAdmin):
     fencing_timeout = 0.3
+    list_display = ("owner", "balance")
+    list_editable = ("balance",)
