@@ -677,7 +677,17 @@ class RedisClusterSet(_RunDir):
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def master_for_slot(self, slot: int) -> RedisClusterNode:
-        """The node serving ``slot`` now, as a running node sees it."""
+        """The node serving ``slot`` now, as the first running node that knows sees it."""
+        views = self.slot_views(slot)
+        if not views:
+            raise ServerError(f"no running node knows who serves slot {slot}")
+        return next(n for n in self.nodes if n.port == views[0])
+
+    def slot_views(self, slot: int) -> list[int]:
+        """The port of the primary each running node names as serving ``slot``, in
+        node order (nodes that know of no primary for it left out). Right after a
+        failover the nodes can disagree for a moment."""
+        ports: list[int] = []
         for node in self.nodes:
             if not node.process or node.process.poll() is not None:
                 continue
@@ -685,10 +695,11 @@ class RedisClusterSet(_RunDir):
             try:
                 for start, end, primary, *_ in client.execute_command("CLUSTER", "SLOTS"):
                     if start <= slot <= end:
-                        return next(n for n in self.nodes if n.port == int(primary[1]))
+                        ports.append(int(primary[1]))
+                        break
             finally:
                 client.close()
-        raise ServerError(f"no running node knows who serves slot {slot}")
+        return ports
 
     def replicas_of(self, master: RedisClusterNode) -> list[RedisClusterNode]:
         """The running replicas of ``master``, as ``master`` itself sees them."""

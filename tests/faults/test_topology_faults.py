@@ -178,22 +178,6 @@ def name_on(cluster: RedisClusterSet, backend: RedisBackend, node: RedisClusterN
     raise AssertionError(f"no lock name found on node {node.port}")
 
 
-def serving(cluster: RedisClusterSet, slot: int) -> set[int]:
-    """The ports of the nodes that the running nodes name as serving ``slot``."""
-    ports = set()
-    for node in cluster.nodes:
-        if not node.process or node.process.poll() is not None:
-            continue
-        client = node.client()
-        try:
-            for start, end, primary, *_ in client.execute_command("CLUSTER", "SLOTS"):
-                if start <= slot <= end:
-                    ports.add(int(primary[1]))
-        finally:
-            client.close()
-    return ports
-
-
 def test_cluster_primary_lost_after_the_grant_replicated(
     cluster_set: RedisClusterSet, scenario: MakeScenario
 ) -> None:
@@ -240,7 +224,7 @@ def test_cluster_primary_lost_after_the_grant_replicated(
     slot = key_slot(lock_key.encode())
     # Until every node names the new primary, a client that re-reads the slot map from
     # a node yet to hear of it still sends the lock's calls to the dead one.
-    wait_for(lambda: serving(cluster_set, slot) == {replica.port}, LIMIT,
+    wait_for(lambda: set(cluster_set.slot_views(slot)) == {replica.port}, LIMIT,
              "every node naming the replica for the lock's slot")  # fmt: skip
     s.go("w1", "inside")
     mine = s.wait_event(of("write", "w1", op="increment", token=token), "w1's write")
