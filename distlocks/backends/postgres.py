@@ -337,10 +337,11 @@ class _Watchdog:
                 self._wake.wait()
                 continue
             now = time.monotonic()
-            for key, (deadline, conn) in list(self._watched.items()):
-                if deadline <= now and self._watched.get(key, (0, None))[1] is conn:
+            for key, entry in list(self._watched.items()):
+                # The same registration still (not the connection's next request).
+                if entry[0] <= now and self._watched.get(key) is entry:
                     self._watched.pop(key, None)
-                    conn.cut()
+                    entry[1].cut()
             self._wake.wait(self.TICK)
 
     def after_fork(self) -> None:
@@ -410,11 +411,11 @@ class _Pool:
         self.max_size = max_size
         self.timeout = timeout
         self.reply_timeout = reply_timeout
-        self._idle: list[psycopg.Connection[Any]] = []
+        self._idle: list[_Connection] = []
         self._count = 0
         self._cond = threading.Condition()
 
-    def get(self) -> psycopg.Connection[Any]:
+    def get(self) -> _Connection:
         deadline = time.monotonic() + self.timeout
         with self._cond:
             while True:
@@ -440,7 +441,7 @@ class _Pool:
                 self._cond.notify()
             raise
 
-    def put(self, conn: psycopg.Connection[Any]) -> None:
+    def put(self, conn: _Connection) -> None:
         with self._cond:
             if conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
                 self._count -= 1
@@ -484,7 +485,7 @@ if hasattr(os, "register_at_fork"):
 
 @dataclass
 class _Held:
-    conn: psycopg.Connection[Any]
+    conn: _Connection
     key: int
     token: int
     #: "lock", or the permit kind (a permit is released only as that kind).
@@ -706,7 +707,7 @@ class PostgresBackend(BaseBackend):
             raise
         self.pool.put(conn)
 
-    def _checkout(self, name: str) -> psycopg.Connection[Any]:
+    def _checkout(self, name: str) -> _Connection:
         try:
             return self.pool.get()
         except PoolExhausted as exc:
@@ -718,7 +719,7 @@ class PostgresBackend(BaseBackend):
         except psycopg.OperationalError as exc:
             raise self._unavailable("connect for", name, exc) from exc
 
-    def _discard(self, conn: psycopg.Connection[Any]) -> None:
+    def _discard(self, conn: _Connection) -> None:
         """Close a connection whose state is unknown; the server frees its locks."""
         try:
             conn.close()
@@ -778,7 +779,7 @@ class PostgresBackend(BaseBackend):
 
     def _acquire_blocking(
         self,
-        conn: psycopg.Connection[Any],
+        conn: _Connection,
         params: dict[str, Any],
         wait: float,
         statement: str = _ACQUIRE.format(lock=WAIT),
@@ -787,16 +788,14 @@ class PostgresBackend(BaseBackend):
         wait = min(wait, 3600.0)
         timeout_ms = max(1, round(wait * 1000))
         try:
-            if isinstance(conn, _Connection):
-                conn.lock_wait = wait  # the server answers only when the wait is over
+            conn.lock_wait = wait  # the server answers only when the wait is over
             try:
                 with conn.pipeline():
                     conn.execute(f"SET lock_timeout = {timeout_ms}")
                     cur = conn.execute(statement, params)
                     conn.execute("SET lock_timeout = 0")
             finally:
-                if isinstance(conn, _Connection):
-                    conn.lock_wait = 0.0
+                conn.lock_wait = 0.0
             row = cur.fetchone()
             return None if row is None else int(row[0])
         except psycopg.errors.LockNotAvailable:
