@@ -235,9 +235,11 @@ class BaseBackend(ABC):
         """Yield every live lock on this backend."""
 
     @abstractmethod
-    def force_release(self, name: str) -> bool:
-        """Free ``name`` whoever holds it, and advance its fencing counter so the
-        evicted holder's fenced writes are rejected; True if it was held."""
+    def force_release(self, name: str, token: int | None = None) -> bool:
+        """Evict the holder of ``name`` and advance its fencing counter, so its fenced
+        writes are rejected, in one server-side step. With ``token``, only if the holder's
+        fencing token is ``token``: a lock that changed hands is left alone. A free lock
+        is left as it is (nothing is written). True if a holder was evicted."""
 
     @abstractmethod
     def fencing_counter(self, name: str) -> int:
@@ -432,7 +434,7 @@ class BaseBackend(ABC):
         kind = info.extra.get("kind")
         if kind in (SEMAPHORE, READ, WRITE):
             return self.permit_force_release(str(kind), info.name, info.owner) > 0
-        return self.force_release(info.name)
+        return self.force_release(info.name, info.fencing_token)
 
     async def apermit_acquire(
         self,
