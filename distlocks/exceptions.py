@@ -14,7 +14,16 @@ if TYPE_CHECKING:
 
 
 class LockError(Exception):
-    """Base class of every distlocks error."""
+    """Base class of every distlocks error.
+
+    Its message never carries a credential: text arguments pass through
+    :func:`distlocks.redaction.redact` (a driver's error may quote a URL).
+    """
+
+    def __init__(self, *args: Any) -> None:
+        from distlocks.redaction import redact
+
+        super().__init__(*(redact(arg) if isinstance(arg, str) else arg for arg in args))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled as its message and attributes, without calling __init__ again, so

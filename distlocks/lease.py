@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -96,9 +97,15 @@ class BaseLease:
         self._last_renew_error = ""
         self._release_requested = False
         self._freed_on_server = False
-        self._ended = {"ended": False}
+        # Shared with the renewer and the drop guard, which hold no reference to the
+        # lease: whether it ended, and the process it belongs to.
+        self._ended: dict[str, Any] = {"ended": False, "pid": os.getpid()}
         self._depth = 1
+        # Serialises release, extension and renewal (held across their server call).
         self._mutex = threading.RLock()
+        # Guards the state change to lost alone, never held across I/O, so held()
+        # never waits for a renewal in flight.
+        self._state_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return (
@@ -134,8 +141,10 @@ class BaseLease:
         return max(0.0, self._valid_until - time.monotonic())
 
     def held(self) -> bool:
-        """True while the lease is known to be valid. Local knowledge only, no I/O."""
-        if self._state != HELD:
+        """True while the lease is known to be valid. Local knowledge only, no I/O, and
+        it never waits for a renewal in flight. False in a process forked from the
+        holder's: the lock belongs to the process that acquired it."""
+        if self._state != HELD or self._inherited():
             return False
         if self._valid_until is not None and time.monotonic() >= self._valid_until:
             reason = f"its {self.ttl:g}s lease ran out without being renewed"
@@ -145,8 +154,23 @@ class BaseLease:
             return False
         return True
 
+    def _inherited(self) -> bool:
+        """True in a process forked from the one that acquired the lease."""
+        return self._ended["pid"] != os.getpid()
+
+    def _inherited_error(self) -> LockLost:
+        return LockLost(
+            self,  # type: ignore[arg-type]
+            f"this lease belongs to process {self._ended['pid']}; a process forked from it "
+            f"(here, {os.getpid()}) cannot use, extend or release it. Acquire the lock in "
+            f"the child if it needs one",
+        )
+
     def ensure_held(self) -> None:
-        """Raise :class:`LockLost` if the lease is known to be lost (or was released)."""
+        """Raise :class:`LockLost` if the lease is known to be lost (or was released),
+        or if this process did not acquire it (a forked child)."""
+        if self._inherited():
+            raise self._inherited_error()
         if not self.held():
             if self._state == RELEASED:
                 raise LockLost(self, "it was already released")  # type: ignore[arg-type]
@@ -154,7 +178,7 @@ class BaseLease:
 
     def _mark_lost(self, reason: str) -> None:
         """Record the loss once: log, signal, callback. Never raises."""
-        with self._mutex:
+        with self._state_lock:
             if self._state != HELD:
                 return
             self._state = LOST
@@ -185,6 +209,10 @@ class BaseLease:
 
     def _release_step(self) -> str:
         """What a release must do: ``RELEASE``, ``FREE_LOST`` or ``NOTHING``."""
+        if self._inherited():
+            # A forked child: the lock is its parent's, still held there.
+            logger.debug("Not releasing lock %r: it belongs to the parent process", self.name)
+            return NOTHING
         self.held()  # notices a lease that ran out
         if self._state == LOST:
             # Lost locally, but the server may still keep something (a Redis key
@@ -207,12 +235,19 @@ class BaseLease:
         if not freed:
             self._mark_lost("the server no longer had it at release")
             return False
-        self._state = RELEASED
+        self._set_released()
         return True
+
+    def _set_released(self) -> None:
+        with self._state_lock:
+            if self._state == HELD:  # a loss noticed meanwhile stays reported
+                self._state = RELEASED
 
     def _renew_step(self) -> tuple[str, float | None]:
         """What a renewal must do (``EXTEND``, ``FREE_LOST`` or ``NOTHING``) and, if
         nothing, when to look again (None: never)."""
+        if self._inherited():
+            return NOTHING, None
         if self._renewal_allowed():
             return EXTEND, None
         remaining = self.remaining() if self._state == HELD else None
@@ -293,6 +328,7 @@ class Lease(BaseLease):
         Raises :class:`LockLost` if the server no longer has this lease.
         """
         ttl = self.ttl if ttl is None else validate_ttl(ttl)
+        self.ensure_held()  # before waiting for the mutex: a child must not wait for it
         with self._mutex:
             self.ensure_held()
             started = time.monotonic()
@@ -307,6 +343,10 @@ class Lease(BaseLease):
         Raises :class:`~distlocks.exceptions.LockBackendUnavailable` if the server
         cannot be reached; the lease then ends by expiry.
         """
+        if self._inherited():
+            # A forked child: the lock is its parent's, still held there. Checked before
+            # the mutex, which a thread of the parent may have held at the fork.
+            return False
         with self._mutex:
             step = self._release_step()
             if step == FREE_LOST:
@@ -334,6 +374,7 @@ class Lease(BaseLease):
                 f"the holder's connection ends. Use a Redis backend for this lock."
             )
         seconds = validate_ttl(seconds)
+        self.ensure_held()
         with self._mutex:
             self.ensure_held()
             if self._depth > 1:
@@ -341,7 +382,7 @@ class Lease(BaseLease):
             started = time.monotonic()
             self._extended(started, seconds, self._backend.extend(self.name, self.owner, seconds))
             self._release_requested = True
-            self._state = RELEASED
+            self._set_released()
         self._on_finished()
 
     def _renew_once(self) -> float | None:
@@ -419,6 +460,7 @@ class AsyncLease(BaseLease):
     async def extend(self, ttl: float | None = None) -> None:
         """Reset the lease to ``ttl`` seconds from now; :class:`LockLost` if it is gone."""
         ttl = self.ttl if ttl is None else validate_ttl(ttl)
+        self.ensure_held()
         async with self._alock:
             self.ensure_held()
             started = time.monotonic()
@@ -427,6 +469,8 @@ class AsyncLease(BaseLease):
 
     async def release(self) -> bool:
         """Free the lock if this lease still holds it; same rules as :meth:`Lease.release`."""
+        if self._inherited():
+            return False
         async with self._alock:
             step = self._release_step()
             if step == FREE_LOST:
@@ -441,10 +485,12 @@ class AsyncLease(BaseLease):
         return True
 
 
-def release_dropped(backend: LeaseServer, name: str, owner: str, ended: dict[str, bool]) -> None:
+def release_dropped(backend: LeaseServer, name: str, owner: str, ended: dict[str, Any]) -> None:
     """Release the lock of a lease its holder dropped without releasing it (nobody can
     release it any more); ``ended`` is the lease's own flag, set when it ended."""
     if ended["ended"]:
         return  # released or lost before it was collected: nothing to do
+    if ended["pid"] != os.getpid():
+        return  # a copy inherited by a forked child: the lock is the parent's
     logger.warning("Lock %r was dropped without release(); releasing it", name)
     backend.release_quietly(name, owner)

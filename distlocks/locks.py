@@ -23,7 +23,7 @@ from distlocks.exceptions import LockError, LockLost, LockNotAcquired
 from distlocks.handler import backends, check_alias
 from distlocks.lease import AsyncLease, BaseLease, Lease, release_dropped
 from distlocks.renewal import renewer
-from distlocks.validation import validate_name, validate_timeout, validate_ttl
+from distlocks.validation import validate_flag, validate_name, validate_timeout, validate_ttl
 
 logger = logging.getLogger(__name__)
 
@@ -379,11 +379,11 @@ class _LockBase:
         self.backend_alias = backend
         self._ttl = None if ttl is None else validate_ttl(ttl)
         self._timeout = timeout if timeout is _DEFAULT else validate_timeout(timeout)
-        self.auto_renew = bool(auto_renew)
-        self.reentrant = bool(reentrant)
-        self.fair = bool(fair)
+        self.auto_renew = validate_flag(auto_renew, "auto_renew")
+        self.reentrant = validate_flag(reentrant, "reentrant")
+        self.fair = validate_flag(fair, "fair")
         if max_hold is not None:
-            max_hold = validate_ttl(max_hold)
+            max_hold = validate_ttl(max_hold, "max_hold")
         self.max_hold = max_hold
         if on_lost is not None and not callable(on_lost):
             raise TypeError(f"on_lost must be a callable taking the lease, not {on_lost!r}.")

@@ -43,7 +43,7 @@ from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import backends, check_alias
 from distlocks.lease import AsyncLease, Lease
 from distlocks.locks import _DEFAULT, AsyncLock, Lock, _LockBase, aacquire_lease, acquire_lease
-from distlocks.validation import validate_name, validate_timeout
+from distlocks.validation import MAX_SEMAPHORE_LIMIT, validate_name, validate_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,11 @@ def validate_limit(limit: Any) -> int:
         )
     if limit < 1:
         raise ValueError(f"limit must be at least 1 permit, not {limit}.")
+    if limit > MAX_SEMAPHORE_LIMIT:
+        raise ValueError(
+            f"limit must be at most {MAX_SEMAPHORE_LIMIT:,} permits, not "
+            f"{limit if limit < 10**12 else 'a number of ' + str(len(str(limit))) + ' digits'}."
+        )
     return limit
 
 

@@ -26,16 +26,30 @@ from urllib.parse import unquote
 
 MASK = "***"
 
-# scheme://user:password@  ->  scheme://user:***@   (the user name stays: it helps
-# to tell which credentials are meant). The password runs to the last "@" before the
-# host part ends (a password may itself contain "@" or ":").
-_URL_USERINFO = re.compile(
-    r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^\s/@:'\"]*:)(?P<secret>[^\s/'\"]*)@"
-)
+# scheme://user:password@host  ->  scheme://user:***@host, and scheme://token@host ->
+# scheme://***@host (some clients read a lone token there as the password). The user
+# information runs to the last "@" of the URL, since a careless password may itself
+# hold "@", ":" or "/"; masking too much is the safe way to be wrong.
+_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^\s'\"]*)@")
+
+
+def _mask_url(match: re.Match[str]) -> str:
+    user, colon, _ = match["userinfo"].partition(":")
+    if colon and "/" not in user and "@" not in user:
+        return f"{match['scheme']}{user}:{MASK}@"
+    return f"{match['scheme']}{MASK}@"
+
+
+def _url_secrets(text: str) -> Iterator[str]:
+    for match in _URL.finditer(text):
+        user, colon, password = match["userinfo"].partition(":")
+        secret = password if colon else user
+        if secret:
+            yield secret
+            yield unquote(secret)
+
+
 # password=secret in a query string or a libpq connection string.
-# scheme://secret@ (user information without a colon): some clients read a lone
-# token there as the password, so it is masked whole.
-_URL_TOKEN = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<secret>[^\s/@:'\"]+)@")
 _PARAM = re.compile(
     r"(?P<head>\b(?:password|passwd|pwd|sentinel_password)\s*=\s*)(?P<secret>'[^']*'|[^\s&;,)]+)",
     re.IGNORECASE,
@@ -51,8 +65,7 @@ _PASSWORD_KEYS = frozenset({"password", "passwd", "pwd", "sentinel_password"})
 
 def redact_url(url: str) -> str:
     """``url`` with the password of its user information replaced by ``***``."""
-    url = _URL_USERINFO.sub(lambda m: f"{m['head']}{MASK}@", url)
-    return _URL_TOKEN.sub(lambda m: f"{m['head']}{MASK}@", url)
+    return _URL.sub(_mask_url, url)
 
 
 def redact(text: Any) -> str:
@@ -61,8 +74,7 @@ def redact(text: Any) -> str:
     if not text:
         return text
     if "@" in text:
-        text = _URL_USERINFO.sub(lambda m: f"{m['head']}{MASK}@", text)
-        text = _URL_TOKEN.sub(lambda m: f"{m['head']}{MASK}@", text)
+        text = _URL.sub(_mask_url, text)
     if "=" in text:
         text = _PARAM.sub(lambda m: f"{m['head']}{MASK}", text)
     if ":" in text:
@@ -124,14 +136,7 @@ def _secrets_in(value: Any, depth: int = 0) -> Iterator[str]:
 
 
 def _secrets_of_text(text: str) -> Iterator[str]:
-    for match in _URL_USERINFO.finditer(text):
-        secret = match["secret"]
-        if secret:
-            yield secret
-            yield unquote(secret)
-    for match in _URL_TOKEN.finditer(text):
-        yield match["secret"]
-        yield unquote(match["secret"])
+    yield from _url_secrets(text)
     for match in _PARAM.finditer(text):
         secret = match["secret"].strip("'")
         if secret:

@@ -46,7 +46,7 @@ class Renewer:
     def __init__(self, alias: str = "") -> None:
         self.alias = alias
         self._heap: list[
-            tuple[float, int, weakref.ref[Lease], tuple[Any, str, str, dict[str, bool]]]
+            tuple[float, int, weakref.ref[Lease], tuple[Any, str, str, dict[str, Any]]]
         ] = []
         self._seq = itertools.count()
         # The condition's own lock, taken directly on the hot path (add), which saves
@@ -146,7 +146,7 @@ class Renewer:
                     )
 
 
-def _ident(lease: Lease) -> tuple[Any, str, str, dict[str, bool]]:
+def _ident(lease: Lease) -> tuple[Any, str, str, dict[str, Any]]:
     # The dict is shared with the lease, which marks it when it ends.
     return (lease._backend, lease.name, lease.owner, lease._ended)
 

@@ -230,14 +230,14 @@ class LocMemBackend(BaseBackend):
             entry.renewals += 1
             return True
 
-    def force_release(self, name: str) -> bool:
+    def force_release(self, name: str, token: int | None = None) -> bool:
         store = self._store
         with store.cond:
             entry = store.live(name)
+            if entry is None or (token is not None and entry.token != token):
+                return False
             # Advance the counter so the evicted holder's token is outdated at once.
             store.next_token(name)
-            if entry is None:
-                return False
             del store.locks[name]
             store.cond.notify_all()
             return True

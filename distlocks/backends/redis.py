@@ -14,7 +14,8 @@ Keys of the lock ``name`` (``prefix`` is ``OPTIONS["key_prefix"]``, default
 
 The braces are a Redis Cluster hash tag: every key of a lock (see ``Keys``) lives
 in one slot, so every script below touches a single slot. A name that itself
-contains a brace is tagged with a hash of the name instead. The scripts get every
+contains a brace, or starts with ``#``, is tagged with ``#`` and a hash of the name
+instead (so no plain name can be read as such a tag). The scripts get every
 key in KEYS except the fair waiters' own wake-up lists, ``<base>:wake:<owner>``:
 the one to push to is the head of the queue, known only inside the script. They
 are built from the wake prefix (an argument), which carries the same tag, so they
@@ -56,6 +57,7 @@ from distlocks.backends.base import (
 from distlocks.backends.redis_primitives import RedisPermits
 from distlocks.conf import conf
 from distlocks.exceptions import LockBackendUnavailable, LockError
+from distlocks.redaction import redact_url
 
 try:
     import redis
@@ -202,18 +204,23 @@ end
 return 0
 """
 
-# KEYS: lock hash, fence counter, waiters, queue, signal. ARGV: wake key prefix.
-# Unconditional delete; the counter moves on so that the evicted holder's token
-# is already outdated; a waiter is woken.
+# KEYS: lock hash, fence counter, waiters, queue, signal. ARGV: wake key prefix, the
+# holder's fencing token ('' for whoever holds it). Compare-and-delete by token: a
+# lock that changed hands, or is free, is left as it is and nothing is written.
+# Otherwise the counter moves on, so that the evicted holder's token is already
+# outdated, and a waiter is woken.
 FORCE_RELEASE = (
     _NOW
     + _NEXT_TOKEN
     + _WAKE
     + """
-local existed = redis.call('DEL', KEYS[1])
+local token = redis.call('HGET', KEYS[1], 'token')
+if not token then return 0 end
+if ARGV[2] ~= '' and tonumber(token) ~= tonumber(ARGV[2]) then return 0 end
+redis.call('DEL', KEYS[1])
 next_token(KEYS[2], now)
 wake(KEYS[3], KEYS[4], KEYS[5], ARGV[1], now_ms)
-return existed
+return 1
 """
 )
 
@@ -340,11 +347,12 @@ def parse_location(location: str) -> Location:
     servers. Credentials and options apply to the Redis servers, as in a ``redis://``
     URL; the Sentinels' own are ``OPTIONS["sentinel_kwargs"]``.
     """
+    shown = redact_url(location)  # messages quote the URL without its password
     scheme = location.partition("://")[0].lower() if "://" in location else ""
     if scheme in _SCHEMES:
         return Location("server")
     if scheme not in _CLUSTER_SCHEMES + _SENTINEL_SCHEMES:
-        raise ValueError(f"LOCATION {location!r} must {_LOCATION_FORMS}")
+        raise ValueError(f"LOCATION {shown!r} must {_LOCATION_FORMS}")
     cluster = scheme in _CLUSTER_SCHEMES
     example = (
         "redis+cluster://host:port,host:port"
@@ -358,33 +366,33 @@ def parse_location(location: str) -> Location:
         netloc, _, query = netloc.partition("?")
     userinfo, _, hosts = netloc.rpartition("@")
     if not hosts:
-        raise ValueError(f"LOCATION {location!r} names no host; write e.g. {example}")
+        raise ValueError(f"LOCATION {shown!r} names no host; write e.g. {example}")
     default_port = 6379 if cluster else 26379
-    nodes = tuple(_node(text, default_port, location) for text in hosts.split(","))
+    nodes = tuple(_node(text, default_port, shown) for text in hosts.split(","))
     segments = [segment for segment in path.split("/") if segment]
     service, db_text = "", "0"
     if cluster:
         if segments not in ([], ["0"]):
             raise ValueError(
-                f"LOCATION {location!r}: a Redis Cluster has database 0 only; "
+                f"LOCATION {shown!r}: a Redis Cluster has database 0 only; "
                 f"drop the path, e.g. {example}"
             )
     elif len(segments) not in (1, 2):
         raise ValueError(
-            f"LOCATION {location!r} must name the service the Sentinels watch, "
+            f"LOCATION {shown!r} must name the service the Sentinels watch, "
             f"and optionally a database: {example}"
         )
     else:
         service, db_text = segments[0], (segments[1:] or ["0"])[0]
     if not db_text.isdigit():
-        raise ValueError(f"LOCATION {location!r}: database {db_text!r} is not a number")
+        raise ValueError(f"LOCATION {shown!r}: database {db_text!r} is not a number")
     tls = scheme.startswith("rediss")
     credentials = f"{userinfo}@" if userinfo else ""
     try:
         # Credentials and query options are read exactly as for a redis:// URL.
         options = parse_url(f"redis://{credentials}localhost/0?{query}")
     except ValueError as exc:
-        raise ValueError(f"LOCATION {location!r}: {exc}") from exc
+        raise ValueError(f"LOCATION {shown!r}: {exc}") from exc
     for key in ("host", "port", "db", "path", "connection_class"):
         options.pop(key, None)
     if tls:
@@ -505,6 +513,16 @@ def _evalsha(client: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
 
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def _instant(start: dt.datetime, ms: int) -> dt.datetime | None:
+    """``start`` plus ``ms`` milliseconds; None when that is no representable date (a
+    lock written by another program, or before the ttl bound): a listing shows such a
+    lock with an unknown time rather than failing for every lock of the backend."""
+    try:
+        return start + dt.timedelta(milliseconds=ms)
+    except (OverflowError, ValueError):
+        return None
 
 
 def _decoded(values: list[Any]) -> list[Any]:
@@ -790,7 +808,10 @@ class RedisBackend(RedisPermits, BaseBackend):
 
     def _make_keys(self, name: str) -> Keys:
         tag = name
-        if "{" in name or "}" in name:
+        if "{" in name or "}" in name or name.startswith("#"):
+            # Braces would break the hash tag: such a name is tagged with a hash of
+            # itself, marked by "#". A plain name starting with "#" is hashed too, so
+            # it can never be taken for (and share the keys of) a hashed one.
             tag = "#" + hashlib.sha256(name.encode()).hexdigest()[:32]
         base = f"{self.key_prefix}:{{{tag}}}"
         return Keys(
@@ -962,14 +983,14 @@ class RedisBackend(RedisPermits, BaseBackend):
         with self._errors("extend", name):
             return bool(await self._arun("extend", [self.all_keys(name).lock], [owner, ttl_ms]))
 
-    def force_release(self, name: str) -> bool:
+    def force_release(self, name: str, token: int | None = None) -> bool:
         k = self.all_keys(name)
         with self._errors("force-release", name):
             return bool(
                 self._run(
                     "force_release",
                     [k.lock, k.fence, k.waiters, k.queue, k.signal],
-                    [k.wake_prefix],
+                    [k.wake_prefix, "" if token is None else str(int(token))],
                 )
             )
 
@@ -1038,8 +1059,8 @@ class RedisBackend(RedisPermits, BaseBackend):
             host=host or "",
             pid=int(pid) if pid and pid.isdigit() else None,
             thread=thread or "",
-            acquired_at=_EPOCH + dt.timedelta(milliseconds=int(acquired)) if acquired else None,
-            expires_at=now + dt.timedelta(milliseconds=pttl) if pttl >= 0 else None,
+            acquired_at=_instant(_EPOCH, int(acquired)) if acquired else None,
+            expires_at=_instant(now, pttl) if pttl >= 0 else None,
             ttl=int(ttl or 0) / 1000 or None,
             renewals=int(renewals or 0),
             # Lapsed registrations are pruned at every release, so ZCARD is close enough.

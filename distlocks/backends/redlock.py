@@ -52,6 +52,7 @@ from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
 from distlocks.backends.redis import ACQUIRE as SINGLE_ACQUIRE
 from distlocks.backends.redis import RELEASE, RedisBackend
 from distlocks.exceptions import LockBackendUnavailable, LockError
+from distlocks.redaction import redact_url
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -323,8 +324,9 @@ class RedlockBackend(BaseBackend):
         )
         for index, url in enumerate(location):
             if not isinstance(url, str) or urlsplit(url).scheme not in _SCHEMES:
+                shown = redact_url(url) if isinstance(url, str) else f"a {type(url).__name__}"
                 problems.append(
-                    f"LOCATION[{index}] = {url!r} must be a URL starting with redis://, "
+                    f"LOCATION[{index}] = {shown!r} must be a URL starting with redis://, "
                     f"rediss:// or unix://"
                 )
                 continue
@@ -693,8 +695,14 @@ class RedlockBackend(BaseBackend):
 
         return self._by_quorum("extend", name, extend)
 
-    def force_release(self, name: str) -> bool:
-        replies = self._round(lambda i: self.masters[i].force_release(name), decided=self._hopeless)
+    def force_release(self, name: str, token: int | None = None) -> bool:
+        # Each master compares its own entry's token (every master of the grant's quorum
+        # records the grant's token) and deletes it in one step. An entry a master never
+        # had confirmed keeps an older token and is left to expire: it cannot make a
+        # quorum on its own.
+        replies = self._round(
+            lambda i: self.masters[i].force_release(name, token), decided=self._hopeless
+        )
         self._need_quorum("force-release", name, replies)
         return any(replies.results.values())
 

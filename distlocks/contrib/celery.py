@@ -42,7 +42,13 @@ from distlocks.exceptions import LockError, LockNotAcquired
 from distlocks.handler import backends, check_alias
 from distlocks.lease import Lease
 from distlocks.locks import Lock, current_holder, finish_lease, holder_extra
-from distlocks.validation import MAX_NAME_LENGTH, validate_name, validate_timeout, validate_ttl
+from distlocks.validation import (
+    MAX_NAME_LENGTH,
+    MAX_TTL,
+    validate_name,
+    validate_timeout,
+    validate_ttl,
+)
 
 try:
     from celery import Task, shared_task
@@ -305,7 +311,9 @@ class SingleExecutionTask(_TaskBase):
         backend = self._lock_backend(f"unique_while={single.unique_while!r}")
         task_id = task_id or str(uuid.uuid4())
         marker, owner = name + QUEUED_SUFFIX, _marker_owner(task_id)
-        ttl = single.unique_ttl + _publish_delay(options)
+        # An eta years ahead must not make a marker the servers cannot store: past the
+        # bound, the duplicate check lapses at MAX_TTL (a year) instead.
+        ttl = min(single.unique_ttl + _publish_delay(options), MAX_TTL)
         holder = current_holder()
         holder = type(holder)(
             holder.host, holder.pid, holder.thread,
