@@ -344,3 +344,31 @@ def test_a_refused_acquire_leaves_nothing_behind(name: str, redis_client: Any) -
         with pytest.raises(LockNotAcquired):
             lock(name, backend="redis", timeout=0).acquire()
         assert sorted(_keys_of(redis_client, name)) == before
+
+
+# -- renewal in batches (one script per batch of due leases, not one per lease) --------
+
+
+@pytest.mark.slow
+def test_thousands_of_leases_are_renewed_in_batches(own_redis: Any, settings: Any) -> None:
+    settings.DISTLOCKS_BACKENDS = {
+        "own": {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": own_redis.url}
+    }
+    client = redis_lib.Redis.from_url(own_redis.url)
+    count = 2000
+    leases = [lock(f"batch:{i}", backend="own", ttl=1.5).acquire() for i in range(count)]
+    try:
+        client.config_resetstat()
+        deadline = time.monotonic() + 120
+        while min(lease.renewals for lease in leases) < 2:
+            assert time.monotonic() < deadline, "leases were not renewed"
+            assert all(lease.held() for lease in leases), "a lease was lost"
+            time.sleep(0.05)
+        calls = int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+        assert all(lease.held() for lease in leases)
+        # 2 renewals of 2,000 leases: one call each would be 4,000 or more.
+        assert calls < count / 2, f"{calls} script calls for {2 * count} renewals"
+    finally:
+        for lease in leases:
+            lease.release()
+        client.close()

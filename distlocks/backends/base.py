@@ -16,12 +16,14 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from django.core.checks import CheckMessage, Error
 from django.core.exceptions import ImproperlyConfigured
+
+from distlocks.exceptions import LockError
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -225,6 +227,18 @@ class BaseBackend(ABC):
     @abstractmethod
     def extend(self, name: str, owner: str, ttl: float) -> bool:
         """Reset the lease of ``owner`` on ``name`` to ``ttl`` seconds; False if not held."""
+
+    def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | LockError]:
+        """:meth:`extend` for several ``(name, owner, ttl)`` leases: one result each, in
+        order (True, False, or the error met). The renewer calls it with every lease due
+        at once; a backend overrides it to renew them in one round trip."""
+        results: list[bool | LockError] = []
+        for name, owner, ttl in leases:
+            try:
+                results.append(self.extend(name, owner, ttl))
+            except LockError as exc:
+                results.append(exc)
+        return results
 
     @abstractmethod
     def inspect(self, name: str) -> LockInfo | None:
