@@ -372,3 +372,20 @@ def test_thousands_of_leases_are_renewed_in_batches(own_redis: Any, settings: An
         for lease in leases:
             lease.release()
         client.close()
+
+
+def test_a_permit_with_an_unrepresentable_date_does_not_break_the_listing(
+    name: str, redis_client: redis_lib.Redis
+) -> None:
+    import json
+
+    backend = get_backend("redis")
+    with semaphore(name, backend="redis", limit=2, ttl=30) as permit:
+        base = backend.all_keys(name).lock.removesuffix(":lock")
+        info_key = f"{base}:sem:info"
+        about = json.loads(redis_client.hget(info_key, permit.owner))
+        about["acquired_at"] = 10**18
+        redis_client.hset(info_key, permit.owner, json.dumps(about))
+        listed = [info for info in backend.iter_permits() if info.name == name]
+        assert [info.owner for info in listed] == [permit.owner]
+        assert listed[0].acquired_at is None

@@ -50,6 +50,16 @@ def permit_family(kind: str) -> str:
         ) from None
 
 
+def moment(start: dt.datetime, milliseconds: float) -> dt.datetime | None:
+    """``start`` plus ``milliseconds``; None when that is no representable date (a lock
+    written by another program, or before the ttl bound): a listing then shows the
+    lock with an unknown time rather than failing for every lock of the backend."""
+    try:
+        return start + dt.timedelta(milliseconds=milliseconds)
+    except (OverflowError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who is asking for a lock, recorded next to it for inspection."""

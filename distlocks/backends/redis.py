@@ -53,6 +53,7 @@ from distlocks.backends.base import (
     BaseBackend,
     Holder,
     LockInfo,
+    moment,
 )
 from distlocks.backends.redis_primitives import RedisPermits
 from distlocks.conf import conf
@@ -533,16 +534,6 @@ def _evalsha(client: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
 
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-
-
-def _instant(start: dt.datetime, ms: int) -> dt.datetime | None:
-    """``start`` plus ``ms`` milliseconds; None when that is no representable date (a
-    lock written by another program, or before the ttl bound): a listing shows such a
-    lock with an unknown time rather than failing for every lock of the backend."""
-    try:
-        return start + dt.timedelta(milliseconds=ms)
-    except (OverflowError, ValueError):
-        return None
 
 
 def _decoded(values: list[Any]) -> list[Any]:
@@ -1104,8 +1095,8 @@ class RedisBackend(RedisPermits, BaseBackend):
             host=host or "",
             pid=int(pid) if pid and pid.isdigit() else None,
             thread=thread or "",
-            acquired_at=_instant(_EPOCH, int(acquired)) if acquired else None,
-            expires_at=_instant(now, pttl) if pttl >= 0 else None,
+            acquired_at=moment(_EPOCH, int(acquired)) if acquired else None,
+            expires_at=moment(now, pttl) if pttl >= 0 else None,
             ttl=int(ttl or 0) / 1000 or None,
             renewals=int(renewals or 0),
             # Lapsed registrations are pruned at every release, so ZCARD is close enough.

@@ -46,9 +46,12 @@ from distlocks.backends.base import (
     AcquireResult,
     Holder,
     LockInfo,
+    moment,
     permit_family,
 )
 from distlocks.exceptions import LockBackendUnavailable
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 if TYPE_CHECKING:
     from distlocks.backends.redis import Keys
@@ -629,10 +632,8 @@ class RedisPermits:
             host=str(about.get("host", "")),
             pid=pid if isinstance(pid, int) else None,
             thread=str(about.get("thread", "")),
-            acquired_at=dt.datetime.fromtimestamp(acquired_ms / 1000, dt.UTC)
-            if acquired_ms
-            else None,
-            expires_at=now + dt.timedelta(milliseconds=left_ms),
+            acquired_at=moment(_EPOCH, acquired_ms) if acquired_ms else None,
+            expires_at=moment(now, left_ms),
             ttl=(float(about["ttl"]) / 1000) if about.get("ttl") else None,
             renewals=int(about.get("renewals") or 0),
             waiters=waiters,
