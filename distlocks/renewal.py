@@ -219,9 +219,12 @@ class Renewer:
             outcomes: list[bool | LockError]
             try:
                 outcomes = backend.extend_many([(x.name, x.owner, x.ttl) for x in leases])
+                if len(outcomes) != len(leases):
+                    raise RuntimeError(f"{len(outcomes)} answers for {len(leases)} leases")
             except Exception as exc:  # a bug of a backend: report it on every lease
                 logger.exception("Renewal of %d leases failed unexpectedly", len(leases))
-                outcomes = [LockError(f"renewal failed: {type(exc).__name__}: {exc}")] * len(leases)
+                error = LockError(f"renewal failed: {type(exc).__name__}: {exc}")
+                outcomes = [error] * len(leases)
             for lease, outcome in zip(leases, outcomes, strict=True):
                 try:
                     due = lease._renew_result(started, outcome)
