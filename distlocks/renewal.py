@@ -17,6 +17,7 @@ compacted, whichever is first: ending a lease costs the renewer nothing.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
@@ -46,6 +47,8 @@ COMPACT_AT = 128
 COALESCE = 0.02
 #: Most leases taken in one turn (a backend splits them into round trips of its own).
 MAX_BATCH = 5000
+#: Renewals whose lateness each renewer remembers (the most recent ones).
+LATENESS_SAMPLES = 4096
 
 
 class Renewer:
@@ -63,9 +66,14 @@ class Renewer:
         self._cond = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._compact_at = COMPACT_AT
+        self._popped_due = 0.0
         # When the waiting thread wakes by itself (monotonic): a new lease due later
         # needs no wake-up. Only read and written under the condition.
         self._wake_at = math.inf
+        #: Seconds by which recent renewals ran after they were due (see lateness()).
+        self.late: collections.deque[float] = collections.deque(maxlen=LATENESS_SAMPLES)
+        #: Renewal turns taken so far (a turn renews one lease or a batch).
+        self.turns = 0
 
     def add(self, lease: Lease, due: float) -> None:
         """Renew ``lease`` at monotonic time ``due`` (and after that as it asks)."""
@@ -102,7 +110,10 @@ class Renewer:
         if first is None:
             return None
         batch = [first]
-        horizon = time.monotonic() + COALESCE
+        now = time.monotonic()
+        self.late.append(max(0.0, now - self._popped_due))
+        self.turns += 1
+        horizon = now + COALESCE
         with self._cond:
             heap = self._heap
             while heap and heap[0][0] <= horizon and len(batch) < MAX_BATCH:
@@ -139,6 +150,7 @@ class Renewer:
                     self._cond.wait(delay)
                     continue
                 heapq.heappop(self._heap)
+                self._popped_due = due
                 lease = ref()
                 if lease is None and ident[3]["ended"]:
                     continue  # released or lost, then let go of: nothing to do
@@ -236,6 +248,24 @@ class Renewer:
                 self._schedule(lease, due)
         for lease in alone:
             self._renew_alone(lease)
+
+
+def lateness() -> dict[str, dict[str, float]]:
+    """How late renewals ran against their schedule, per backend alias: the median and
+    99th percentile in seconds of the most recent ones (of each turn's first lease, the
+    one that waited longest), and how many turns were taken. A renewal due at a third of
+    the ttl that runs late by more than the other two thirds is a lost lease."""
+    found = {}
+    for alias, renewer_ in list(_renewers.items()):
+        samples = sorted(renewer_.late)
+        if not samples:
+            continue
+        found[alias] = {
+            "p50": samples[len(samples) // 2],
+            "p99": samples[min(len(samples) - 1, (len(samples) * 99) // 100)],
+            "turns": float(renewer_.turns),
+        }
+    return found
 
 
 def _ident(lease: Lease) -> tuple[Any, str, str, dict[str, Any]]:

@@ -18,6 +18,7 @@ import redis as redis_lib
 from distlocks import get_backend, lock
 from distlocks.exceptions import LockLost, LockNotAcquired
 from distlocks.primitives import rwlock, semaphore
+from distlocks.renewal import lateness
 from distlocks.validation import MAX_SEMAPHORE_LIMIT, MAX_TIMEOUT, MAX_TTL
 
 HUGE_TTLS = [1e17, sys.maxsize, 1e300, 10**400, 1e12, MAX_TTL + 1, -(10**400)]
@@ -368,6 +369,8 @@ def test_thousands_of_leases_are_renewed_in_batches(own_redis: Any, settings: An
         assert all(lease.held() for lease in leases)
         # 2 renewals of 2,000 leases: one call each would be 4,000 or more.
         assert calls < count / 2, f"{calls} script calls for {2 * count} renewals"
+        late = lateness()["own"]
+        assert 0 <= late["p50"] <= late["p99"] and late["turns"] >= 2
     finally:
         for lease in leases:
             lease.release()
