@@ -392,3 +392,19 @@ def test_a_permit_with_an_unrepresentable_date_does_not_break_the_listing(
         listed = [info for info in backend.iter_permits() if info.name == name]
         assert [info.owner for info in listed] == [permit.owner]
         assert listed[0].acquired_at is None
+
+
+def test_redlock_renews_many_leases_with_one_round(name: str) -> None:
+    backend = get_backend("redlock")
+    leases = [lock(f"{name}:{i}", backend="redlock", ttl=30, auto_renew=False).acquire()
+              for i in range(30)]  # fmt: skip
+    try:
+        stranger = (f"{name}:0", "0" * 32, 30.0)
+        answers = backend.extend_many([(x.name, x.owner, 20.0) for x in leases] + [stranger])
+        assert answers == [True] * len(leases) + [False]
+        for lease in leases:
+            info = backend.inspect(lease.name)
+            assert info is not None and info.owner == lease.owner and info.ttl == 20.0
+    finally:
+        for lease in leases:
+            lease.release()

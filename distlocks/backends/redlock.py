@@ -160,11 +160,31 @@ redis.call('HINCRBY', KEYS[1], 'renewals', 1)
 return 1
 """
 
+# KEYS: lock hashes. ARGV: owner, expiry ms, ttl ms, for each key in turn.
+# EXTEND for the renewer's batch: one call per master; each entry is still
+# compare-and-expire on its own. Returns 1 or 0 per key.
+EXTEND_MANY = """
+local out = {}
+for i = 1, #KEYS do
+  local at = 3 * (i - 1)
+  if redis.call('HGET', KEYS[i], 'owner') == ARGV[at + 1] then
+    redis.call('PEXPIRE', KEYS[i], ARGV[at + 2])
+    redis.call('HSET', KEYS[i], 'ttl', ARGV[at + 3], 'attempt', 'lease')
+    redis.call('HINCRBY', KEYS[i], 'renewals', 1)
+    out[i] = 1
+  else
+    out[i] = 0
+  end
+end
+return out
+"""
+
 _SCRIPTS = {
     "acquire": ACQUIRE,
     "confirm": CONFIRM,
     "give_back": GIVE_BACK,
     "extend": EXTEND,
+    "extend_many": EXTEND_MANY,
 }
 
 
@@ -694,6 +714,35 @@ class RedlockBackend(BaseBackend):
             return bool(self._run(index, "extend", "extend", name, [lock_key], args))
 
         return self._by_quorum("extend", name, extend)
+
+    def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | LockError]:
+        """Renew many leases with one round to the masters (one script on each per
+        :attr:`RedisBackend.EXTEND_BATCH` leases); each lease is decided by its own
+        quorum, as :meth:`extend` decides one."""
+        results: list[bool | LockError] = []
+        spare = len(self.masters) - self.quorum
+        batch = RedisBackend.EXTEND_BATCH
+        for start in range(0, len(leases), batch):
+            chunk = leases[start : start + batch]
+            args: list[Any] = []
+            for _, owner, ttl in chunk:
+                args += (owner, _ms(ttl + self.drift(ttl)), _ms(ttl))
+
+            def extend(index: int, chunk: Sequence[Any] = chunk, args: list[Any] = args) -> Any:
+                keys = [self.masters[index].all_keys(name).lock for name, _, _ in chunk]
+                what = f"{len(chunk)} leases"
+                return self._run(index, "extend_many", "renew", what, keys, args)
+
+            replies = self._round(extend)
+            for at in range(len(chunk)):
+                yes = sum(1 for answers in replies.results.values() if answers[at])
+                if yes >= self.quorum:
+                    results.append(True)
+                elif len(replies.errors) > spare:
+                    results.append(self._no_quorum("renew", chunk[at][0], replies))
+                else:
+                    results.append(False)
+        return results
 
     def force_release(self, name: str, token: int | None = None) -> bool:
         # Each master compares its own entry's token (every master of the grant's quorum
