@@ -38,6 +38,7 @@ import hashlib
 import json
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -115,7 +116,7 @@ _LIVE = """(
       AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
 )"""
 _COLUMNS = """r.name, r.owner, r.fencing_token, r.host, r.pid, r.thread, r.acquired_at, r.ttl,
-       r.renewals, r.extra, l.pid AS backend_pid, a.application_name,
+       r.renewals, r.extra, l.pid AS backend_pid, r.backend_pid AS row_pid, a.application_name,
        host(a.client_addr) AS client_addr, a.state, a.state_change, l.lkey, l.mode,
        (SELECT count(*) FROM waiting w
          WHERE w.classid = l.classid AND w.objid = l.objid) AS waiters"""
@@ -148,7 +149,14 @@ TRY = "SELECT pg_try_advisory_lock(%(key)s) AS ok"
 WAIT = "SELECT true AS ok FROM (SELECT pg_advisory_lock(%(key)s)) AS waited"
 TRY_SHARED = "SELECT pg_try_advisory_lock_shared(%(key)s) AS ok"
 WAIT_SHARED = "SELECT true AS ok FROM (SELECT pg_advisory_lock_shared(%(key)s)) AS waited"
-_UNLOCK = "SELECT pg_advisory_unlock(%(key)s)"
+# Every statement that gives a lock back first takes the name's guard key, shared and
+# until the statement ends: a force release holds it exclusively while it checks who
+# holds the lock and ends that session, so the holder it checked cannot give the lock
+# back and move on to another lease on the same connection in between.
+_UNLOCK = (
+    "SELECT pg_advisory_unlock(%(key)s)"
+    " FROM (SELECT pg_advisory_xact_lock_shared(%(guard)s)) AS guarded"
+)
 
 # -- semaphores and read-write locks (session mode). Their registry rows say what
 # they belong to in extra: "kind" and "of" (the id of the semaphore or read-write
@@ -229,42 +237,56 @@ SELECT 0 FROM granted WHERE granted.ok
 """
 )
 _READ_UNLOCK = f"""
-WITH gone AS (DELETE FROM {TABLE} WHERE key = %(reader)s)
-SELECT pg_advisory_unlock_shared(%(key)s)
+WITH guarded AS MATERIALIZED (SELECT pg_advisory_xact_lock_shared(%(guard)s)),
+gone AS (DELETE FROM {TABLE} WHERE key = %(reader)s)
+SELECT pg_advisory_unlock_shared(%(key)s) FROM guarded
 """
 
-# Evicts holders of one semaphore or read-write lock (one owner's, or all) by ending
-# their sessions, and moves a read-write lock's write counter on (%(rw)s is NULL
-# for a semaphore). Returns how many sessions were ended (PostgreSQL 14+, as Django).
-_PERMIT_FORCE = f"""
-WITH target AS MATERIALIZED (
-    SELECT DISTINCT backend_pid FROM ({_LOCKS}
-        AND extra->>'of' = %(of)s AND (%(owner)s::text IS NULL OR owner = %(owner)s)
-    ) AS held
-), killed AS MATERIALIZED (
-    -- Waits (up to 5 s) until each session has ended, so its permit is free on return.
-    SELECT pg_terminate_backend(backend_pid, 5000) AS ok FROM target
-), bumped AS (
-    UPDATE {TABLE} SET fencing_token = greatest(fencing_token + 1, {_CLOCK_US})
-    WHERE key = %(rw)s RETURNING 1
+# The sessions holding permits of one semaphore or read-write lock (one owner's, or
+# all), each listed with its own registry row (a row still naming an earlier session is
+# an acquire in flight, not a holder).
+_PERMIT_TARGETS = f"""
+SELECT DISTINCT backend_pid FROM ({_LOCKS}
+    AND extra->>'of' = %(of)s AND (%(owner)s::text IS NULL OR owner = %(owner)s)
+    AND row_pid = backend_pid
+) AS held
+"""
+# Ends sessions and waits (up to 5 s) until each has ended, so what they held is free
+# on return. Returns how many were ended (PostgreSQL 14+, as Django).
+_TERMINATE = (
+    "SELECT count(*) FILTER (WHERE ok) FROM"
+    " (SELECT pg_terminate_backend(pid, 5000) AS ok FROM unnest(%(pids)s::integer[]) AS pid)"
+    " AS ended"
 )
-SELECT count(*) FILTER (WHERE ok) FROM killed
+_BUMP = f"""
+UPDATE {TABLE} SET fencing_token = greatest(fencing_token + 1, {{clock}})
+WHERE key = %(key)s
+""".format(clock=_CLOCK_US)
+_HOLDER = """
+SELECT l.pid FROM pg_locks l
+WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'ExclusiveLock'
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = %(classid)s AND l.objid = %(objid)s
 """
 TRY_XACT = "SELECT pg_try_advisory_xact_lock(%(key)s) AS ok"
 WAIT_XACT = "SELECT true AS ok FROM (SELECT pg_advisory_xact_lock(%(key)s)) AS waited"
 
-_FORCE_RELEASE = f"""
-WITH holder AS MATERIALIZED (
-    SELECT l.pid FROM pg_locks l
-    WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND l.classid = %(classid)s AND l.objid = %(objid)s
+# Transaction mode: the holder's lock lives in its transaction, which gives it back at
+# COMMIT; no statement of ours runs there to wait for a guard. The check (the
+# registry's token is the one shown) and the signal are one statement; the counter
+# moves only if a session was ended. The holder's own registry write commits with its
+# transaction, so the row read here, like the listing, is the last committed one.
+_FORCE_RELEASE_XACT = f"""
+WITH registered AS MATERIALIZED (
+    SELECT fencing_token, backend_pid FROM {TABLE} WHERE key = %(key)s
+), holder AS MATERIALIZED ({_HOLDER}
+      AND (%(token)s::bigint IS NULL OR EXISTS (
+          SELECT 1 FROM registered WHERE registered.fencing_token = %(token)s))
 ), killed AS MATERIALIZED (
-    -- Waits (up to 5 s) for the session to end, so its locks are gone on return.
     SELECT pg_terminate_backend(pid, 5000) AS ok FROM holder
 ), bumped AS (
     UPDATE {TABLE} SET fencing_token = greatest(fencing_token + 1, {_CLOCK_US})
-    WHERE key = %(key)s RETURNING 1
+    WHERE key = %(key)s AND EXISTS (SELECT 1 FROM killed WHERE ok) RETURNING 1
 )
 SELECT coalesce(bool_or(ok), false) FROM killed
 """
@@ -415,15 +437,18 @@ class _Pool:
         self._count = 0
         self._cond = threading.Condition()
 
-    def get(self) -> _Connection:
-        deadline = time.monotonic() + self.timeout
+    def get(self, timeout: float | None = None) -> _Connection:
+        """An idle connection, a new one, or one given back within ``timeout`` seconds
+        (default: ``OPTIONS['pool_timeout']``); :class:`PoolExhausted` after that."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._cond:
             while True:
                 while self._idle:
                     conn = self._idle.pop()
-                    if not conn.closed:
+                    if not _ended_while_idle(conn):
                         return conn
                     self._count -= 1
+                    conn.close()
                 if self._count < self.max_size:
                     self._count += 1
                     break
@@ -463,6 +488,23 @@ class PoolExhausted(Exception):
     pass
 
 
+def _ended_while_idle(conn: _Connection) -> bool:
+    """Whether an idle pooled connection is closed, or was ended by the server (a
+    DBA's pg_terminate_backend, ``idle_session_timeout``, a restart or failover).
+
+    An idle connection of ours expects nothing from the server: anything to read on
+    its socket (the server's last words, or the end of the stream) means it is gone,
+    and it is replaced before a lock statement is sent on it. One poll, no round trip.
+    """
+    if conn.closed:
+        return True
+    try:
+        readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+    except (OSError, ValueError, psycopg.Error):
+        return True
+    return bool(readable)
+
+
 _instances: weakref.WeakSet[PostgresBackend] = weakref.WeakSet()
 # Connections inherited by a forked child: kept referenced and never closed there,
 # since closing would end the parent's sessions (and its locks) on the server.
@@ -494,6 +536,8 @@ class _Held:
     unlock: str = _UNLOCK
     #: A read lease's own registry row (0: none).
     reader: int = 0
+    #: The name's guard key, taken (shared) by the statement that gives it back.
+    guard: int = 0
 
 
 class PostgresBackend(BaseBackend):
@@ -695,7 +739,7 @@ class PostgresBackend(BaseBackend):
             raise self._driver_error(action, name, exc) from exc
 
     @contextlib.contextmanager
-    def _pooled(self, action: str, name: str) -> Iterator[psycopg.Connection[Any]]:
+    def _pooled(self, action: str, name: str) -> Iterator[_Connection]:
         """A pooled connection for a short statement (inspection, force release):
         back to the pool afterwards, closed if anything went wrong."""
         conn = self._checkout(name)
@@ -707,14 +751,20 @@ class PostgresBackend(BaseBackend):
             raise
         self.pool.put(conn)
 
-    def _checkout(self, name: str) -> _Connection:
+    def _checkout(self, name: str, wait: float | None = None) -> _Connection:
+        """A pooled connection; a caller that may wait for its lock (``wait`` > 0)
+        waits for a connection within that same budget."""
+        timeout = wait if wait is not None and wait > 0 else None
         try:
-            return self.pool.get()
+            return self.pool.get(timeout)
         except PoolExhausted as exc:
+            waited = self.pool.timeout if timeout is None else timeout
             raise LockError(
-                f"No connection for lock {name!r} on backend {self.alias!r}: all "
-                f"{self.pool.max_size} pooled connections are pinned to held locks. Raise "
-                f"OPTIONS['pool_size'] if this process holds that many locks at once."
+                f"No connection for lock {name!r} on backend {self.alias!r} within "
+                f"{waited:g} s: all {self.pool.max_size} pooled connections are in use "
+                f"(each held lock pins one, and so does each caller waiting in the server's "
+                f"queue). Raise OPTIONS['pool_size'] (within the server's max_connections) "
+                f"to at least the number of locks this process holds and waits for at once."
             ) from exc
         except psycopg.OperationalError as exc:
             raise self._unavailable("connect for", name, exc) from exc
@@ -757,25 +807,48 @@ class PostgresBackend(BaseBackend):
         if again is not None:  # a retried acquire by the same owner
             return AcquireResult(True, again.token, ttl)
         params = self._params(name, owner, ttl, holder)
-        conn = self._checkout(name)
+        deadline = time.monotonic() + wait
+        conn = self._checkout(name, wait)
+        ours = True  # conn is checked out (to put back or discard)
         try:
             with self._mapped_errors("acquire", name):
-                if wait > 0:
-                    token = self._acquire_blocking(conn, params, wait)
-                else:
-                    row = conn.execute(_ACQUIRE.format(lock=TRY), params).fetchone()
-                    token = None if row is None else int(row[0])
+                try:
+                    token = self._lock_statement(conn, params, deadline, wait)
+                except psycopg.OperationalError as exc:
+                    if isinstance(exc, NoAnswer):
+                        raise
+                    # The connection died under the statement (ended by the server
+                    # just before): any lock it took ended with it, so one more try
+                    # on a new connection is safe.
+                    ours = False
+                    self._discard(conn)
+                    conn = self._checkout(name, max(0.0, deadline - time.monotonic()))
+                    ours = True
+                    token = self._lock_statement(conn, params, deadline, wait)
         except BaseException:
             # Whatever happened, this connection must not keep a lock nobody owns.
-            self._discard(conn)
+            if ours:
+                self._discard(conn)
             raise
         if token is None:
             self.pool.put(conn)
             return AcquireResult(False, 0, None)
         with self._held_lock:
-            self._held[owner] = _Held(conn, params["key"], token)
+            self._held[owner] = _Held(conn, params["key"], token, guard=self._guard(name))
         # The lease is confirmed by renewal pings; locally valid for one ttl.
         return AcquireResult(True, token, ttl)
+
+    def _lock_statement(
+        self, conn: _Connection, params: dict[str, Any], deadline: float, wait: float
+    ) -> int | None:
+        """Run the acquire statement: a wait in the server's queue for the rest of the
+        caller's budget, or one try. The token, or None when not granted."""
+        if wait > 0:
+            left = deadline - time.monotonic()
+            if left > 0:
+                return self._acquire_blocking(conn, params, left)
+        row = conn.execute(_ACQUIRE.format(lock=TRY), params).fetchone()
+        return None if row is None else int(row[0])
 
     def _acquire_blocking(
         self,
@@ -790,10 +863,14 @@ class PostgresBackend(BaseBackend):
         try:
             conn.lock_wait = wait  # the server answers only when the wait is over
             try:
+                # Never prepared: a statement psycopg prepares inside a pipeline that
+                # then fails (the lock timeout) is remembered as prepared although the
+                # server dropped it, and the next use failed with "prepared statement
+                # _pg3_1 does not exist". A wait costs far more than planning anyway.
                 with conn.pipeline():
-                    conn.execute(f"SET lock_timeout = {timeout_ms}")
-                    cur = conn.execute(statement, params)
-                    conn.execute("SET lock_timeout = 0")
+                    conn.execute(f"SET lock_timeout = {timeout_ms}", prepare=False)
+                    cur = conn.execute(statement, params, prepare=False)
+                    conn.execute("SET lock_timeout = 0", prepare=False)
             finally:
                 conn.lock_wait = 0.0
             row = cur.fetchone()
@@ -817,7 +894,7 @@ class PostgresBackend(BaseBackend):
     def _give_back(self, held: _Held) -> bool:
         """Unlock on the lease's own connection, then return it to the pool."""
         try:
-            params = {"key": held.key, "reader": held.reader}
+            params = {"key": held.key, "reader": held.reader, "guard": held.guard}
             row = held.conn.execute(held.unlock, params).fetchone()
         except psycopg.Error:
             # The connection is gone, and the server freed the lock with it.
@@ -850,14 +927,64 @@ class PostgresBackend(BaseBackend):
             return False
         return bool(row and row[0])
 
-    def force_release(self, name: str) -> bool:
+    def force_release(self, name: str, token: int | None = None) -> bool:
         key = self.key(name)
         classid, objid = key_parts(key)
-        with self._pooled("force-release", name) as conn:
+        params = {"key": key, "classid": classid, "objid": objid, "token": token}
+        if self.mode == "transaction":
+            with self._pooled("force-release", name) as conn:
+                conn.lock_wait = 5.0  # the statement waits for the session to end
+                try:
+                    row = conn.execute(_FORCE_RELEASE_XACT, params).fetchone()
+                finally:
+                    conn.lock_wait = 0.0
+            return bool(row and row[0])
+
+        def evict(conn: _Connection) -> bool:
             row = conn.execute(
-                _FORCE_RELEASE, {"key": key, "classid": classid, "objid": objid}
+                f"SELECT fencing_token, backend_pid FROM {TABLE} WHERE key = %(key)s FOR UPDATE",
+                params,
             ).fetchone()
-        return bool(row and row[0])
+            holder = conn.execute(_HOLDER, params).fetchone()
+            if holder is None:
+                return False  # free: nothing is written
+            if token is not None and (row is None or (int(row[0]), row[1]) != (token, holder[0])):
+                return False  # another holder than the one shown: left alone
+            conn.execute(_BUMP, params)
+            ended = conn.execute(_TERMINATE, {"pids": [holder[0]]}).fetchone()
+            return bool(ended and ended[0])
+
+        return self._guarded("force-release", name, evict)
+
+    def _guard(self, name: str) -> int:
+        """The advisory key that serializes giving back ``name`` (a lock, or any permit
+        of a semaphore or read-write lock of that name) with its force release."""
+        return self._derived_key(name, "guard")
+
+    def _guarded(self, action: str, name: str, evict: Any) -> Any:
+        """Run ``evict(conn)`` in one transaction holding ``name``'s guard exclusively:
+        no holder of ``name`` can give its lock back (and reuse its session for another
+        lease) between the check of who holds it and the end of that session."""
+        with self._pooled(action, name) as conn:
+            conn.lock_wait = 10.0  # waits for the guard, then for the session to end
+            try:
+                with conn.transaction():
+                    # A row locked by an open transaction (a transaction-mode holder of
+                    # the same name) must not hold the caller forever.
+                    conn.execute("SET LOCAL lock_timeout = 5000")
+                    conn.execute(
+                        "SELECT pg_advisory_xact_lock(%(guard)s)", {"guard": self._guard(name)}
+                    )
+                    return evict(conn)
+            except psycopg.errors.LockNotAvailable as exc:
+                raise LockError(
+                    f"Could not {action} {name!r} on backend {self.alias!r}: another force "
+                    f"release of it, or an open transaction holding its registry row (a "
+                    f"transaction-mode holder of the same name?), kept it locked for 5 s. "
+                    f"Try again once that has ended."
+                ) from exc
+            finally:
+                conn.lock_wait = 0.0
 
     def fencing_counter(self, name: str) -> int:
         """The last fencing token issued for ``name`` (0 if none)."""
@@ -1004,11 +1131,13 @@ class PostgresBackend(BaseBackend):
             statement = _READ_ACQUIRE.format(lock=WAIT_SHARED if wait > 0 else TRY_SHARED)
             waits = wait > 0
         params.update(key=of, of=str(of), extra=json.dumps(extra))
-        conn = self._checkout(name)
+        deadline = time.monotonic() + wait
+        conn = self._checkout(name, wait if waits else None)
         try:
             with self._mapped_errors("acquire", name):
                 if waits:
-                    got = self._acquire_blocking(conn, params, wait, statement)
+                    left = max(0.001, deadline - time.monotonic())
+                    got = self._acquire_blocking(conn, params, left, statement)
                 else:
                     row = conn.execute(statement, params).fetchone()
                     got = None if row is None else int(row[0])
@@ -1021,7 +1150,9 @@ class PostgresBackend(BaseBackend):
             return AcquireResult(False, 0, None)
         # A semaphore permit holds the slot it took; a write lease gets its token.
         key, token = (got, 0) if kind == SEMAPHORE else (of, got)
-        held = _Held(conn, key, token, kind=kind, unlock=unlock, reader=reader)
+        held = _Held(
+            conn, key, token, kind=kind, unlock=unlock, reader=reader, guard=self._guard(name)
+        )
         with self._held_lock:
             self._held[owner] = held
         return AcquireResult(True, held.token, ttl)
@@ -1065,10 +1196,18 @@ class PostgresBackend(BaseBackend):
     def permit_force_release(self, kind: str, name: str, owner: str | None = None) -> int:
         self.check_permit_kind(kind)
         of = self._of(kind, name)
-        rw = None if permit_family(kind) == SEMAPHORE else of
-        with self._pooled("force-release", name) as conn:
-            row = conn.execute(_PERMIT_FORCE, {"of": str(of), "owner": owner, "rw": rw}).fetchone()
-        return int(row[0]) if row else 0
+
+        def evict(conn: _Connection) -> int:
+            rows = conn.execute(_PERMIT_TARGETS, {"of": str(of), "owner": owner}).fetchall()
+            if not rows:
+                return 0  # no such holder: nothing is written
+            if permit_family(kind) != SEMAPHORE:
+                # The write counter moves on, so an evicted writer's writes are refused.
+                conn.execute(_BUMP, {"key": of})
+            ended = conn.execute(_TERMINATE, {"pids": [row[0] for row in rows]}).fetchone()
+            return int(ended[0]) if ended else 0
+
+        return int(self._guarded("force-release", name, evict))
 
     def permit_counter(self, name: str) -> int:
         self.check_permit_kind(WRITE)
