@@ -520,6 +520,12 @@ class _AsyncSentinelSSLConnection(
 
 _pid = os.getpid
 
+_hiredis_pack: Any = None
+_HiredisPacker: Any = None
+with contextlib.suppress(ImportError):  # redis-py without hiredis packs for itself
+    from hiredis import pack_command as _hiredis_pack
+    from redis.connection import HiredisRespSerializer as _HiredisPacker
+
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
@@ -962,7 +968,13 @@ class RedisBackend(RedisPermits, BaseBackend):
         reconnected = reloaded = False
         while True:
             try:
-                conn.send_command("EVALSHA", registered.sha, len(keys), *keys, *args)
+                command = ("EVALSHA", registered.sha, len(keys), *keys, *args)
+                if _hiredis_pack is not None and type(conn._command_packer) is _HiredisPacker:
+                    # What the connection's packer does, minus its per-argument scan for
+                    # bytearrays (our arguments are str and int).
+                    conn.send_packed_command([_hiredis_pack(command)])
+                else:
+                    conn.send_command(*command)
                 return conn.read_response()
             except NoScriptError:
                 if reloaded:
