@@ -39,8 +39,9 @@ import json
 import os
 import re
 import threading
+import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 from urllib.parse import urlsplit
 
@@ -540,6 +541,47 @@ def _unpinned(backend_ref: Any, pool: Any) -> None:
             backend._pinned_count -= 1
 
 
+async def _asend(conn: Any, command: tuple[Any, ...]) -> None:
+    """Send ``command`` on an asyncio connection: written at once to the socket, and
+    waited for (up to the socket timeout) only if the kernel did not take it all."""
+    writer = getattr(conn, "_writer", None)
+    encoder = conn.encoder
+    if (
+        writer is None
+        or _hiredis_pack is None
+        or conn.health_check_interval
+        or (encoder.encoding, encoder.encoding_errors) != ("utf-8", "strict")
+    ):
+        await conn.send_packed_command(conn.pack_command(*command))
+        return
+    if not conn.is_connected:
+        await conn.connect()
+        writer = conn._writer
+    writer.write(_hiredis_pack(command))
+    if writer.transport.get_write_buffer_size():
+        try:
+            await asyncio.wait_for(writer.drain(), conn.socket_timeout)
+        except TimeoutError:
+            await conn.disconnect(nowait=True)
+            raise redis.TimeoutError("Timeout writing to socket") from None
+        except OSError as exc:
+            await conn.disconnect(nowait=True)
+            raise redis.ConnectionError(f"Error while writing to socket: {exc}") from exc
+
+
+@dataclasses.dataclass
+class _AsyncSide:
+    """One event loop's redis.asyncio client, its scripts, and how many of its
+    connections quick calls and blocking waits may use at once."""
+
+    client: Any
+    scripts: dict[str, Any]
+    calls: asyncio.Semaphore
+    waits: asyncio.Semaphore
+    #: Idle connections of the direct path (one server), most recently used last.
+    idle: list[Any] = dataclasses.field(default_factory=list)
+
+
 class _Pinned:
     """A connection taken from a backend's pool for one thread, for as long as that
     thread lives: given back to the pool when the thread's local storage goes."""
@@ -620,9 +662,9 @@ class RedisBackend(RedisPermits, BaseBackend):
         self._client_lock = threading.Lock()
         self._scripts: dict[str, Any] = {}
         self._keys_cache: dict[str, Keys] = {}
-        self._async_clients: weakref.WeakKeyDictionary[
-            asyncio.AbstractEventLoop, tuple[Any, dict[str, Any]]
-        ] = weakref.WeakKeyDictionary()
+        self._async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _AsyncSide] = (
+            weakref.WeakKeyDictionary()
+        )
         # One server (not a cluster or Sentinel): each thread calls on a connection of
         # its own, kept between calls (see _run).
         self._direct = self.mode == "server"
@@ -662,6 +704,12 @@ class RedisBackend(RedisPermits, BaseBackend):
         if isinstance(options, Mapping):
             _positive(options, "socket_timeout", problems)
             _positive(options, "socket_connect_timeout", problems)
+            size = options.get("async_pool_size", cls.DEFAULT_ASYNC_POOL_SIZE)
+            if isinstance(size, bool) or not isinstance(size, int) or not 2 <= size <= 100_000:
+                problems.append(
+                    f"OPTIONS['async_pool_size'] must be an int from 2 to 100,000 (connections "
+                    f"per event loop), not {size!r}"
+                )
             # The global DISTLOCKS_KEY_PREFIX has a check of its own (E007).
             prefix = options.get("key_prefix", "default")
             if not isinstance(prefix, str) or not prefix or set("{}") & set(prefix):
@@ -791,6 +839,7 @@ class RedisBackend(RedisPermits, BaseBackend):
             nodes = [
                 redis.asyncio.cluster.ClusterNode(host, port) for host, port in self.location.nodes
             ]
+            kwargs["max_connections"] = self.async_pool_size  # per node
             return _AsyncClusterClient(
                 startup_nodes=nodes,
                 retry=AsyncRetry(NoBackoff(), 1),
@@ -802,6 +851,7 @@ class RedisBackend(RedisPermits, BaseBackend):
                 sentinel_kwargs=self._sentinel_kwargs(AsyncRetry(NoBackoff(), 0)),
             )
             kwargs = {k: v for k, v in self._server_kwargs().items() if k in _ASYNC_KWARGS}
+            kwargs["max_connections"] = self.async_pool_size
             ssl = kwargs.pop("ssl", False)
             return sentinel.master_for(
                 self.location.service,
@@ -819,20 +869,66 @@ class RedisBackend(RedisPermits, BaseBackend):
             kwargs["ssl"] = True
         # Keep our timeouts; take the rest (address, credentials, TLS) from the
         # synchronous pool, whatever LOCATION or CACHE built it from.
+        kwargs["max_connections"] = self.async_pool_size
         return redis.asyncio.Redis(
             **{k: v for k, v in kwargs.items() if k in _ASYNC_KWARGS}, retry=retry
         )
 
-    def _async_client(self) -> tuple[Any, dict[str, Any]]:
-        """A redis.asyncio client for the running event loop (clients are per loop)."""
+    def _async_side(self) -> _AsyncSide:
+        """The redis.asyncio client of the running event loop (clients are per loop),
+        with its scripts and the two limits on its connections."""
         loop = asyncio.get_running_loop()
         found = self._async_clients.get(loop)
         if found is None:
             aclient = self._new_async_client()
             scripts = {key: aclient.register_script(lua) for key, lua in SCRIPTS.items()}
-            found = (aclient, scripts)
+            calls, waits = self._async_limits()
+            found = _AsyncSide(aclient, scripts, asyncio.Semaphore(calls), asyncio.Semaphore(waits))
             self._async_clients[loop] = found
         return found
+
+    def _async_client(self) -> tuple[Any, dict[str, Any]]:
+        side = self._async_side()
+        return side.client, side.scripts
+
+    #: Connections of one event loop's client (``OPTIONS["async_pool_size"]``): a third
+    #: for blocking waits, the rest for the calls that answer at once (acquire, release,
+    #: renewal), so that waiters can never take every connection from the holders.
+    DEFAULT_ASYNC_POOL_SIZE = 96
+    #: Longest wait of a call for a free connection of its loop before it fails.
+    ASYNC_QUEUE_TIMEOUT = 30.0
+
+    def _async_limits(self) -> tuple[int, int]:
+        size = self.async_pool_size
+        waits = max(1, size // 3)
+        return max(1, size - waits), waits
+
+    @property
+    def async_pool_size(self) -> int:
+        return int(self.options.get("async_pool_size", self.DEFAULT_ASYNC_POOL_SIZE))
+
+    @contextlib.asynccontextmanager
+    async def _call_slot(self, side: _AsyncSide) -> AsyncIterator[None]:
+        """One of the loop's connections for a quick call: at once when one is free,
+        else in turn behind the coroutines already waiting for one."""
+        slots = side.calls
+        if slots.locked():
+            try:
+                await asyncio.wait_for(slots.acquire(), self.ASYNC_QUEUE_TIMEOUT)
+            except TimeoutError:
+                raise LockBackendUnavailable(
+                    self.alias,
+                    f"no free connection within {self.ASYNC_QUEUE_TIMEOUT:g} s: "
+                    f"{self._async_limits()[0]} calls of this event loop were in flight "
+                    f"the whole time. Raise OPTIONS['async_pool_size'] (now "
+                    f"{self.async_pool_size}) or run fewer coroutines against this backend.",
+                ) from None
+        else:
+            await slots.acquire()
+        try:
+            yield
+        finally:
+            slots.release()
 
     def close(self) -> None:
         client, self._client = self._client, None
@@ -1008,15 +1104,53 @@ class RedisBackend(RedisPermits, BaseBackend):
         client.connection_pool.disconnect(inuse_connections=False)
         return self._scripts[script](keys=keys, args=args, client=client)
 
-    async def _arun(self, script: str, keys: list[str], args: list[Any]) -> Any:
-        client, scripts = self._async_client()
+    async def _arun_direct(
+        self, side: _AsyncSide, script: str, keys: list[str], args: list[Any]
+    ) -> Any:
+        """:meth:`_run_direct` for asyncio: one EVALSHA on an idle connection of the
+        loop's client (at most ``calls`` of them are in use at once), without the
+        client's checkout, retry wrapper, per-send task and argument encoding pass."""
+        registered = side.scripts[script]
+        conn = side.idle.pop() if side.idle else side.client.connection_pool.make_connection()
         try:
+            reconnected = reloaded = False
+            while True:
+                try:
+                    await _asend(conn, ("EVALSHA", registered.sha, len(keys), *keys, *args))
+                    return await conn.read_response()
+                except NoScriptError:
+                    if reloaded:
+                        raise
+                    reloaded = True
+                    await _asend(conn, ("SCRIPT", "LOAD", registered.script))
+                    registered.sha = _text(await conn.read_response())
+                except redis.TimeoutError:
+                    await conn.disconnect(nowait=True)
+                    raise
+                except redis.ConnectionError:
+                    await conn.disconnect(nowait=True)
+                    if reconnected:
+                        raise
+                    reconnected = True
+        finally:
+            # Whatever happened, the connection is either ready for the next call or
+            # disconnected (it reconnects on its next use).
+            side.idle.append(conn)
+
+    async def _arun(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        side = self._async_side()
+        client, scripts = side.client, side.scripts
+        if self._direct:
+            async with self._call_slot(side):
+                return await self._arun_direct(side, script, keys, args)
+        async with self._call_slot(side):
+            try:
+                return await scripts[script](keys=keys, args=args, client=client)
+            except redis.ResponseError as exc:
+                if not self._demoted(exc):
+                    raise
+            await client.connection_pool.disconnect(inuse_connections=False)
             return await scripts[script](keys=keys, args=args, client=client)
-        except redis.ResponseError as exc:
-            if not self._demoted(exc):
-                raise
-        await client.connection_pool.disconnect(inuse_connections=False)
-        return await scripts[script](keys=keys, args=args, client=client)
 
     @property
     def wait_chunk(self) -> float:
@@ -1162,9 +1296,23 @@ class RedisBackend(RedisPermits, BaseBackend):
         seconds = min(timeout, self.wait_chunk)
         if seconds <= 0.001:
             return
-        client, _ = self._async_client()
-        with self._errors("wait for", name):
-            await client.blpop([self._wait_key(name, owner, fair)], timeout=seconds)
+        side = self._async_side()
+        # A waiter needs a connection of the loop's waiting share; when they are all
+        # taken by other waiters it waits for one instead (the caller tries again
+        # after this wait either way, so it loses nothing but the early wake-up).
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(side.waits.acquire(), seconds)
+        except TimeoutError:
+            return
+        try:
+            left = seconds - (time.monotonic() - started)
+            if left <= 0.001:
+                return
+            with self._errors("wait for", name):
+                await side.client.blpop([self._wait_key(name, owner, fair)], timeout=left)
+        finally:
+            side.waits.release()
 
     def _leave_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
         k = self.all_keys(name)
