@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from django.db import DatabaseError, models, router
+from django.db import DatabaseError, connections, models, router, transaction
 from django.db.models.signals import post_save, pre_save
 from django.utils.translation import gettext_lazy as _
 
@@ -36,9 +36,62 @@ def _token(value: Any, what: str) -> int:
         raise TypeError(
             f"{what} must be an int fencing token or a Lease, not {type(value).__name__}."
         )
-    if value < 0:
-        raise ValueError(f"{what} must be >= 0, not {value}.")
+    if not 0 <= value <= MAX_TOKEN:
+        raise ValueError(
+            f"{what} must be from 0 to {MAX_TOKEN:,} (the largest a fencing_token column "
+            f"stores), not {value}."
+        )
     return value
+
+
+#: The largest fencing token: the column is a signed 64-bit integer.
+MAX_TOKEN = 2**63 - 1
+
+# The fenced UPDATE of one row, by (model, database alias, columns written): its SQL
+# text, built once, since building it through the ORM costs more than running it.
+_statements: dict[tuple[type[models.Model], str, tuple[str, ...]], str] = {}
+
+
+def _fenced_statement(model: type[models.Model], using: str, fields: list[Any]) -> str:
+    key = (model, using, tuple(f.attname for f in fields))
+    sql = _statements.get(key)
+    if sql is None:
+        meta = model._meta
+        quote = connections[using].ops.quote_name
+        token_column = quote(str(getattr(meta.get_field("fencing_token"), "column", "")))
+        assignments = ", ".join(
+            [f"{token_column} = %s", *(f"{quote(f.column)} = %s" for f in fields)]
+        )
+        sql = (
+            f"UPDATE {quote(meta.db_table)} SET {assignments} "
+            f"WHERE {quote(str(meta.pk.column))} = %s AND {token_column} <= %s"
+        )
+        if len(_statements) >= 1024:
+            _statements.clear()
+        _statements[key] = sql
+    return sql
+
+
+def _update_row(
+    instance: models.Model, using: str, token: int, fields: list[Any], values: list[Any]
+) -> int | None:
+    """Run the fenced UPDATE of ``instance``'s row with ``values`` (one per field, as
+    ``pre_save()`` gave them) through Django's cursor, as the ORM would write it: each
+    value prepared by its field for this connection. The rows it changed, or None when
+    a value needs the ORM (an expression, a field with its own SQL placeholder)."""
+    connection = connections[using]
+    params: list[Any] = [token]
+    for field, value in zip(fields, values, strict=True):
+        if hasattr(value, "resolve_expression") or hasattr(field, "get_placeholder"):
+            return None
+        params.append(field.get_db_prep_save(value, connection=connection))
+    meta = type(instance)._meta
+    params.append(meta.pk.get_db_prep_value(instance.pk, connection))
+    params.append(token)
+    sql = _fenced_statement(type(instance), using, fields)
+    with transaction.mark_for_rollback_on_error(using), connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return int(cursor.rowcount)
 
 
 def _multi_table(model: type[models.Model]) -> bool:
@@ -213,12 +266,15 @@ class FencedModel(models.Model):
         )
         # pre_save() may change the instance (auto_now); keep what to restore.
         before = {f.attname: getattr(self, f.attname) for f in fields}
-        values = {f.attname: f.pre_save(self, False) for f in fields}
-        # One filter() call: building the WHERE clause is most of the ORM's cost here.
+        values = [f.pre_save(self, False) for f in fields]
         manager = type(self)._base_manager.using(using)
-        rows = models.QuerySet.update(
-            manager.filter(pk=self.pk, fencing_token__lte=token), fencing_token=token, **values
-        )
+        rows = _update_row(self, using, token, fields, values)
+        if rows is None:  # a value only the ORM can write (an F() expression...)
+            rows = models.QuerySet.update(
+                manager.filter(pk=self.pk, fencing_token__lte=token),
+                fencing_token=token,
+                **{f.attname: value for f, value in zip(fields, values, strict=True)},
+            )
         if rows == 0:
             stored = manager.filter(pk=self.pk).values_list("fencing_token", flat=True).first()
             for attname, value in before.items():

@@ -7,11 +7,13 @@ import multiprocessing
 import os
 import signal
 import time
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection, models
+from django.db import connection, models, transaction
+from django.db.models import F
 from django.test import override_settings
 from model_bakery import baker
 
@@ -23,7 +25,7 @@ from distlocks.models import FencedModel
 from distlocks.signals import fencing_rejected
 from distlocks.testing.servers import RedisServer
 from tests import workers
-from tests.testapp.models import Account, Counter, PlainCounter
+from tests.testapp.models import Account, Counter, Parcel, PlainCounter
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
 
@@ -108,8 +110,10 @@ def test_bad_tokens_are_refused() -> None:
     obj = account(10)
     with pytest.raises(TypeError, match="int fencing token or a Lease"):
         obj.save(fencing_token="10")
-    with pytest.raises(ValueError, match=">= 0"):
-        obj.save(fencing_token=-1)
+    for bad in (-1, 2**63, 10**400):
+        with pytest.raises(ValueError, match="from 0 to 9,223,372,036,854,775,807"):
+            obj.save(fencing_token=bad)
+    assert Account.objects.get(pk=obj.pk).fencing_token == 10  # nothing written
 
 
 class TestLeases:
@@ -213,7 +217,7 @@ class TestDatabaseTrigger:
                 " WHERE t.tgname = 'distlocks_fencing' ORDER BY 1"
             )
             tables = [row[0] for row in cursor.fetchall()]
-        assert tables == ["testapp_account", "testapp_counter"]
+        assert tables == ["testapp parcels", "testapp_account", "testapp_counter"]
 
     def test_raw_sql_cannot_lower_a_token(self) -> None:
         obj = account(50)
@@ -402,3 +406,57 @@ def test_timestamps_are_aware() -> None:
     obj = account(1)
     assert obj.updated_at.tzinfo is not None
     assert obj.updated_at <= dt.datetime.now(dt.UTC)
+
+
+class TestTheFencedStatement:
+    """The fenced UPDATE is built once per model and columns, and each value is prepared
+    by its field as Django's own UPDATE would: quoted names, a UUID key, JSON, decimals,
+    a foreign key; an F() expression goes through the ORM."""
+
+    def parcel(self, **values: Any) -> Parcel:
+        row = Parcel(code="P-1", **values)
+        row.save(fencing_token=5)
+        return row
+
+    def test_values_of_every_kind_round_trip(self) -> None:
+        owner = account(1)
+        row = self.parcel()
+        row.data = {"tags": ["a", "é"], "n": 1}
+        row.weight = Decimal("12.345")
+        row.account = owner
+        row.code = "P-2"
+        row.save(fencing_token=6)
+        stored = Parcel.objects.get(pk=row.pk)
+        assert (stored.code, stored.data, stored.weight, stored.account_id) == (
+            "P-2", {"tags": ["a", "é"], "n": 1}, Decimal("12.345"), owner.pk,
+        )  # fmt: skip
+        assert stored.fencing_token == 6
+
+    def test_a_stale_token_writes_nothing(self) -> None:
+        row = self.parcel()
+        row.code = "stale"
+        with pytest.raises(StaleFencingToken):
+            row.save(fencing_token=4)
+        assert Parcel.objects.get(pk=row.pk).code == "P-1"
+        with pytest.raises(StaleFencingToken):
+            row.save(fencing_token=4, update_fields=["code"])
+        assert Parcel.objects.get(pk=row.pk).code == "P-1"
+
+    def test_raw_sql_lowering_the_token_is_refused_on_a_quoted_table(self) -> None:
+        row = self.parcel()
+        with pytest.raises(StaleFencingToken), transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    'UPDATE "testapp parcels" SET fencing_token = 1 WHERE "parcel id" = %s',
+                    [row.pk],
+                )
+
+    def test_an_expression_goes_through_the_orm(self) -> None:
+        obj = account(10)
+        obj.balance = F("balance") + 5
+        obj.save(fencing_token=11)
+        assert Account.objects.get(pk=obj.pk).balance == 105
+        obj.balance = F("balance") + 5
+        with pytest.raises(StaleFencingToken):
+            obj.save(fencing_token=10)
+        assert Account.objects.get(pk=obj.pk).balance == 105

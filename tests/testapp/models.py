@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
+from decimal import Decimal
+
 from django.db import models
 
 from distlocks.models import FencedModel
@@ -51,3 +54,21 @@ class TaskRun(models.Model):
 
     def __str__(self) -> str:
         return f"{self.run} {self.task_id} #{self.attempt}"
+
+
+class Parcel(FencedModel):
+    """A fenced row with what a plain counter lacks: quoted column names, a UUID key,
+    JSON, a decimal and a foreign key (the fenced UPDATE prepares each value as Django
+    would)."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, db_column="parcel id")
+    code = models.CharField(max_length=20, db_column="Parcel Code")
+    data = models.JSONField(default=dict)
+    weight = models.DecimalField(max_digits=8, decimal_places=3, default=Decimal(0))
+    account = models.ForeignKey(Account, null=True, on_delete=models.SET_NULL)
+
+    class Meta:
+        db_table = "testapp parcels"
+
+    def __str__(self) -> str:
+        return self.code
