@@ -205,13 +205,24 @@ def acquire_lease(
         backend, name, ttl=ttl, timeout=timeout, deadline=deadline, fair=fair, options=options
     )
     owner, holder = attempt.owner, attempt.holder
+    # A backend that can wait and try again in one round trip (Redis) does so.
+    combined = getattr(backend, "wait_and_acquire", None)
     try:
-        while True:
-            started = time.monotonic()
-            result = backend.acquire(name, owner, ttl, holder, wait=attempt.budget(), fair=fair)
-            if attempt.granted(result):
-                break
-            backend.wait(name, attempt.next_wait(result), owner=owner, fair=fair)
+        started = time.monotonic()
+        result = backend.acquire(name, owner, ttl, holder, wait=attempt.budget(), fair=fair)
+        while not attempt.granted(result):
+            seconds = attempt.next_wait(result)
+            again = None
+            if combined is not None:
+                started = time.monotonic()
+                again = combined(
+                    name, owner, ttl, holder, seconds, wait=attempt.budget(), fair=fair
+                )
+            if again is None:
+                backend.wait(name, seconds, owner=owner, fair=fair)
+                started = time.monotonic()
+                again = backend.acquire(name, owner, ttl, holder, wait=attempt.budget(), fair=fair)
+            result = again
     except LockError as exc:
         _not_acquired(attempt, exc)
         raise

@@ -5,7 +5,9 @@ used by a forked child, replaced after a restart, limited in number."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
+import signal
 import threading
 from typing import Any
 
@@ -139,3 +141,55 @@ def test_the_backend_closed_gives_a_new_connection(own: RedisBackend, name: str)
         assert lease.held()
     assert own._local.slot.conn is not old
     assert own._pinned_count == 1
+
+
+def _wait_for_the_lock(url: str, prefix: str, name: str, out: Any) -> None:
+    """Another process: wait for ``name`` (held by the test), report the grant."""
+    from tests.workers import setup_django
+
+    setup_django()
+    from distlocks.backends.redis import RedisBackend
+    from distlocks.locks import acquire_lease
+
+    backend = RedisBackend("waiter", {"LOCATION": url, "OPTIONS": {"key_prefix": prefix}})
+    lease = acquire_lease(backend, name, ttl=30, timeout=60)
+    out.put((lease.fencing_token, os.getpid()))
+    lease.release()
+
+
+@pytest.mark.slow
+def test_a_waiter_takes_the_lock_on_the_server_at_the_release(
+    own: RedisBackend, own_redis: Any, name: str
+) -> None:
+    """The waiter's blocking pop and its next attempt are sent together: the server runs
+    the attempt the moment the release wakes it, even if the waiting process is frozen
+    (SIGSTOP) by then. The lock is never left free for a round trip to the client."""
+    admin = redis_lib.Redis.from_url(own_redis.url)
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    holder = lock(name, backend="own", ttl=30).acquire()
+    worker = context.Process(
+        target=_wait_for_the_lock, args=(own_redis.url, own.key_prefix, name, out)
+    )
+    worker.start()
+    try:
+        blocked = lambda: admin.info("clients")["blocked_clients"] >= 1  # noqa: E731
+        while True:
+            wait_for(blocked, limit=60, what="the waiter blocked on the server")
+            os.kill(worker.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+            if blocked():
+                break  # frozen with its pop (and the attempt behind it) on the server
+            os.kill(worker.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        holder.release()
+        wait_for(
+            lambda: (info := own.inspect(name)) is not None and info.pid == worker.pid,
+            limit=30,
+            what="the frozen waiter to hold the lock",
+        )
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)  # type: ignore[arg-type]
+    token, pid = out.get(timeout=60)
+    worker.join(30)
+    admin.close()
+    assert pid == worker.pid
+    assert token > holder.fencing_token

@@ -1290,6 +1290,60 @@ class RedisBackend(RedisPermits, BaseBackend):
         with self._errors("wait for", name):
             self.client.blpop([self._wait_key(name, owner, fair)], timeout=seconds)
 
+    def wait_and_acquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        seconds: float,
+        *,
+        wait: float,
+        fair: bool,
+    ) -> AcquireResult | None:
+        """:meth:`wait` then :meth:`acquire` in one round trip: the blocking pop and the
+        acquire script pipelined on this thread's connection. Redis runs a client's
+        commands in order, so the attempt runs on the server the moment the release
+        wakes this waiter, without a trip back to the client in between (the lock is
+        free for microseconds, not a round trip, at each hand-off).
+
+        The wait is at most a third of ``ttl``: the lease is counted from the moment
+        this call was sent. None where this cannot be done (a cluster, Sentinel, or a
+        thread beyond the pinned ones): the caller then waits and acquires itself."""
+        if not self._direct:
+            return None
+        seconds = min(seconds, self.wait_chunk, ttl / 3)
+        conn = self._pinned() if seconds > 0.001 else None
+        if conn is None:
+            return None
+        keys, args = self._acquire_call(name, owner, ttl, holder, wait, fair)
+        registered = self._scripts["acquire"]
+        pop = ("BLPOP", self._wait_key(name, owner, fair), f"{seconds:.3f}")
+        run = ("EVALSHA", registered.sha, len(keys), *keys, *args)
+        try:
+            if _hiredis_pack is not None and type(conn._command_packer) is _HiredisPacker:
+                conn.send_packed_command([_hiredis_pack(pop), _hiredis_pack(run)])
+            else:
+                conn.send_packed_command(conn.pack_commands([pop, run]))
+            conn.read_response()  # the wake-up, or nothing at the end of the wait
+            reply = conn.read_response()
+        except NoScriptError:
+            # Both replies were read; the script is loaded by the plain path.
+            return self.acquire(name, owner, ttl, holder, wait=wait, fair=fair)
+        except redis.ConnectionError:
+            # Broken while idle or while waiting: the caller's next plain acquire
+            # reconnects (and is safe to repeat, by owner).
+            conn.disconnect()
+            return None
+        except _DRIVER_ERRORS as exc:
+            # A reply may still be unread: this connection cannot be trusted any more.
+            conn.disconnect()
+            raise self._acquire_error(name, owner, exc) from exc
+        except BaseException:
+            conn.disconnect()
+            raise
+        return self._acquire_result(reply)
+
     async def await_release(
         self, name: str, timeout: float, *, owner: str = "", fair: bool = False
     ) -> None:
