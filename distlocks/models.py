@@ -176,6 +176,23 @@ class FencedModel(models.Model):
                 f"{type(self).__name__} uses multi-table inheritance, which FencedModel does "
                 f"not support (distlocks.E010); make the parent abstract."
             )
+        new_row = (
+            fencing_token is None
+            and self._state.adding
+            and not kwargs.get("force_update")
+            and kwargs.get("update_fields") is None
+            and not fencing.is_unfenced()
+        )
+        if new_row:
+            # A new row (create(), get_or_create(), a factory, an admin add form): an
+            # INSERT overwrites nothing, so it needs no token. It stores the one of the
+            # row's lock if held in this context, else the field's own value (0 unless
+            # given). With a primary key set it is an INSERT only: a row that already
+            # exists is not overwritten without a token (an IntegrityError instead).
+            if args:
+                raise TypeError("FencedModel.save() takes keyword arguments only.")
+            self._fenced_insert(self._insert_token(), **kwargs)
+            return
         token = self._resolve_fencing_token(fencing_token)
         if token is None:  # unfenced: a plain save that leaves the token as it is
             super().save(*args, **kwargs)
@@ -224,6 +241,15 @@ class FencedModel(models.Model):
             f"`with obj.fenced_lock(...)`, or use distlocks.fencing.unfenced() for "
             f"maintenance writes."
         )
+
+    def _insert_token(self) -> int:
+        """The token a new row is inserted with when save() was given none: the one of
+        the row's lock held in this context, else the ``fencing_token`` field's value."""
+        if self.pk is not None:
+            lease = fencing.active_lease(self.get_fencing_lock_name())
+            if lease is not None:
+                return _token(lease, "the active lease")
+        return _token(self.fencing_token, "fencing_token")
 
     def _fenced_insert(self, token: int, **kwargs: Any) -> None:
         previous = self.fencing_token

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection, models, transaction
+from django.db import IntegrityError, connection, models, transaction
 from django.db.models import F
 from django.test import override_settings
 from model_bakery import baker
@@ -175,12 +175,72 @@ class TestEnforcement:
             obj.save()
         assert Account.objects.get(pk=obj.pk).balance == 100
 
-    def test_insert_without_token_is_refused(self) -> None:
+    def test_update_after_an_insert_without_token_still_needs_one(self) -> None:
+        obj = Account.objects.create(owner="x", balance=1)
+        obj.balance = 2
         with pytest.raises(FencingTokenRequired):
-            Account(owner="x").save()
+            obj.save()
+        loaded = Account.objects.get(pk=obj.pk)
+        loaded.balance = 3
         with pytest.raises(FencingTokenRequired):
-            Account.objects.create(owner="x")
+            loaded.save()
+        assert Account.objects.get(pk=obj.pk).balance == 1
+
+
+class TestInsertsNeedNoCeremony:
+    """An INSERT overwrites nothing: new rows need no token (issue "Adoption")."""
+
+    def test_create_and_friends_store_zero(self) -> None:
+        created = Account.objects.create(owner="a")
+        fetched, made = Account.objects.get_or_create(owner="b", defaults={"balance": 1})
+        assert made
+        baked = baker.make(Account, owner="c")
+        plain = Account(owner="d")
+        plain.save()
+        for obj in (created, fetched, baked, plain):
+            assert Account.objects.get(pk=obj.pk).fencing_token == 0
+            assert obj.fencing_token == 0 and not obj._state.adding
+
+    def test_a_given_token_is_stored(self) -> None:
+        obj = Account.objects.create(owner="a", fencing_token=7)
+        assert Account.objects.get(pk=obj.pk).fencing_token == 7
+        obj = Account.objects.create(owner="z", fencing_token=0)
+        assert Account.objects.get(pk=obj.pk).fencing_token == 0
+
+    @pytest.mark.parametrize("bad", [-1, 2**63, "7", 1.5])
+    def test_a_bad_token_value_writes_nothing(self, bad: Any) -> None:
+        with pytest.raises((ValueError, TypeError), match="fencing_token"):
+            Account.objects.create(owner="a", fencing_token=bad)
         assert not Account.objects.exists()
+
+    def test_update_or_create_updates_only_with_a_token(self) -> None:
+        obj, made = Account.objects.update_or_create(owner="a", defaults={"balance": 1})
+        assert made and Account.objects.get(pk=obj.pk).fencing_token == 0
+        with pytest.raises(FencingTokenRequired):
+            Account.objects.update_or_create(owner="a", defaults={"balance": 2})
+        assert Account.objects.get(pk=obj.pk).balance == 1
+        with lock(f"account:{obj.pk}") as lease:
+            Account.objects.update_or_create(owner="a", defaults={"balance": 3})
+        stored = Account.objects.get(pk=obj.pk)
+        assert (stored.balance, stored.fencing_token) == (3, lease.fencing_token)
+
+    def test_a_new_instance_never_overwrites_an_existing_row(self) -> None:
+        existing = account(10)
+        intruder = Account(pk=existing.pk, owner="intruder", balance=0)
+        with pytest.raises(IntegrityError), transaction.atomic():
+            intruder.save()
+        stored = Account.objects.get(pk=existing.pk)
+        assert (stored.owner, stored.balance, stored.fencing_token) == ("ann", 100, 10)
+
+    def test_an_insert_under_the_rows_lock_stores_its_token(self) -> None:
+        with lock("account:424242") as lease:
+            Account.objects.create(pk=424242, owner="a")
+        assert Account.objects.get(pk=424242).fencing_token == lease.fencing_token
+
+    def test_unfenced_inserts_as_before(self) -> None:
+        with unfenced():
+            obj = Account.objects.create(owner="a", fencing_token=5)
+        assert Account.objects.get(pk=obj.pk).fencing_token == 5
 
     def test_queryset_update_needs_a_token(self) -> None:
         account(10)
