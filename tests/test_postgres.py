@@ -330,3 +330,45 @@ def test_a_dropped_unrenewed_lease_is_released(name: str) -> None:
     lock(name, backend="pg", auto_renew=False).acquire()  # dropped at once
     gc.collect()
     wait_for(lambda: pg().inspect(name) is None, what="released after the drop")
+
+
+class TestSynchronousCommit:
+    """Lock connections do not wait for the WAL flush of the registry write (a token
+    cannot go back after a crash: see DEFAULT_SYNCHRONOUS_COMMIT)."""
+
+    def setting_of_a_lock_connection(self, alias: str, name: str) -> str:
+        backend = get_backend(alias)
+        assert isinstance(backend, PostgresBackend)
+        with lock(name, backend=alias) as lease:
+            held = backend._held[lease.owner]
+            return str(held.conn.execute("SHOW synchronous_commit").fetchone()[0])
+
+    def test_off_by_default(self, name: str) -> None:
+        assert self.setting_of_a_lock_connection("pg", name) == "off"
+
+    @pytest.mark.parametrize("value", ["on", "remote_apply", None])
+    def test_configurable(self, value: str | None, name: str, settings: object) -> None:
+        with override_settings(
+            DISTLOCKS_BACKENDS={
+                "pgsync": {
+                    "BACKEND": "distlocks.backends.postgres.PostgresBackend",
+                    "OPTIONS": {"synchronous_commit": value},
+                }
+            }
+        ):
+            with connection.cursor() as cursor:
+                cursor.execute("SHOW synchronous_commit")
+                server = cursor.fetchone()[0]
+            assert self.setting_of_a_lock_connection("pgsync", name) == (value or server)
+
+    @pytest.mark.parametrize("value", ["of", True, 1, "on; DROP TABLE x"])
+    def test_a_bad_value_is_a_check_error(self, value: object) -> None:
+        config = {
+            "default": {
+                "BACKEND": "distlocks.backends.postgres.PostgresBackend",
+                "OPTIONS": {"synchronous_commit": value},
+            }
+        }
+        with override_settings(DISTLOCKS_BACKENDS=config):
+            hints = [str(m.hint) for m in check_settings()]
+        assert any("synchronous_commit" in hint for hint in hints), hints

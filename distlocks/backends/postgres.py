@@ -548,6 +548,16 @@ class PostgresBackend(BaseBackend):
     expires_on_server = False  # held until released or until the connection ends
 
     DEFAULT_POOL_SIZE = 20
+    #: ``synchronous_commit`` of distlocks' own lock connections. "off": an acquire's
+    #: registry write returns before its WAL is flushed to disk (it still is, within
+    #: about three ``wal_writer_delay``, 0.6 s by default). A server crash can then lose
+    #: the last counter updates, but never lets a token go back: the crash ends every
+    #: session, and with it every lock, and the next token of a name is at least the
+    #: server clock in microseconds, past every token minted before the crash (as long
+    #: as that clock does not go back). The flush would otherwise cost more than the
+    #: lock itself on a durable server.
+    DEFAULT_SYNCHRONOUS_COMMIT = "off"
+    SYNCHRONOUS_COMMIT_VALUES = ("on", "off", "local", "remote_write", "remote_apply")
     DEFAULT_CONNECT_TIMEOUT = 2
     #: Longest wait for the server's answer to one request (beyond a lock wait).
     DEFAULT_SOCKET_TIMEOUT = 5.0
@@ -624,6 +634,16 @@ class PostgresBackend(BaseBackend):
                     problems.append(
                         ("E004", f"OPTIONS[{key!r}] must be a number of seconds > 0, not {value!r}")
                     )
+            synchronous = options.get("synchronous_commit", cls.DEFAULT_SYNCHRONOUS_COMMIT)
+            if synchronous is not None and synchronous not in cls.SYNCHRONOUS_COMMIT_VALUES:
+                problems.append(
+                    (
+                        "E004",
+                        f"OPTIONS['synchronous_commit'] must be None (the server's setting) or "
+                        f"one of {', '.join(map(repr, cls.SYNCHRONOUS_COMMIT_VALUES))}, "
+                        f"not {synchronous!r}",
+                    )
+                )
             size = options.get("pool_size", cls.DEFAULT_POOL_SIZE)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 problems.append(("E004", f"OPTIONS['pool_size'] must be an int >= 1, not {size!r}"))
@@ -662,7 +682,13 @@ class PostgresBackend(BaseBackend):
         params.setdefault("tcp_user_timeout", 3000)
         # A statement_timeout from DATABASES would cut lock waits short: these
         # connections bound their waits with lock_timeout instead.
-        params["options"] = f"{params.get('options', '')} -c statement_timeout=0".strip()
+        options = f"{params.get('options', '')} -c statement_timeout=0"
+        # The registry write of each acquire need not wait for its WAL flush: see
+        # DEFAULT_SYNCHRONOUS_COMMIT. None keeps the server's (or DATABASES') setting.
+        synchronous = self.options.get("synchronous_commit", self.DEFAULT_SYNCHRONOUS_COMMIT)
+        if synchronous is not None:
+            options += f" -c synchronous_commit={synchronous}"
+        params["options"] = options.strip()
         params["autocommit"] = True
         # Django turns server-side preparation off (for transaction poolers); these
         # connections are ours and session-bound, and parsing and planning the

@@ -290,10 +290,13 @@ class PostgresServer(_Server):
     # SIGINT is PostgreSQL's "fast" shutdown: it ends client sessions and stops.
     _stop_signal = signal.SIGINT
 
-    def __init__(self, base_dir: Path) -> None:
+    def __init__(self, base_dir: Path, *, durable: bool = False) -> None:
         super().__init__(base_dir)
         self.data_dir = base_dir / "pgdata"
         self.user: str | None = None
+        #: Production settings (fsync, synchronous_commit, full_page_writes on), for
+        #: benchmarks; the default trades durability for speed, as tests may.
+        self.durable = durable
 
     def _prepare_root(self, bin_dir: Path) -> None:
         """PostgreSQL will not run as root: use an unprivileged system user."""
@@ -353,9 +356,11 @@ class PostgresServer(_Server):
                     "-p", str(self.port),
                     "-h", "127.0.0.1",
                     "-k", str(self.data_dir),
-                    "-c", "fsync=off",
-                    "-c", "synchronous_commit=off",
-                    "-c", "full_page_writes=off",
+                    *(() if self.durable else (
+                        "-c", "fsync=off",
+                        "-c", "synchronous_commit=off",
+                        "-c", "full_page_writes=off",
+                    )),
                     "-c", "max_connections=300",
                     "-c", "shared_buffers=64MB",
                 ],
