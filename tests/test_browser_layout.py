@@ -1,0 +1,84 @@
+"""The live-locks table on an ordinary screen, in a real browser: at 1280 and 1920 px
+wide it fits the window (no sideways scrolling, the last column visible), and a long
+lock name is cut short with its full value on hover.
+
+Set ``DISTLOCKS_LAYOUT_SHOTS`` to a directory to also save a screenshot per width."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from distlocks import livelocks, lock
+from distlocks.locks import holder_extra
+from tests.test_browser import browser_page  # noqa: F401 - the fixture
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+LONG = "reports:" + "quarterly-export-for-the-northern-region-" * 4 + "end"
+
+
+@pytest.fixture
+def staged(name: str, pg_ready: None) -> Any:
+    leases = []
+    reset = holder_extra.set({"celery_task_id": "5f1c9a2e-7b7d-4f0e-9a51-6c2d1e0b8f43"})
+    try:
+        leases.append(lock(f"{LONG}:{name}"[:200], backend="redis", ttl=60).acquire())
+        leases.append(lock(f"invoice:{name}", backend="pg", ttl=60).acquire())
+    finally:
+        holder_extra.reset(reset)
+    leases.append(lock(f"short:{name}", backend="locmem", ttl=60).acquire())
+    yield leases
+    for lease in leases:
+        lease.release()
+
+
+@pytest.mark.parametrize("width", [1280, 1920])
+def test_the_table_fits_the_window(
+    width: int,
+    browser_page: Any,  # noqa: F811 - the fixture
+    live_server: Any,
+    django_user_model: Any,
+    staged: list[Any],
+) -> None:
+    django_user_model.objects.create_superuser("ops", password="s3cret-pw")
+    livelocks.snapshots.clear()
+    page = browser_page
+    page.set_viewport_size({"width": width, "height": 900})
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/")
+    page.fill("#id_username", "ops")
+    page.fill("#id_password", "s3cret-pw")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#site-name")
+    page.goto(f"{live_server.url}/admin/distlocks/livelock/?refresh=0")
+    page.wait_for_selector("table#result_list")
+
+    shots = os.environ.get("DISTLOCKS_LAYOUT_SHOTS")  # a directory, to look at the page
+    if shots:
+        page.screenshot(path=f"{shots}/livelocks-{width}.png", full_page=True)
+
+    long_name = staged[0].name
+    row = page.locator(f'tr[data-lock-name="{long_name}"]')
+    assert row.count() == 1
+    # No sideways scrolling: the table is no wider than its container and the window.
+    overflow = page.evaluate(
+        """() => {
+            const box = document.querySelector('#changelist .results');
+            const table = document.querySelector('#result_list');
+            return {box: box.clientWidth, table: table.scrollWidth,
+                    page: document.documentElement.scrollWidth, window: window.innerWidth};
+        }"""
+    )
+    assert overflow["table"] <= overflow["box"] + 1, overflow
+    assert overflow["page"] <= overflow["window"] + 1, overflow
+    # The last column (waiters) and the token are on screen.
+    for cell in ("td.field-waiters", "td.field-token", "td.field-status"):
+        box = row.locator(cell).bounding_box()
+        assert box is not None and box["x"] + box["width"] <= width, (cell, box, width)
+    # The long name is cut short on the page, with its full value on hover.
+    link = row.locator("th.field-name a")
+    assert link.get_attribute("title") == long_name
+    truncated = link.evaluate("el => el.scrollWidth > el.clientWidth")
+    assert truncated
