@@ -312,6 +312,7 @@ def test_each_operation_is_one_evalsha(
     names = [f"{name}:{i}" for i in range(10)]
     for n in names:  # warm up: connections to every primary, scripts loaded
         assert backend.acquire(n, "warm", 5, holder).acquired
+        assert backend.extend(n, "warm", 5)
         assert backend.release(n, "warm")
     counter = CommandCounter(redis_cluster)
     try:
@@ -475,3 +476,35 @@ def test_servers_stop_when_their_process_dies(kind: str, signum: int) -> None:
         assert Path(base_dir).exists()
         servers._sweep_stale_run_dirs()
     assert not Path(base_dir).exists()
+
+
+def test_renewal_in_batches_on_the_cluster(
+    redis_cluster: RedisClusterSet, topology_alias: str, name: str
+) -> None:
+    """extend_many groups the leases by node: one pipeline per primary, each lease
+    renewed once (no retry on its own), and the answers in the leases' order."""
+    backend = cluster_backend(topology_alias)
+    holder = current_holder()
+    names = [f"{name}:{i}" for i in range(90)]
+    for n in names:
+        assert backend.acquire(n, "owner", 5, holder).acquired
+    assert backend.release(names[7], "owner")  # no longer held
+    leases = [(n, "owner", 30.0) for n in names] + [(names[8], "someone-else", 30.0)]
+    # The first batch on a node without the script loads it there, then runs again.
+    for node in backend.client.get_primaries():
+        node.redis_connection.script_flush()
+    assert backend.extend_many(leases[:30]) == [True] * 7 + [False] + [True] * 22
+    counter = CommandCounter(redis_cluster)
+    try:
+        counter.reset()
+        results = backend.extend_many(leases)
+        assert counter.calls() == {"evalsha": 91}
+    finally:
+        counter.close()
+    expected = [True] * 90 + [False]
+    expected[7] = False
+    assert results == expected
+    client = backend.client
+    assert client.pttl(backend.all_keys(names[0]).lock) > 20_000  # renewed to 30 s
+    for n in names:
+        backend.release(n, "owner")

@@ -1243,8 +1243,7 @@ class RedisBackend(RedisPermits, BaseBackend):
 
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | LockError]:
         if self.mode == "cluster":
-            # Keys of many slots cannot share a script: one call each.
-            return super().extend_many(leases)
+            return self._extend_many_cluster(leases)
         results: list[bool | LockError] = []
         for start in range(0, len(leases), self.EXTEND_BATCH):
             chunk = leases[start : start + self.EXTEND_BATCH]
@@ -1261,6 +1260,57 @@ class RedisBackend(RedisPermits, BaseBackend):
                 continue
             results += [bool(reply) for reply in replies]
         return results
+
+    def _extend_many_cluster(
+        self, leases: Sequence[tuple[str, str, float]]
+    ) -> list[bool | LockError]:
+        """Keys of many slots cannot share a script: the leases are grouped by the node
+        that serves their slot, and each node gets one pipeline of single-lease scripts
+        (one round trip per node). A lease whose slot moved meanwhile (a redirect), or
+        whose node lacks the script, is renewed on its own through the cluster client,
+        which follows redirects and loads scripts."""
+        client = self.client
+        results: list[bool | LockError | None] = [None] * len(leases)
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        try:
+            for index, (name, _, _) in enumerate(leases):
+                key = self.all_keys(name).lock
+                node = client.nodes_manager.get_node_from_slot(client.keyslot(key))
+                by_node.setdefault(node.name, (node, []))[1].append(index)
+        except _DRIVER_ERRORS:
+            return super().extend_many(leases)  # no slot map: one call each
+        script = self._scripts["extend"]
+        for node, indexes in by_node.values():
+            try:
+                replies = self._extend_on_node(node, script.sha, leases, indexes)
+                if any(isinstance(reply, NoScriptError) for reply in replies):
+                    # The node's script cache was emptied: load it there, once more.
+                    script.sha = node.redis_connection.script_load(script.script)
+                    replies = self._extend_on_node(node, script.sha, leases, indexes)
+            except _DRIVER_ERRORS:
+                continue  # the node is unreachable: each lease tries on its own below
+            for index, reply in zip(indexes, replies, strict=True):
+                if not isinstance(reply, Exception):
+                    results[index] = bool(reply)
+        for index, result in enumerate(results):
+            if result is None:
+                name, owner, ttl = leases[index]
+                try:
+                    results[index] = self.extend(name, owner, ttl)
+                except LockError as exc:
+                    results[index] = exc
+        return [result for result in results if result is not None]
+
+    def _extend_on_node(
+        self, node: Any, sha: str, leases: Sequence[tuple[str, str, float]], indexes: list[int]
+    ) -> list[Any]:
+        """One pipeline of EXTEND scripts on one cluster node: a reply (or the error met)
+        per lease of ``indexes``."""
+        pipe = node.redis_connection.pipeline(transaction=False)
+        for index in indexes:
+            name, owner, ttl = leases[index]
+            pipe.evalsha(sha, 1, self.all_keys(name).lock, owner, max(1, round(ttl * 1000)))
+        return list(pipe.execute(raise_on_error=False))
 
     async def aextend(self, name: str, owner: str, ttl: float) -> bool:
         ttl_ms = max(1, round(ttl * 1000))
