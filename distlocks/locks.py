@@ -284,14 +284,25 @@ async def aacquire_lease(
         backend, name, ttl=ttl, timeout=timeout, deadline=deadline, fair=fair, options=options
     )
     owner, holder = attempt.owner, attempt.holder
+    combined = getattr(backend, "await_and_acquire", None)
     try:
-        while True:
-            started = time.monotonic()
-            budget = attempt.budget()
-            result = await backend.aacquire(name, owner, ttl, holder, wait=budget, fair=fair)
-            if attempt.granted(result):
-                break
-            await backend.await_release(name, attempt.next_wait(result), owner=owner, fair=fair)
+        started = time.monotonic()
+        result = await backend.aacquire(name, owner, ttl, holder, wait=attempt.budget(), fair=fair)
+        while not attempt.granted(result):
+            seconds = attempt.next_wait(result)
+            again = None
+            if combined is not None:
+                started = time.monotonic()
+                again = await combined(
+                    name, owner, ttl, holder, seconds, wait=attempt.budget(), fair=fair
+                )
+            if again is None:
+                await backend.await_release(name, seconds, owner=owner, fair=fair)
+                started = time.monotonic()
+                again = await backend.aacquire(
+                    name, owner, ttl, holder, wait=attempt.budget(), fair=fair
+                )
+            result = again
     except LockError as exc:
         _not_acquired(attempt, exc)
         raise

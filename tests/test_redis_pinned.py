@@ -143,23 +143,35 @@ def test_the_backend_closed_gives_a_new_connection(own: RedisBackend, name: str)
     assert own._pinned_count == 1
 
 
-def _wait_for_the_lock(url: str, prefix: str, name: str, out: Any) -> None:
+def _wait_for_the_lock(url: str, prefix: str, name: str, out: Any, use_async: bool) -> None:
     """Another process: wait for ``name`` (held by the test), report the grant."""
     from tests.workers import setup_django
 
     setup_django()
+    import asyncio
+
     from distlocks.backends.redis import RedisBackend
-    from distlocks.locks import acquire_lease
+    from distlocks.locks import aacquire_lease, acquire_lease
 
     backend = RedisBackend("waiter", {"LOCATION": url, "OPTIONS": {"key_prefix": prefix}})
+    if use_async:
+
+        async def main() -> None:
+            lease = await aacquire_lease(backend, name, ttl=30, timeout=60)
+            out.put((lease.fencing_token, os.getpid()))
+            await lease.release()
+
+        asyncio.run(main())
+        return
     lease = acquire_lease(backend, name, ttl=30, timeout=60)
     out.put((lease.fencing_token, os.getpid()))
     lease.release()
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("use_async", [False, True], ids=["lock", "alock"])
 def test_a_waiter_takes_the_lock_on_the_server_at_the_release(
-    own: RedisBackend, own_redis: Any, name: str
+    own: RedisBackend, own_redis: Any, name: str, use_async: bool
 ) -> None:
     """The waiter's blocking pop and its next attempt are sent together: the server runs
     the attempt the moment the release wakes it, even if the waiting process is frozen
@@ -169,7 +181,7 @@ def test_a_waiter_takes_the_lock_on_the_server_at_the_release(
     out = context.Queue()
     holder = lock(name, backend="own", ttl=30).acquire()
     worker = context.Process(
-        target=_wait_for_the_lock, args=(own_redis.url, own.key_prefix, name, out)
+        target=_wait_for_the_lock, args=(own_redis.url, own.key_prefix, name, out, use_async)
     )
     worker.start()
     try:

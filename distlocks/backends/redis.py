@@ -541,9 +541,10 @@ def _unpinned(backend_ref: Any, pool: Any) -> None:
             backend._pinned_count -= 1
 
 
-async def _asend(conn: Any, command: tuple[Any, ...]) -> None:
-    """Send ``command`` on an asyncio connection: written at once to the socket, and
-    waited for (up to the socket timeout) only if the kernel did not take it all."""
+async def _asend(conn: Any, *commands: tuple[Any, ...]) -> None:
+    """Send ``commands`` (pipelined) on an asyncio connection: written at once to the
+    socket, and waited for (up to the socket timeout) only if the kernel did not take
+    it all."""
     writer = getattr(conn, "_writer", None)
     encoder = conn.encoder
     if (
@@ -552,12 +553,12 @@ async def _asend(conn: Any, command: tuple[Any, ...]) -> None:
         or conn.health_check_interval
         or (encoder.encoding, encoder.encoding_errors) != ("utf-8", "strict")
     ):
-        await conn.send_packed_command(conn.pack_command(*command))
+        await conn.send_packed_command(conn.pack_commands(commands))
         return
     if not conn.is_connected:
         await conn.connect()
         writer = conn._writer
-    writer.write(_hiredis_pack(command))
+    writer.writelines([_hiredis_pack(command) for command in commands])
     if writer.transport.get_write_buffer_size():
         try:
             await asyncio.wait_for(writer.drain(), conn.socket_timeout)
@@ -1390,8 +1391,66 @@ class RedisBackend(RedisPermits, BaseBackend):
             conn.disconnect()
             raise self._acquire_error(name, owner, exc) from exc
         except BaseException:
+            # Interrupted with the attempt sent: it may have taken the lock for an owner
+            # nobody will release. Give it back (off this thread), as after a timeout.
             conn.disconnect()
+            threading.Thread(target=self.release_quietly, args=(name, owner), daemon=True).start()
             raise
+        return self._acquire_result(reply)
+
+    async def await_and_acquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        seconds: float,
+        *,
+        wait: float,
+        fair: bool,
+    ) -> AcquireResult | None:
+        """:meth:`wait_and_acquire` for asyncio, on a connection of the loop's waiting
+        share (when every one is taken by other waiters, it waits for one, then tries
+        plainly). None where it cannot be done: the caller waits and acquires itself."""
+        if not self._direct:
+            return None
+        seconds = min(seconds, self.wait_chunk, ttl / 3)
+        if seconds <= 0.001:
+            return None
+        side = self._async_side()
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(side.waits.acquire(), seconds)
+        except TimeoutError:
+            return await self.aacquire(name, owner, ttl, holder, wait=wait, fair=fair)
+        conn = side.idle.pop() if side.idle else side.client.connection_pool.make_connection()
+        try:
+            left = max(0.01, seconds - (time.monotonic() - started))
+            keys, args = self._acquire_call(name, owner, ttl, holder, wait, fair)
+            registered = side.scripts["acquire"]
+            await _asend(
+                conn,
+                ("BLPOP", self._wait_key(name, owner, fair), f"{left:.3f}"),
+                ("EVALSHA", registered.sha, len(keys), *keys, *args),
+            )
+            await conn.read_response()  # the wake-up, or nothing at the end of the wait
+            reply = await conn.read_response()
+        except NoScriptError:
+            return await self.aacquire(name, owner, ttl, holder, wait=wait, fair=fair)
+        except redis.ConnectionError:
+            await conn.disconnect(nowait=True)
+            return None  # the caller's plain acquire reconnects (safe to repeat, by owner)
+        except _DRIVER_ERRORS as exc:
+            await conn.disconnect(nowait=True)
+            raise self._acquire_error(name, owner, exc) from exc
+        except BaseException:
+            # Cancelled with the attempt sent: give back what it may have taken.
+            await conn.disconnect(nowait=True)
+            threading.Thread(target=self.release_quietly, args=(name, owner), daemon=True).start()
+            raise
+        finally:
+            side.idle.append(conn)
+            side.waits.release()
         return self._acquire_result(reply)
 
     async def await_release(
