@@ -12,14 +12,18 @@ from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.conf import conf
 from distlocks.handler import backend_class
+from distlocks.redaction import redact
+from distlocks.validation import MAX_TIMEOUT, MAX_TTL
 
 # Every message distlocks can emit, kept together so the IDs are easy to audit.
 E001 = "DISTLOCKS_BACKENDS must be a dict of alias -> backend config with a 'default' alias."
 E002 = "A DISTLOCKS_BACKENDS entry must be a dict with a 'BACKEND' dotted path."
 E003 = "A DISTLOCKS_BACKENDS 'BACKEND' must import as a BaseBackend subclass."
 E004 = "A DISTLOCKS_BACKENDS entry is not valid for its backend class."
-E005 = "DISTLOCKS_DEFAULT_TTL must be a number of seconds >= 0.01."
-E006 = "DISTLOCKS_DEFAULT_TIMEOUT must be None or a number of seconds >= 0."
+E005 = "DISTLOCKS_DEFAULT_TTL must be a number of seconds from 0.01 to 31,536,000 (365 days)."
+E006 = (
+    "DISTLOCKS_DEFAULT_TIMEOUT must be None or a number of seconds from 0 to 31,536,000 (365 days)."
+)
 E007 = "DISTLOCKS_KEY_PREFIX must be a non-empty str without braces."
 E008 = "PostgresBackend needs a PostgreSQL database."
 E009 = "Session-mode PostgreSQL locks cannot work behind transaction pooling."
@@ -30,12 +34,10 @@ W001 = "LocMemBackend only locks within one process."
 
 
 def _is_number(value: Any) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and not math.isnan(value)
-        and not math.isinf(value)
-    )
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    # An int of any size is finite (and math.isnan would overflow on a huge one).
+    return isinstance(value, int) or math.isfinite(value)
 
 
 @register(Tags.compatibility, "distlocks")
@@ -43,10 +45,10 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     errors: list[CheckMessage] = []
     errors.extend(_check_backends())
     ttl = conf.DEFAULT_TTL
-    if not _is_number(ttl) or ttl < 0.01:
+    if not _is_number(ttl) or not 0.01 <= ttl <= MAX_TTL:
         errors.append(Error(E005, hint=f"It is {ttl!r}; set it to e.g. 30.", id="distlocks.E005"))
     timeout = conf.DEFAULT_TIMEOUT
-    if timeout is not None and (not _is_number(timeout) or timeout < 0):
+    if timeout is not None and (not _is_number(timeout) or not 0 <= timeout <= MAX_TIMEOUT):
         errors.append(
             Error(
                 E006,
@@ -59,6 +61,11 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     if not isinstance(prefix, str) or not prefix or set("{}") & set(prefix):
         errors.append(Error(E007, hint=f"It is {prefix!r}; e.g. 'distlocks'.", id="distlocks.E007"))
     errors.extend(_check_operations())
+    # Settings are quoted in these messages, and a LOCATION may hold a password.
+    for error in errors:
+        error.msg = redact(error.msg)
+        if error.hint:
+            error.hint = redact(error.hint)
     return errors
 
 
@@ -91,7 +98,7 @@ def _check_operations() -> list[CheckMessage]:
 def _check_backends() -> list[CheckMessage]:
     value = conf.BACKENDS
     if not isinstance(value, Mapping) or "default" not in value:
-        got = "not set" if value is None else f"{value!r}"[:80]
+        got = "not set" if value is None else redact(repr(value))[:80]
         return [
             Error(
                 E001,

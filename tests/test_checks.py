@@ -115,3 +115,20 @@ def test_every_id_is_covered() -> None:
     # Model checks need models: tests/test_fencing.py::TestModelCheck covers E010.
     tested |= {"distlocks.E010"}
     assert defined == tested
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "check_id"),
+    [
+        ("DISTLOCKS_DEFAULT_TTL", 365 * 86400 + 1, "distlocks.E005"),
+        ("DISTLOCKS_DEFAULT_TTL", 1e300, "distlocks.E005"),
+        ("DISTLOCKS_DEFAULT_TIMEOUT", 365 * 86400 + 1, "distlocks.E006"),
+        ("DISTLOCKS_DEFAULT_TIMEOUT", 10**400, "distlocks.E006"),
+    ],
+)
+def test_defaults_beyond_the_bounds_are_errors_that_name_them(
+    setting: str, value: object, check_id: str
+) -> None:
+    with override_settings(**{setting: value}):
+        found = [m for m in check_settings() if m.id == check_id]
+    assert found and "31,536,000" in found[0].msg
