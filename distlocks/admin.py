@@ -19,9 +19,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 from django.contrib import admin, messages
-from django.contrib.admin.models import DELETION, LogEntry
 from django.contrib.admin.utils import unquote
-from django.contrib.contenttypes.models import ContentType
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
@@ -29,7 +27,7 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.translation import gettext_lazy as _
 
-from distlocks import livelocks, lock_many
+from distlocks import audit, livelocks, lock_many
 from distlocks.exceptions import (
     LockBackendUnavailable,
     LockNotAcquired,
@@ -37,6 +35,8 @@ from distlocks.exceptions import (
 )
 from distlocks.fencing import unfenced
 from distlocks.models import FencedModel, LiveLock
+from distlocks.redaction import escape_control
+from distlocks.validation import validate_name
 
 logger = logging.getLogger(__name__)
 
@@ -143,8 +143,7 @@ class FencedModelAdmin(admin.ModelAdmin):
             )
 
 
-#: Between the parts of a permit's LogEntry object id (never in a lock name).
-_SEPARATOR = "\x1f"
+_SEPARATOR = audit.SEPARATOR
 
 #: Columns of the list: (sort key or "", heading).
 _COLUMNS = [
@@ -269,9 +268,10 @@ class LiveLockAdmin(admin.ModelAdmin):
             )
             return None, HttpResponseRedirect(self._url("changelist"))
         try:
+            validate_name(name)
             kind, owner = livelocks.check_ref(data.get("kind", ""), data.get("owner", ""))
-        except ValueError as exc:
-            self.message_user(request, str(exc), messages.ERROR)
+        except (ValueError, TypeError) as exc:
+            self.message_user(request, escape_control(str(exc)), messages.ERROR)
             return None, HttpResponseRedirect(self._url("changelist"))
         return (alias, name, kind, owner), None
 
@@ -568,11 +568,22 @@ class LiveLockAdmin(admin.ModelAdmin):
             )
             return TemplateResponse(request, "distlocks/admin/livelock_release.html", context)
 
-        try:
-            expected = int(data.get("fencing_token", ""))
-        except ValueError:
-            expected = None
+        expected = _token_of(data.get("fencing_token"))
         lock_url = self.lock_url(alias, name, kind, owner)
+        if kind == livelocks.LOCK and expected is None:
+            # Only the holder the operator saw (and confirmed) may be evicted: a form
+            # without its token names nobody, so nothing is done.
+            self.message_user(
+                request,
+                _(
+                    "Lock %(name)r on backend %(alias)r was not released: the request did "
+                    "not say which holder (fencing token) to evict. Use the Force release "
+                    "button on the lock's page."
+                )
+                % {"name": name, "alias": alias},
+                messages.ERROR,
+            )
+            return HttpResponseRedirect(lock_url)
         what: dict[str, Any] = {
             "name": name,
             "alias": alias,
@@ -614,7 +625,7 @@ class LiveLockAdmin(admin.ModelAdmin):
                 messages.ERROR,
             )
             return HttpResponseRedirect(lock_url)
-        self._log(request, done)
+        audit.log_force_release(done, request.user)
         what["holder"] = done.before.holder if done.before else "-"
         what["counter"] = done.counter if done.counter is not None else "?"
         if kind == livelocks.LOCK and done.released:
@@ -623,10 +634,7 @@ class LiveLockAdmin(admin.ModelAdmin):
                 "Fencing tokens up to %(counter)s are now stale."
             )
         elif kind == livelocks.LOCK:
-            text = _(
-                "Lock %(name)r on backend %(alias)r was already free; its fencing "
-                "counter was advanced anyway."
-            )
+            text = _("Lock %(name)r on backend %(alias)r was already free: nothing was done.")
         elif not done.released:
             text = _(
                 "The %(kind)s of owner %(owner)s on %(name)r (backend %(alias)r) ended "
@@ -648,35 +656,11 @@ class LiveLockAdmin(admin.ModelAdmin):
         )
         return HttpResponseRedirect(self._url("changelist"))
 
-    def _log(self, request: HttpRequest, done: livelocks.ForceReleased) -> None:
-        before = done.before
-        holder = (
-            f"{before.holder}, owner {before.info.owner}, fencing token {before.info.fencing_token}"
-            if before
-            else "no holder"
-        )
-        if before and before.celery_task_id:
-            holder += f", Celery task {before.celery_task_id}"
-        user_id = request.user.pk
-        assert user_id is not None  # admin views are for signed-in staff only
-        object_id = f"{done.alias}:{done.name}"
-        object_repr = f"{done.name} ({done.alias})"
-        what = "Force-released"
-        if done.kind != livelocks.LOCK:
-            object_id += f"{_SEPARATOR}{done.kind}{_SEPARATOR}{done.owner}"
-            object_repr = f"{done.name} ({done.alias}, {done.kind} of {done.owner})"
-            what = f"Force-released a {livelocks.describe_kind(done.kind)}"
-        state = "was held" if done.released else "was free"
-        counter = "" if done.counter is None else f"; fencing counter now {done.counter}"
-        if done.counter is None and done.kind != livelocks.SEMAPHORE:
-            counter = "; fencing counter now unknown"
-        LogEntry.objects.create(
-            user_id=user_id,
-            content_type_id=ContentType.objects.get_for_model(
-                LiveLock, for_concrete_model=False
-            ).pk,
-            object_id=object_id,
-            object_repr=object_repr[:200],
-            action_flag=DELETION,
-            change_message=f"{what} ({state}): {holder}{counter}.",
-        )
+
+def _token_of(value: Any) -> int | None:
+    """The fencing token a force-release form names, or None when it names none that
+    a lock can have (missing, not an integer, negative, beyond 64 bits)."""
+    if not isinstance(value, str) or not value.strip().isdigit() or len(value.strip()) > 19:
+        return None
+    token = int(value)
+    return token if token <= 2**63 - 1 else None

@@ -45,6 +45,7 @@ from distlocks import signals
 from distlocks.backends.base import READ, SEMAPHORE, WRITE, BaseBackend, LockInfo
 from distlocks.conf import conf
 from distlocks.handler import backend_configs, backends
+from distlocks.redaction import escape_control, redact
 
 logger = logging.getLogger(__name__)
 
@@ -429,7 +430,10 @@ def get(alias: str) -> BaseBackend:
 
 
 def describe_error(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    """The error as operators see it: its type and message, no password, no control
+    characters."""
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return escape_control(redact(text))
 
 
 def collect(
@@ -730,13 +734,24 @@ def force_release(
         raise TokenChanged(None)
     if expected_token is not None and current_token != expected_token:
         raise TokenChanged(before)
-    if before is not None and kind != LOCK:
+    if kind != LOCK:
+        assert before is not None
         released = backend.force_release_holder(before.info)
+    elif expected_token is not None:
+        # The server compares the token and evicts in one step: if the lock changed
+        # hands since it was read above, nothing is done.
+        released = backend.force_release(name, expected_token)
+        if not released:
+            snapshots.clear()
+            raise TokenChanged(inspect(alias, name))
     else:
         released = backend.force_release(name)
     if released and before is not None:
         _wait_evicted(backend, name, kind, before.info.owner)
     snapshots.clear()
+    if not released:
+        # Nothing was held, so nothing was written: no log line, no signal.
+        return ForceReleased(alias, name, before, False, None, kind, owner)
     try:
         counter: int | None
         if kind == LOCK:
@@ -747,9 +762,11 @@ def force_release(
         logger.warning("Could not read the fencing counter of %r on %r", name, alias, exc_info=True)
         counter = None
     logger.warning(
-        "%s %r on backend %r force-released via %s by %s (holder before: %s, owner %s, token %s)",
-        describe_kind(kind).capitalize(), name, alias, via, user or "-",
-        before.holder if before else "none", before.info.owner if before else "-",
+        "%s %s on backend %r force-released via %s by %s (holder before: %s, owner %s, token %s)",
+        describe_kind(kind).capitalize(), escape_control(repr(name)), alias, via,
+        escape_control(str(user or "-")),
+        escape_control(before.holder) if before else "none",
+        before.info.owner if before else "-",
         before.info.fencing_token if before else "-",
     )  # fmt: skip
     signals.lock_force_released.send_robust(

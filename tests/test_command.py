@@ -130,6 +130,7 @@ def test_release_with_yes(name: str, shared_alias: str) -> None:
         lease.extend()
 
 
+@pytest.mark.django_db
 def test_release_asks_for_confirmation(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     lease = lock(name, backend="redis", ttl=30).acquire()
     for answer in ("n\n", ""):  # a "no", and the end of input
@@ -243,3 +244,67 @@ def test_owner_without_kind_is_an_error(name: str) -> None:
         run("inspect", name, "--owner", "abc")
     with pytest.raises(CommandError, match="identified by its name alone"):
         run("release", name, "--backend", "redis", "--owner", "abc", "--yes")
+
+
+@pytest.mark.django_db
+def test_a_release_is_audited_like_one_from_the_admin(name: str, django_user_model: Any) -> None:
+    from django.contrib.admin.models import DELETION, LogEntry
+
+    from distlocks.audit import COMMAND_LINE_USERNAME
+
+    first = lock(f"{name}:a", backend="redis", ttl=30).acquire()
+    out, _ = run("release", f"{name}:a", "--backend", "redis", "--yes")
+    entry = LogEntry.objects.get(object_id=f"redis:{name}:a")
+    assert entry.action_flag == DELETION
+    assert entry.user.get_username() == COMMAND_LINE_USERNAME
+    assert not entry.user.is_active and not entry.user.has_usable_password()
+    assert f"fencing token {first.fencing_token}" in entry.change_message
+    assert "From the command line, by" in entry.change_message
+    assert f"pid {os.getpid()}" in entry.change_message  # who ran it, on this machine
+    assert COMMAND_LINE_USERNAME in out
+
+    ops = django_user_model.objects.create_user("ops-oncall")
+    lock(f"{name}:b", backend="redis", ttl=30).acquire()
+    run("release", f"{name}:b", "--backend", "redis", "--yes", "--user", "ops-oncall")
+    assert LogEntry.objects.get(object_id=f"redis:{name}:b").user == ops
+
+    third = lock(f"{name}:c", backend="redis", ttl=30).acquire()
+    with pytest.raises(CommandError, match="no user 'nobody-here'"):
+        run("release", f"{name}:c", "--backend", "redis", "--yes", "--user", "nobody-here")
+    assert third.held() and get_backend("redis").inspect(f"{name}:c") is not None
+    assert not LogEntry.objects.filter(object_id=f"redis:{name}:c").exists()
+    third.release()
+
+
+@pytest.mark.django_db
+def test_control_characters_are_escaped_in_text_output(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from distlocks.locks import holder_extra
+
+    evil = "worker\x1b[31m\r\nFAKE LINE\x07"
+    result: list[Any] = []
+
+    def take() -> None:
+        reset = holder_extra.set({"celery_task_id": "id\x1b[2Jcleared"})
+        try:
+            result.append(lock(name, backend="redis", ttl=30).acquire())
+        finally:
+            holder_extra.reset(reset)
+
+    thread = threading.Thread(target=take, name=evil)
+    thread.start()
+    thread.join()
+    lease = result[0]
+    try:
+        listed, _ = run("list", "--backend", "redis")
+        shown, _ = run("inspect", name, "--backend", "redis")
+        prompt, _ = run("release", name, "--backend", "redis", stdin="y\n", monkeypatch=monkeypatch)
+        for text in (listed, shown, prompt):
+            assert "\x1b" not in text and "\r" not in text and "\x07" not in text
+            assert "FAKE LINE" not in text.splitlines()  # no line of its own
+        assert "worker\\x1b[31m\\x0d\\x0aFAKE LINE\\x07" in shown
+    finally:
+        lease.release()

@@ -4,7 +4,7 @@
 
     manage.py distlocks list [--backend ALIAS] [--status STATUS] [--json]
     manage.py distlocks inspect NAME [--backend ALIAS] [--kind KIND [--owner OWNER]] [--json]
-    manage.py distlocks release NAME --backend ALIAS [--kind KIND --owner OWNER] [--yes]
+    manage.py distlocks release NAME --backend ALIAS [--kind KIND --owner OWNER] [--yes] [--user U]
 
 ``--kind semaphore|read|write`` names the permits of a semaphore or read-write lock
 instead of the plain lock ``NAME``; several holders share one name, so releasing one
@@ -25,7 +25,8 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from distlocks import livelocks
+from distlocks import audit, livelocks
+from distlocks.redaction import escape_control, redact
 
 _TABLE = [
     ("NAME", lambda x: x.name),
@@ -66,6 +67,11 @@ class Command(BaseCommand):
         release.add_argument("--backend", required=True, help="the DISTLOCKS_BACKENDS alias")
         self._permit_arguments(release, "the owner id of the permit to evict (required)")
         release.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+        release.add_argument(
+            "--user",
+            help="record the release in the admin's action history under this user "
+            f"(default: the {audit.COMMAND_LINE_USERNAME!r} service account)",
+        )
 
     @staticmethod
     def _permit_arguments(parser: ArgumentParser, owner_help: str) -> None:
@@ -115,7 +121,7 @@ class Command(BaseCommand):
         if options["json"]:
             self._json([item.as_dict() for item in items])
         elif items:
-            cells = [[str(get(item)) for _, get in _TABLE] for item in items]
+            cells = [[escape_control(get(item)) for _, get in _TABLE] for item in items]
             widths = [
                 max(len(head), *(len(row[i]) for row in cells))
                 for i, (head, _) in enumerate(_TABLE)
@@ -131,7 +137,9 @@ class Command(BaseCommand):
             self.stderr.write(f"Backend {alias!r}: more locks than one listing reads; truncated.")
         if snapshot.errors:
             for alias, error in snapshot.errors.items():
-                self.stderr.write(f"Backend {alias!r} cannot be read: {error}")
+                self.stderr.write(
+                    f"Backend {alias!r} cannot be read: {escape_control(redact(error))}"
+                )
             raise CommandError(
                 f"{len(snapshot.errors)} backend(s) could not be read; their locks are missing."
             )
@@ -182,11 +190,11 @@ class Command(BaseCommand):
             width = max(len(key) for key in data)
             self.stdout.write(f"{item.name} on {item.backend}:")
             for key, value in data.items():
-                self.stdout.write(
-                    f"  {key.ljust(width)}  {'-' if value in (None, '', []) else value}"
-                )
+                shown = "-" if value in (None, "", []) else escape_control(value)
+                self.stdout.write(f"  {key.ljust(width)}  {shown}")
             for key, value in sorted(extra.items()):
-                self.stdout.write(f"  {('extra.' + key).ljust(width)}  {value}")
+                label = escape_control("extra." + str(key)).ljust(width)
+                self.stdout.write(f"  {label}  {escape_control(value)}")
 
     # -- release ----------------------------------------------------------------------
 
@@ -210,9 +218,11 @@ class Command(BaseCommand):
                                f"nothing to release.")  # fmt: skip
         if not options["yes"]:
             self.stdout.write(
-                f"{which} on backend {alias!r} is held by {item.holder} "
-                f"(owner {item.info.owner}, fencing token {item.info.fencing_token}, "
-                f"status {item.status}{': ' + item.reason if item.reason else ''})."
+                escape_control(
+                    f"{which} on backend {alias!r} is held by {item.holder} "
+                    f"(owner {item.info.owner}, fencing token {item.info.fencing_token}, "
+                    f"status {item.status}{': ' + item.reason if item.reason else ''})."
+                )
             )
             question = (
                 "Force-release it? The holder's fenced writes will be rejected. [y/N] "
@@ -224,6 +234,11 @@ class Command(BaseCommand):
             answer = sys.stdin.readline()  # "" at end of input: not confirmed
             if answer.strip().lower() not in ("y", "yes"):
                 raise CommandError("Not released (not confirmed; pass --yes to skip the question).")
+        try:
+            # Who the admin's action history will name: known before anything is done.
+            recorded_as = audit.command_line_user(options.get("user"))
+        except LookupError as exc:
+            raise CommandError(f"{exc} Nothing was released (--user).") from exc
         try:
             done = livelocks.force_release(
                 alias,
@@ -246,11 +261,15 @@ class Command(BaseCommand):
             ) from exc
         if not done.released:
             raise CommandError(f"{which} on backend {alias!r} was released meanwhile.")
+        audit.log_force_release(done, recorded_as, note=f"From the command line, by {_os_user()}.")
         counter = "" if done.counter is None else f"; fencing counter now {done.counter}"
         self.stdout.write(
             self.style.SUCCESS(
-                f"Released {name!r} on backend {alias!r} (was held by {item.holder}, token "
-                f"{item.info.fencing_token}{', owner ' + owner if owner else ''}){counter}."
+                escape_control(
+                    f"Released {name!r} on backend {alias!r} (was held by {item.holder}, "
+                    f"token {item.info.fencing_token}{', owner ' + owner if owner else ''})"
+                    f"{counter}; recorded in the admin's history as {recorded_as}."
+                )
             )
         )
 
