@@ -1,0 +1,634 @@
+"""ZooKeeper backend: the classic lock recipe, fenced by zxid.
+
+Layout, under ``OPTIONS["prefix"]`` (default ``/distlocks``) below the chroot of
+``LOCATION``::
+
+    <prefix>/locks/n<quoted name>                 persistent: the fence node
+    <prefix>/locks/n<quoted name>/c-<owner>-<seq> ephemeral sequential: one contender
+
+* acquire is one multi-op: create this caller's contender node and write the fence
+  node. Both get the zxid of that transaction, which is the fencing token (the
+  contender's czxid, the fence node's mzxid): zxids only grow, on every server of
+  the ensemble, across restarts and leader changes.
+* the contender with the lowest sequence number holds the lock; the others wait,
+  each watching only the contender just before it (no herd, first come first served).
+* release deletes the caller's own node; a waiter that gives up deletes its node too.
+* force release is one multi-op deleting the holder's node (only if its czxid is the
+  token given) and writing the fence node, so the counter moves past the victim.
+
+The nodes are ephemeral: ZooKeeper deletes them when the client's session ends. A
+lock therefore lives as long as the holder's session, not for ``ttl``; ``ttl`` is the
+local lease and renewal period (see docs/backend-zookeeper.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import logging
+import os
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar, NoReturn
+
+from django.core.exceptions import ImproperlyConfigured
+
+from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
+from distlocks.exceptions import LockBackendUnavailable, LockError
+from distlocks.redaction import redact
+
+try:
+    from kazoo.client import KazooClient
+    from kazoo.exceptions import (
+        BadVersionError,
+        ConnectionClosedError,
+        ConnectionLoss,
+        KazooException,
+        NodeExistsError,
+        NoNodeError,
+        OperationTimeoutError,
+        SessionExpiredError,
+    )
+    from kazoo.handlers.threading import KazooTimeoutError
+    from kazoo.protocol.states import KazooState, ZnodeStat
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImproperlyConfigured(
+        "distlocks.backends.zookeeper.ZooKeeperBackend needs kazoo: "
+        "pip install 'distlocks[zookeeper]'."
+    ) from exc
+
+logger = logging.getLogger(__name__)
+
+#: Errors that mean "the ensemble cannot be reached now" rather than "it said no".
+_UNAVAILABLE = (
+    ConnectionLoss,
+    ConnectionClosedError,
+    SessionExpiredError,
+    OperationTimeoutError,
+    KazooTimeoutError,
+)
+#: Errors the recipe handles itself; passed through untranslated.
+_EXPECTED = (NoNodeError, NodeExistsError, BadVersionError)
+_CONTENDER = "c-"
+_SEQ_DIGITS = 10
+
+DEFAULTS: dict[str, Any] = {
+    "prefix": "/distlocks",
+    "session_timeout": 10.0,
+    "connect_timeout": 3.0,
+    "socket_timeout": 5.0,
+}
+_TLS_KEYS = ("use_ssl", "verify_certs", "ca", "certfile", "keyfile", "keyfile_password")
+_OPTION_KEYS = frozenset(DEFAULTS) | {"auth"} | set(_TLS_KEYS)
+
+
+@dataclasses.dataclass
+class _Node:
+    """This process's contender node for one (name, owner)."""
+
+    path: str
+    token: int
+    #: Session generation it was created in; a lost session took the node with it.
+    generation: int
+
+
+def _seq(child: str) -> int:
+    try:
+        return int(child[-_SEQ_DIGITS:])
+    except ValueError:
+        return -1
+
+
+def _owner_of(child: str) -> str:
+    return urllib.parse.unquote(child[len(_CONTENDER) : -_SEQ_DIGITS - 1])
+
+
+def _contenders(children: list[str]) -> list[str]:
+    """Contender nodes in queue order (the holder first)."""
+    return sorted((c for c in children if c.startswith(_CONTENDER)), key=_seq)
+
+
+def _epoch_ms(milliseconds: int) -> dt.datetime:
+    return dt.datetime.fromtimestamp(milliseconds / 1000, dt.UTC)
+
+
+class ZooKeeperBackend(BaseBackend):
+    """Locks as ephemeral sequential nodes on a ZooKeeper ensemble (kazoo).
+
+    ``LOCATION`` is a ZooKeeper connection string, ``"host:port,host:port/chroot"``.
+    ``OPTIONS``: ``session_timeout`` (seconds asked for; the server bounds it),
+    ``connect_timeout`` (how long a call waits for a connection before
+    :class:`LockBackendUnavailable`), ``socket_timeout`` (bound of each request),
+    ``prefix`` (the znode under which locks live), ``auth`` (a list of
+    ``(scheme, credential)`` pairs, e.g. ``[("digest", "user:password")]``), and the
+    TLS keys ``use_ssl``, ``verify_certs``, ``ca``, ``certfile``, ``keyfile``,
+    ``keyfile_password``.
+    """
+
+    config_keys: ClassVar[frozenset[str]] = frozenset({"LOCATION", "OPTIONS"})
+    wakes_on_release: ClassVar[bool] = True
+    expires_on_server: ClassVar[bool] = False  # held until released or the session ends
+
+    def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
+        super().__init__(alias, config)
+        problems = self.validate_config(alias, config)
+        if problems:
+            raise ImproperlyConfigured(f"DISTLOCKS_BACKENDS[{alias!r}]: {'; '.join(problems)}.")
+        self.location: str = config["LOCATION"]
+        opts = {**DEFAULTS, **self.options}
+        self.prefix = "/" + str(opts["prefix"]).strip("/")
+        self.session_timeout = float(opts["session_timeout"])
+        self.connect_timeout = float(opts["connect_timeout"])
+        self.socket_timeout = float(opts["socket_timeout"])
+        self._locks_path = f"{self.prefix}/locks"
+        self._client: KazooClient | None = None
+        self._pid = os.getpid()
+        self._client_lock = threading.Lock()
+        self._connected = threading.Event()
+        #: Bumped each time a session is lost: nodes of older generations are gone.
+        self._generation = 0
+        self._nodes: dict[tuple[str, str], _Node] = {}
+        self._waiting: set[threading.Event] = set()
+        self._state_lock = threading.Lock()
+        self._warned_ttl = False
+
+    @classmethod
+    def validate_config(cls, alias: str, config: Mapping[str, Any]) -> list[str]:
+        problems = super().validate_config(alias, config)
+        location = config.get("LOCATION")
+        if not isinstance(location, str) or not location.strip():
+            problems.append(
+                "LOCATION must be a ZooKeeper connection string such as "
+                "'zk1:2181,zk2:2181,zk3:2181/chroot'"
+            )
+        options = config.get("OPTIONS") or {}
+        if isinstance(options, Mapping):
+            unknown = set(options) - _OPTION_KEYS
+            if unknown:
+                problems.append(
+                    f"unknown OPTIONS key(s) {', '.join(sorted(map(str, unknown)))}; "
+                    f"ZooKeeperBackend accepts {', '.join(sorted(_OPTION_KEYS))}"
+                )
+            for key in ("session_timeout", "connect_timeout", "socket_timeout"):
+                value = options.get(key, DEFAULTS[key])
+                if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                    problems.append(f"OPTIONS[{key!r}] must be a positive number of seconds")
+            prefix = options.get("prefix", DEFAULTS["prefix"])
+            if not isinstance(prefix, str) or not prefix.strip("/"):
+                problems.append("OPTIONS['prefix'] must be a znode path such as '/distlocks'")
+            auth = options.get("auth", [])
+            if not isinstance(auth, list | tuple) or not all(
+                isinstance(item, list | tuple) and len(item) == 2 for item in auth
+            ):
+                problems.append(
+                    "OPTIONS['auth'] must be a list of (scheme, credential) pairs, "
+                    "e.g. [('digest', 'user:password')]"
+                )
+        return problems
+
+    # -- session ------------------------------------------------------------------
+
+    def _on_state(self, state: str) -> None:
+        """kazoo's connection thread: never block here."""
+        if state == KazooState.CONNECTED:
+            self._connected.set()
+            return
+        self._connected.clear()
+        if state == KazooState.LOST:
+            # The session expired (or was closed): every ephemeral node of it is gone,
+            # so every lease of it is lost and every waiter has lost its place.
+            with self._state_lock:
+                self._generation += 1
+                waiting = list(self._waiting)
+            for event in waiting:
+                event.set()
+            logger.warning("ZooKeeper session of backend %r lost", self.alias)
+        else:
+            logger.info("ZooKeeper connection of backend %r suspended", self.alias)
+
+    def _new_client(self) -> KazooClient:
+        opts = {**DEFAULTS, **self.options}
+        tls = {key: opts[key] for key in _TLS_KEYS if key in opts}
+        client = KazooClient(
+            hosts=self.location,
+            timeout=self.session_timeout,
+            # Keep reconnecting in the background: a session survives a short outage.
+            connection_retry={"max_tries": -1, "delay": 0.05, "backoff": 2, "max_delay": 1.0},
+            command_retry=None,
+            auth_data=[tuple(item) for item in opts.get("auth", [])] or None,
+            logger=logging.getLogger("kazoo.client"),
+            **tls,
+        )
+        client.add_listener(self._on_state)
+        return client
+
+    def _ready(self, action: str, name: str) -> KazooClient:
+        """The connected client; LockBackendUnavailable within ``connect_timeout``."""
+        if self._pid != os.getpid():
+            # A forked child: the parent's session and nodes are not ours to use.
+            self._reset_after_fork()
+        client = self._client
+        if client is None:
+            with self._client_lock:
+                client = self._client
+                if client is None:
+                    client = self._new_client()
+                    try:
+                        client.start(timeout=self.connect_timeout)
+                    except Exception as exc:
+                        with_cause = self._unavailable(action, name, exc)
+                        raise with_cause from exc
+                    self._client = client
+        if not self._connected.wait(self.connect_timeout):
+            raise LockBackendUnavailable(
+                self.alias,
+                f"{action} {name!r} failed: no connection to ZooKeeper at "
+                f"{redact(self.location)} within {self.connect_timeout:g}s",
+            )
+        return client
+
+    def _reset_after_fork(self) -> None:
+        self._pid = os.getpid()
+        self._client = None  # the parent's threads are not in this process
+        self._client_lock = threading.Lock()
+        self._connected = threading.Event()
+        self._nodes = {}
+        self._waiting = set()
+
+    def _unavailable(self, action: str, name: str, exc: BaseException) -> LockBackendUnavailable:
+        detail = redact(f"{type(exc).__name__}: {exc}")
+        return LockBackendUnavailable(
+            self.alias, f"{action} {name!r} on ZooKeeper {redact(self.location)}: {detail}"
+        )
+
+    def _fail(self, action: str, name: str, exc: BaseException) -> NoReturn:
+        if isinstance(exc, _UNAVAILABLE):
+            raise self._unavailable(action, name, exc) from exc
+        detail = redact(f"{type(exc).__name__}: {exc}")
+        raise LockError(
+            f"ZooKeeper error while trying to {action} lock {name!r} on backend "
+            f"{self.alias!r}: {detail}"
+        ) from exc
+
+    def _get(self, action: str, name: str, result: Any) -> Any:
+        """Wait for a kazoo async result, at most ``socket_timeout``; errors wrapped
+        (except the few the recipe handles, which pass through)."""
+        try:
+            return result.get(timeout=self.socket_timeout)
+        except _EXPECTED:
+            raise
+        except (KazooException, KazooTimeoutError) as exc:
+            self._fail(action, name, exc)
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and self._pid == os.getpid():
+            try:
+                client.stop()
+                client.close()
+            except Exception:
+                logger.debug("Error closing ZooKeeper client", exc_info=True)
+
+    # -- paths --------------------------------------------------------------------
+
+    def lock_path(self, name: str) -> str:
+        """The fence node of ``name`` (its children are the contenders)."""
+        return f"{self._locks_path}/n{urllib.parse.quote(name, safe='')}"
+
+    def _children(self, client: KazooClient, action: str, name: str) -> list[str]:
+        try:
+            children = self._get(action, name, client.get_children_async(self.lock_path(name)))
+        except NoNodeError:
+            return []
+        return _contenders(children)
+
+    def _commit(self, action: str, name: str, txn: Any) -> list[Any]:
+        results = self._get(action, name, txn.commit_async())
+        return list(results)
+
+    def _find_own(self, children: list[str], owner: str) -> list[str]:
+        prefix = f"{_CONTENDER}{urllib.parse.quote(owner, safe='')}-"
+        return [c for c in children if c.startswith(prefix) and len(c) == len(prefix) + 10]
+
+    def _entry(self, name: str, owner: str) -> _Node | None:
+        """This process's node for (name, owner), if it belongs to the live session."""
+        entry = self._nodes.get((name, owner))
+        if entry is not None and entry.generation != self._generation:
+            self._nodes.pop((name, owner), None)
+            return None
+        return entry
+
+    # -- the recipe ---------------------------------------------------------------
+
+    def _enqueue(self, client: KazooClient, name: str, owner: str, data: bytes) -> _Node:
+        """One multi-op: create the contender node and write the fence node."""
+        parent = self.lock_path(name)
+        node_prefix = f"{parent}/{_CONTENDER}{urllib.parse.quote(owner, safe='')}-"
+        generation = self._generation
+        for _ in range(3):
+            txn = client.transaction()
+            txn.create(node_prefix, data, ephemeral=True, sequence=True)
+            txn.set_data(parent, b"")
+            try:
+                results = self._commit("acquire", name, txn)
+            except LockBackendUnavailable:
+                # The transaction may have been applied with only the reply lost: give
+                # a node of this owner back once the connection returns.
+                self._cleanup_later(name, owner)
+                raise
+            created, fence = results
+            if isinstance(created, str) and isinstance(fence, ZnodeStat):
+                return _Node(created, fence.mzxid, generation)
+            if isinstance(created, NoNodeError) or isinstance(fence, NoNodeError):
+                # First use of this name: create the fence node, then try again.
+                with contextlib.suppress(NodeExistsError):
+                    self._get("acquire", name, client.ensure_path_async(parent))
+                continue
+            error = next(r for r in results if isinstance(r, Exception))
+            self._fail("acquire", name, error)
+        raise LockError(f"Could not create the lock node of {name!r} on backend {self.alias!r}.")
+
+    def _cleanup_later(self, name: str, owner: str) -> None:
+        def clean() -> None:
+            deadline = time.monotonic() + max(self.session_timeout, 5.0)
+            while time.monotonic() < deadline:
+                try:
+                    self.leave_queue(name, owner)
+                    return
+                except LockError:
+                    time.sleep(0.2)
+
+        threading.Thread(target=clean, name="distlocks-zk-cleanup", daemon=True).start()
+
+    def acquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        wait: float = 0.0,
+        fair: bool = False,
+    ) -> AcquireResult:
+        client = self._ready("acquire", name)
+        self._check_ttl(client, ttl)
+        entry = self._entry(name, owner)
+        children: list[str] | None = None
+        if entry is None:
+            if wait <= 0:
+                # Try once: a busy lock is refused without writing anything.
+                children = self._children(client, "acquire", name)
+                own = self._find_own(children, owner)
+                if own:
+                    entry = self._adopt(client, name, owner, own[0])
+                elif children:
+                    return AcquireResult(False, 0, None)
+            if entry is None:
+                data = json.dumps(
+                    {
+                        "owner": owner,
+                        "host": holder.host,
+                        "pid": holder.pid,
+                        "thread": holder.thread,
+                        "extra": dict(holder.extra),
+                        "ttl": ttl,
+                    },
+                    separators=(",", ":"),
+                ).encode()
+                entry = self._enqueue(client, name, owner, data)
+                self._nodes[(name, owner)] = entry
+                children = None
+        if children is None or entry.path.rsplit("/", 1)[1] not in children:
+            children = self._children(client, "acquire", name)
+        mine = entry.path.rsplit("/", 1)[1]
+        if mine not in children:
+            # Deleted under us (forced out while queued, or the session changed).
+            self._nodes.pop((name, owner), None)
+            return AcquireResult(False, 0, None)
+        own = self._find_own(children, owner)
+        if own[0] != mine:
+            # A retried acquire found an older node of this owner: keep that one.
+            self._delete_quietly(client, entry.path)
+            entry = self._adopt(client, name, owner, own[0])
+            mine = own[0]
+        if children[0] == mine:
+            return AcquireResult(True, entry.token, ttl)
+        if wait <= 0:
+            self.leave_queue(name, owner)
+        return AcquireResult(False, 0, None)
+
+    def _adopt(self, client: KazooClient, name: str, owner: str, child: str) -> _Node:
+        """Take over this owner's node found on the server (a retried acquire)."""
+        path = f"{self.lock_path(name)}/{child}"
+        stat = self._get("acquire", name, client.exists_async(path))
+        token = stat.czxid if stat is not None else 0
+        entry = _Node(path, token, self._generation)
+        self._nodes[(name, owner)] = entry
+        return entry
+
+    def _check_ttl(self, client: KazooClient, ttl: float) -> None:
+        negotiated = client._session_timeout / 1000 if client._session_timeout else None
+        if negotiated and ttl > negotiated and not self._warned_ttl:
+            self._warned_ttl = True
+            logger.warning(
+                "Lock ttl %ss on backend %r is longer than its ZooKeeper session timeout "
+                "(%ss): a holder cut off from the ensemble may trust its lease after the "
+                "session expired. Use ttl <= the session timeout.",
+                ttl, self.alias, negotiated,
+            )  # fmt: skip
+
+    def _delete_quietly(self, client: KazooClient, path: str) -> None:
+        try:
+            client.delete_async(path).get(timeout=self.socket_timeout)
+        except Exception:
+            logger.debug("Could not delete %s", path, exc_info=True)
+
+    def _own_path(self, client: KazooClient, action: str, name: str, owner: str) -> str | None:
+        entry = self._entry(name, owner)
+        if entry is not None:
+            return entry.path
+        own = self._find_own(self._children(client, action, name), owner)
+        return f"{self.lock_path(name)}/{own[0]}" if own else None
+
+    def release(self, name: str, owner: str) -> bool:
+        client = self._ready("release", name)
+        entry = self._nodes.get((name, owner))
+        lost = entry is not None and entry.generation != self._generation
+        path = None if lost else self._own_path(client, "release", name, owner)
+        self._nodes.pop((name, owner), None)
+        if path is None:
+            return False
+        try:
+            # Version 0: the contender node is never rewritten, so anything else is
+            # not the node this owner created.
+            self._get("release", name, client.delete_async(path, version=0))
+        except (NoNodeError, BadVersionError):
+            return False
+        return True
+
+    def leave_queue(self, name: str, owner: str) -> None:
+        client = self._ready("leave the queue of", name)
+        path = self._own_path(client, "leave the queue of", name, owner)
+        self._nodes.pop((name, owner), None)
+        if path is not None:
+            with contextlib.suppress(NoNodeError, BadVersionError):
+                self._get("leave the queue of", name, client.delete_async(path, version=0))
+
+    def extend(self, name: str, owner: str, ttl: float) -> bool:
+        """Confirm the lease: its node still exists in the live session. Nothing is
+        written (the server keeps the node for as long as the session lives)."""
+        entry = self._nodes.get((name, owner))
+        if entry is not None and entry.generation != self._generation:
+            self._nodes.pop((name, owner), None)
+            return False  # the session that held it is gone
+        client = self._ready("extend", name)
+        if entry is not None and entry.generation != self._generation:
+            return False  # lost while reconnecting
+        path = self._own_path(client, "extend", name, owner)
+        if path is None:
+            return False
+        stat = self._get("extend", name, client.exists_async(path))
+        if stat is None:
+            self._nodes.pop((name, owner), None)
+            return False
+        return True
+
+    def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
+        """Block until the contender just before ``owner``'s node goes (or the holder,
+        for a caller with no node), or ``timeout``: a watch, no polling."""
+        client = self._ready("wait for", name)
+        entry = self._entry(name, owner) if owner else None
+        children = self._children(client, "wait for", name)
+        if not children:
+            return
+        if entry is None:
+            watched = children[0]
+        else:
+            mine = entry.path.rsplit("/", 1)[1]
+            if mine not in children or children[0] == mine:
+                return
+            watched = children[children.index(mine) - 1]
+        event = threading.Event()
+        with self._state_lock:
+            self._waiting.add(event)
+        try:
+            stat = self._get(
+                "wait for",
+                name,
+                client.exists_async(
+                    f"{self.lock_path(name)}/{watched}", watch=lambda _: event.set()
+                ),
+            )
+            if stat is not None:
+                event.wait(max(0.0, timeout))
+        finally:
+            with self._state_lock:
+                self._waiting.discard(event)
+
+    def force_release(self, name: str, token: int | None = None) -> bool:
+        client = self._ready("force-release", name)
+        parent = self.lock_path(name)
+        for _ in range(5):
+            children = self._children(client, "force-release", name)
+            if not children:
+                return False  # a free name: nothing is written
+            path = f"{parent}/{children[0]}"
+            stat = self._get("force-release", name, client.exists_async(path))
+            if stat is None:
+                continue  # released meanwhile: look again
+            if token is not None and stat.czxid != token:
+                return False  # the lock changed hands: leave the new holder alone
+            txn = client.transaction()
+            txn.delete(path, version=stat.version)
+            txn.set_data(parent, b"")
+            results = self._commit("force-release", name, txn)
+            if not any(isinstance(r, Exception) for r in results):
+                return True
+            if token is not None:
+                return False  # the holder went meanwhile: not this call's eviction
+        return False
+
+    def fencing_counter(self, name: str) -> int:
+        client = self._ready("read the fencing counter of", name)
+        stat = self._get(
+            "read the fencing counter of", name, client.exists_async(self.lock_path(name))
+        )
+        # version 0: the fence node was created but no token was issued yet.
+        return int(stat.mzxid) if stat is not None and stat.version > 0 else 0
+
+    # -- inspection ---------------------------------------------------------------
+
+    def _describe(self, client: KazooClient, name: str) -> LockInfo | None:
+        for _ in range(5):
+            children = self._children(client, "inspect", name)
+            if not children:
+                return None
+            try:
+                raw, stat = self._get(
+                    "inspect", name, client.get_async(f"{self.lock_path(name)}/{children[0]}")
+                )
+            except NoNodeError:
+                continue  # released meanwhile: the next contender holds
+            return self._info(name, children, raw, stat)
+        return None
+
+    def _info(self, name: str, children: list[str], raw: bytes, stat: ZnodeStat) -> LockInfo:
+        try:
+            data = json.loads(raw or b"{}")
+        except ValueError:
+            data = {}
+        if not isinstance(data, dict):
+            data = {}
+        pid = data.get("pid")
+        ttl = data.get("ttl")
+        return LockInfo(
+            name=name,
+            backend=self.alias,
+            owner=str(data.get("owner") or _owner_of(children[0])),
+            fencing_token=int(stat.czxid),
+            host=str(data.get("host", "")),
+            pid=pid if isinstance(pid, int) else None,
+            thread=str(data.get("thread", "")),
+            # When the contender queued (server clock); there is no server-side expiry.
+            acquired_at=_epoch_ms(stat.ctime),
+            expires_at=None,
+            ttl=float(ttl) if isinstance(ttl, int | float) else None,
+            waiters=len(children) - 1,
+            extra={
+                **(data.get("extra") or {}),
+                "session": f"0x{stat.ephemeralOwner:x}",
+                "waiting": [_owner_of(child) for child in children[1:]],
+            },
+        )
+
+    def inspect(self, name: str) -> LockInfo | None:
+        return self._describe(self._ready("inspect", name), name)
+
+    def iter_locks(self) -> Iterator[LockInfo]:
+        client = self._ready("list", "*")
+        try:
+            names = self._get("list", "*", client.get_children_async(self._locks_path))
+        except NoNodeError:
+            return
+        for child in sorted(names):
+            if not child.startswith("n"):
+                continue
+            info = self._describe(client, urllib.parse.unquote(child[1:]))
+            if info is not None:
+                yield info
+
+    # -- for tests and operations -------------------------------------------------
+
+    def contenders(self, name: str) -> list[str]:
+        """Owners of the contender nodes of ``name`` in queue order (holder first)."""
+        client = self._ready("inspect", name)
+        return [_owner_of(child) for child in self._children(client, "inspect", name)]
+
+    def session_id(self) -> int | None:
+        """The id of this process's current session (None before the first call)."""
+        client = self._client
+        return client.client_id[0] if client is not None and client.client_id else None
