@@ -82,7 +82,15 @@ DEFAULTS: dict[str, Any] = {
     "connect_timeout": 3.0,
     "socket_timeout": 5.0,
 }
-_TLS_KEYS = ("use_ssl", "verify_certs", "ca", "certfile", "keyfile", "keyfile_password")
+_TLS_KEYS = (
+    "use_ssl",
+    "verify_certs",
+    "check_hostname",
+    "ca",
+    "certfile",
+    "keyfile",
+    "keyfile_password",
+)
 _OPTION_KEYS = frozenset(DEFAULTS) | {"auth"} | set(_TLS_KEYS)
 
 
@@ -125,7 +133,7 @@ class ZooKeeperBackend(BaseBackend):
     :class:`LockBackendUnavailable`), ``socket_timeout`` (bound of each request),
     ``prefix`` (the znode under which locks live), ``auth`` (a list of
     ``(scheme, credential)`` pairs, e.g. ``[("digest", "user:password")]``), and the
-    TLS keys ``use_ssl``, ``verify_certs``, ``ca``, ``certfile``, ``keyfile``,
+    TLS keys ``use_ssl``, ``verify_certs``, ``check_hostname``, ``ca``, ``certfile``, ``keyfile``,
     ``keyfile_password``.
     """
 

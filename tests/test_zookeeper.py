@@ -1,0 +1,464 @@
+"""The ZooKeeper backend on a real standalone ZooKeeper (Debian's jars, started here).
+
+Skipped, saying what to install, where java or the ZooKeeper jars are missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.test import override_settings
+
+from distlocks import alock, get_backend, lock
+from distlocks.backends.base import Holder
+from distlocks.exceptions import LockBackendUnavailable, LockLost, LockNotAcquired
+from distlocks.testing.zookeeper_server import ZooKeeperServer, zookeeper_missing
+from tests import zookeeper_workers
+
+pytestmark = pytest.mark.skipif(bool(zookeeper_missing()), reason=zookeeper_missing())
+
+BACKEND = "distlocks.backends.zookeeper.ZooKeeperBackend"
+HOLDER = Holder(host="test", pid=1, thread="t")
+
+
+def four_letter(server: ZooKeeperServer, word: bytes = b"srvr") -> dict[str, str]:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=2) as sock:
+        sock.sendall(word)
+        reply = b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+    pairs = (line.split(":", 1) for line in reply.decode().splitlines() if ":" in line)
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def last_zxid(server: ZooKeeperServer) -> int:
+    """The server's last zxid: it moves with every write, and only with writes."""
+    return int(four_letter(server)["Zxid"], 16)
+
+
+def received(server: ZooKeeperServer) -> int:
+    """Requests (and pings) the server has received so far."""
+    return int(four_letter(server)["Received"])
+
+
+@pytest.fixture(scope="module")
+def zk_server() -> Iterator[ZooKeeperServer]:
+    server = ZooKeeperServer().start()
+    yield server
+    server.close()
+
+
+def zk_config(location: str, **options: Any) -> dict[str, Any]:
+    return {"BACKEND": BACKEND, "LOCATION": location, "OPTIONS": options}
+
+
+@pytest.fixture
+def zk(settings: Any, zk_server: ZooKeeperServer) -> str:
+    """The alias of a ZooKeeper backend on the module's server."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zk": zk_config(zk_server.location, session_timeout=4),
+    }
+    return "zk"
+
+
+@pytest.fixture
+def own_zk(tmp_path: Path) -> Iterator[ZooKeeperServer]:
+    """A server of the test's own, to stop or freeze."""
+    server = ZooKeeperServer().start()
+    yield server
+    server.close()
+
+
+def wait_for(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+# -- the basics ------------------------------------------------------------------------
+
+
+def test_acquire_extend_release(zk: str, name: str) -> None:
+    backend = get_backend(zk)
+    with lock(name, backend=zk, ttl=5, timeout=1) as lease:
+        assert lease.fencing_token > 0
+        assert backend.fencing_counter(name) == lease.fencing_token
+        info = backend.inspect(name)
+        assert info is not None
+        assert (info.owner, info.fencing_token, info.waiters) == (
+            lease.owner,
+            lease.fencing_token,
+            0,
+        )
+        assert info.pid == os.getpid() and info.ttl == 5
+        assert [i.name for i in backend.iter_locks() if i.name == name] == [name]
+        lease.extend(3)
+        assert lease.held() and lease.renewals == 1
+        with pytest.raises(LockNotAcquired):
+            lock(name, backend=zk, ttl=5, timeout=0).acquire()
+    assert backend.inspect(name) is None
+    assert backend.contenders(name) == []
+    assert not backend.release(name, lease.owner)  # idempotent, and only its own
+
+
+def test_tokens_strictly_increase_per_name(zk: str, name: str) -> None:
+    backend = get_backend(zk)
+    tokens = []
+    for _ in range(5):
+        with lock(name, backend=zk, ttl=5, timeout=1) as lease:
+            tokens.append(lease.fencing_token)
+    with lock(f"{name}:other", backend=zk, ttl=5, timeout=1):
+        pass
+    holder = lock(name, backend=zk, ttl=5, timeout=1).acquire()
+    tokens.append(holder.fencing_token)
+    assert backend.force_release(name, holder.fencing_token)
+    assert backend.fencing_counter(name) > holder.fencing_token
+    with lock(name, backend=zk, ttl=5, timeout=1) as lease:
+        tokens.append(lease.fencing_token)
+    assert tokens == sorted(set(tokens)), tokens
+    assert tokens[-1] > backend.fencing_counter(name) - 1
+
+
+def test_retried_acquire_finds_its_own_node(zk: str, name: str) -> None:
+    backend = get_backend(zk)
+    first = backend.acquire(name, "owner-1", 5, HOLDER)
+    again = backend.acquire(name, "owner-1", 5, HOLDER)
+    assert first.acquired and again.acquired
+    assert again.fencing_token == first.fencing_token
+    assert backend.contenders(name) == ["owner-1"]
+    # A fresh backend object (no memory of the node) finds it on the server too,
+    # as long as it is the same session's... or any: the owner names the node.
+    backend._nodes.clear()
+    assert backend.acquire(name, "owner-1", 5, HOLDER).fencing_token == first.fencing_token
+    assert backend.contenders(name) == ["owner-1"]
+    assert backend.release(name, "owner-1")
+    assert not backend.release(name, "owner-1")
+
+
+def test_name_with_slashes_and_unicode(zk: str, name: str) -> None:
+    odd = f"{name}/a/../b ü %2F ."
+    backend = get_backend(zk)
+    with lock(odd, backend=zk, ttl=5, timeout=1) as lease:
+        assert backend.inspect(odd).fencing_token == lease.fencing_token  # type: ignore[union-attr]
+        assert odd in {info.name for info in backend.iter_locks()}
+
+
+# -- waiting -----------------------------------------------------------------------------
+
+
+def test_waiter_is_woken_by_the_release_without_polling(
+    zk: str, name: str, zk_server: ZooKeeperServer
+) -> None:
+    backend = get_backend(zk)
+    holder = lock(name, backend=zk, ttl=30, timeout=1).acquire()
+    got: list[float] = []
+
+    def waiter() -> None:
+        with lock(name, backend=zk, ttl=30, timeout=20):
+            got.append(time.monotonic())
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    wait_for(lambda: len(backend.contenders(name)) == 2)
+    before = received(zk_server)
+    time.sleep(1.5)
+    # Pings only (a session of 4 s pings every ~1.3 s per client); a waiter polling
+    # every 100 ms would have sent 15 requests.
+    assert received(zk_server) - before <= 6
+    released_at = time.monotonic()
+    holder.release()
+    thread.join(10)
+    assert got and got[0] - released_at < 0.5
+
+
+def test_waiters_get_the_lock_in_arrival_order(zk: str, name: str) -> None:
+    backend = get_backend(zk)
+    holder = lock(name, backend=zk, ttl=30, timeout=1).acquire()
+    order: list[int] = []
+
+    def waiter(index: int) -> None:
+        with lock(name, backend=zk, ttl=30, timeout=20):
+            order.append(index)
+            time.sleep(0.01)
+
+    threads = []
+    for index in range(4):
+        thread = threading.Thread(target=waiter, args=(index,))
+        thread.start()
+        threads.append(thread)
+        # Arrival order is the order of the nodes: start the next once this one queued.
+        wait_for(lambda index=index: len(backend.contenders(name)) == index + 2)
+    holder.release()
+    for thread in threads:
+        thread.join(20)
+    assert order == [0, 1, 2, 3]
+
+
+def test_waiter_that_times_out_leaves_no_node(zk: str, name: str) -> None:
+    backend = get_backend(zk)
+    with lock(name, backend=zk, ttl=30, timeout=1) as holder:
+        started = time.monotonic()
+        with pytest.raises(LockNotAcquired):
+            lock(name, backend=zk, ttl=30, timeout=0.3).acquire()
+        assert 0.3 <= time.monotonic() - started < 2
+        assert backend.contenders(name) == [holder.owner]
+        # A try-once on a busy lock writes nothing at all.
+        before = last_zxid_of(zk)
+        with pytest.raises(LockNotAcquired):
+            lock(name, backend=zk, ttl=30, timeout=0).acquire()
+        assert last_zxid_of(zk) == before
+    assert backend.contenders(name) == []
+
+
+def last_zxid_of(alias: str) -> int:
+    client = get_backend(alias)._client
+    assert client is not None
+    host, port = client.hosts[0]
+    with socket.create_connection((host, port), timeout=2) as sock:
+        sock.sendall(b"srvr")
+        reply = b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+    line = next(line for line in reply.decode().splitlines() if line.startswith("Zxid:"))
+    return int(line.split(":")[1], 16)
+
+
+def test_a_waiter_leaving_wakes_the_one_behind_it(zk: str, name: str) -> None:
+    """The middle waiter gives up: the last one now watches the holder, and gets the
+    lock at its release."""
+    backend = get_backend(zk)
+    holder = lock(name, backend=zk, ttl=30, timeout=1).acquire()
+    results: dict[str, Any] = {}
+
+    def quitter() -> None:
+        try:
+            lock(name, backend=zk, ttl=30, timeout=0.5).acquire()
+        except LockNotAcquired as exc:
+            results["quitter"] = exc
+
+    def patient() -> None:
+        with lock(name, backend=zk, ttl=30, timeout=20):
+            results["patient"] = time.monotonic()
+
+    first = threading.Thread(target=quitter)
+    first.start()
+    wait_for(lambda: len(backend.contenders(name)) == 2)
+    second = threading.Thread(target=patient)
+    second.start()
+    first.join(5)
+    assert isinstance(results.get("quitter"), LockNotAcquired)
+    assert len(backend.contenders(name)) == 2  # holder and the patient waiter
+    released_at = time.monotonic()
+    holder.release()
+    second.join(10)
+    assert results["patient"] - released_at < 0.5
+
+
+def test_alock(zk: str, name: str) -> None:
+    async def main() -> int:
+        async with alock(name, backend=zk, ttl=5, timeout=1) as lease:
+            assert lease.held()
+            return lease.fencing_token
+
+    assert asyncio.run(main()) > 0
+    assert get_backend(zk).inspect(name) is None
+
+
+# -- force release and loss ----------------------------------------------------------------
+
+
+def test_force_release_is_bound_to_the_token(zk: str, name: str) -> None:
+    backend = get_backend(zk)
+    lease = lock(name, backend=zk, ttl=0.6, timeout=1).acquire()
+    assert not backend.force_release(name, lease.fencing_token - 1)
+    assert not backend.force_release(name, lease.fencing_token + 1)
+    assert backend.inspect(name).owner == lease.owner  # type: ignore[union-attr]
+    assert backend.force_release(name, lease.fencing_token)
+    assert backend.inspect(name) is None
+    assert backend.fencing_counter(name) > lease.fencing_token
+    # The holder hears of it at its next renewal (ttl/3), well before its lease ends.
+    wait_for(lambda: not lease.held(), timeout=0.6)
+    assert "no longer had it" in lease.lost_reason
+    with pytest.raises(LockLost):
+        lease.ensure_held()
+    assert not lease.release()
+
+
+def test_force_release_of_a_free_name_writes_nothing(zk: str, name: str) -> None:
+    backend = get_backend(zk)
+    with lock(name, backend=zk, ttl=5, timeout=1):
+        pass
+    counter = backend.fencing_counter(name)
+    before = last_zxid_of(zk)
+    assert not backend.force_release(name)
+    assert not backend.force_release(f"{name}:never-used", 123)
+    assert last_zxid_of(zk) == before
+    assert backend.fencing_counter(name) == counter
+
+
+def test_force_release_without_token_hands_the_lock_to_the_next_waiter(zk: str, name: str) -> None:
+    backend = get_backend(zk)
+    holder = lock(name, backend=zk, ttl=30, timeout=1).acquire()
+    got: list[int] = []
+    thread = threading.Thread(
+        target=lambda: got.append(
+            lock(name, backend=zk, ttl=30, timeout=10).acquire().fencing_token
+        )
+    )
+    thread.start()
+    wait_for(lambda: len(backend.contenders(name)) == 2)
+    assert backend.force_release(name)
+    thread.join(10)
+    assert got and got[0] > holder.fencing_token
+    with pytest.raises(LockLost):
+        holder.extend()
+
+
+def test_session_expiry_loses_the_lease(
+    settings: Any, zk_server: ZooKeeperServer, name: str
+) -> None:
+    from kazoo.client import KazooClient
+
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zk1": zk_config(zk_server.location, session_timeout=1),
+    }
+    backend = get_backend("zk1")
+    lost: list[str] = []
+    lease = lock(
+        name, backend="zk1", ttl=1, timeout=1, on_lost=lambda gone: lost.append(gone.lost_reason)
+    ).acquire()
+    session_id, password = backend._client.client_id  # type: ignore[union-attr]
+    # Close the session from another client: the server expires it, deleting the node.
+    other = KazooClient(hosts=zk_server.location, client_id=(session_id, password))
+    other.start(timeout=5)
+    other.stop()
+    other.close()
+    wait_for(lambda: not lease.held(), timeout=1.0)
+    assert lost
+    # The lock is free for others at once; the next holder gets a higher token.
+    with lock(name, backend="zk1", ttl=1, timeout=5) as again:
+        assert again.fencing_token > lease.fencing_token
+
+
+def test_suspended_session_is_not_trusted_past_the_lease(
+    settings: Any, own_zk: ZooKeeperServer, name: str
+) -> None:
+    """The server stops answering (SIGSTOP): renewals fail, and the lease is lost
+    when its local deadline passes, though the session may not have expired yet."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zks": zk_config(own_zk.location, session_timeout=10, connect_timeout=0.3,
+                         socket_timeout=0.3),
+    }  # fmt: skip
+    lease = lock(name, backend="zks", ttl=1, timeout=1).acquire()
+    assert own_zk.pid
+    os.kill(own_zk.pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        wait_for(lambda: not lease.held(), timeout=2.0)
+        assert time.monotonic() - stopped <= 1.2
+        assert "ran out" in lease.lost_reason
+    finally:
+        os.kill(own_zk.pid, signal.SIGCONT)
+
+
+def test_unreachable_server_is_unavailable_quickly(
+    settings: Any, own_zk: ZooKeeperServer, name: str
+) -> None:
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zkd": zk_config(own_zk.location, connect_timeout=0.5, socket_timeout=0.5,
+                         auth=[("digest", "user:s3cret-pass")]),
+    }  # fmt: skip
+    with lock(name, backend="zkd", ttl=5, timeout=1):
+        pass
+    own_zk.stop()
+    for _ in range(2):  # a connected client losing its server, then calls while down
+        started = time.monotonic()
+        with pytest.raises(LockBackendUnavailable) as caught:
+            lock(name, backend="zkd", ttl=5, timeout=1).acquire()
+        assert time.monotonic() - started < 1.5
+        assert "s3cret-pass" not in str(caught.value)
+    get_backend("zkd").close()
+    # A new client on a server that is down: bounded by connect_timeout too.
+    from distlocks.handler import backends
+
+    backends.reset()
+    started = time.monotonic()
+    with pytest.raises(LockBackendUnavailable) as caught:
+        get_backend("zkd").inspect(name)
+    assert time.monotonic() - started < 1.5
+    assert isinstance(caught.value.__cause__, Exception)
+
+
+# -- processes -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_processes_racing_never_both_hold(
+    zk_server: ZooKeeperServer, name: str, tmp_path: Path
+) -> None:
+    processes, rounds = 4, 15
+    (tmp_path / "counter").write_text("0")
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Barrier(processes)
+    procs = [
+        ctx.Process(
+            target=zookeeper_workers.race,
+            args=(zk_server.location, name, str(tmp_path), rounds, start),
+        )
+        for _ in range(processes)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(120)
+        assert proc.exitcode == 0
+    assert not (tmp_path / "violations").exists()
+    assert int((tmp_path / "counter").read_text()) == processes * rounds
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def test_config_problems_are_named() -> None:
+    from distlocks.backends.zookeeper import ZooKeeperBackend
+
+    assert ZooKeeperBackend.validate_config("z", zk_config("127.0.0.1:2181/chroot")) == []
+    problems = ZooKeeperBackend.validate_config(
+        "z",
+        {"BACKEND": BACKEND, "LOCATION": "", "OPTIONS": {"session_timeout": 0, "bogus": 1,
+                                                          "auth": "user:pw"}},
+    )  # fmt: skip
+    text = " | ".join(problems)
+    assert "LOCATION" in text and "session_timeout" in text and "bogus" in text
+    assert "auth" in text and "pw" not in text.replace("password", "")
+    with (
+        override_settings(DISTLOCKS_BACKENDS={"z": {"BACKEND": BACKEND}}),
+        pytest.raises(ImproperlyConfigured),
+    ):
+        get_backend("z")
+
+
+def test_chroot_keeps_locks_apart(settings: Any, zk_server: ZooKeeperServer, name: str) -> None:
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zka": zk_config(f"{zk_server.location}/app-a"),
+        "zkb": zk_config(f"{zk_server.location}/app-b"),
+    }
+    with lock(name, backend="zka", ttl=5, timeout=0), lock(name, backend="zkb", ttl=5, timeout=0):
+        assert get_backend("zka").inspect(name) is not None

@@ -1,0 +1,52 @@
+"""Code run in separate OS processes by the ZooKeeper tests (spawned, not forked).
+
+The test settings have no ZooKeeper alias (the server is started by the test module),
+so each worker adds one for the server it is given.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+ALIAS = "zk"
+
+
+def _setup(location: str) -> None:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+    import django
+
+    django.setup()
+    from django.conf import settings
+
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        ALIAS: {"BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend", "LOCATION": location},
+    }
+
+
+def race(location: str, name: str, directory: str, rounds: int, start: Any) -> None:
+    """Take ``name`` ``rounds`` times; inside, claim a marker file that must not exist
+    (O_EXCL), bump a counter with a read-modify-write, and drop the marker. Two
+    holders at once would find the marker, or lose an increment."""
+    _setup(location)
+    from distlocks import lock
+
+    folder = Path(directory)
+    counter = folder / "counter"
+    start.wait(60)
+    for _ in range(rounds):
+        with lock(name, backend=ALIAS, ttl=10, timeout=60):
+            try:
+                fd = os.open(folder / "inside", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                with (folder / "violations").open("a") as fh:
+                    fh.write(f"{os.getpid()}\n")
+                continue
+            value = int(counter.read_text() or 0)
+            time.sleep(0.002)
+            counter.write_text(str(value + 1))
+            os.close(fd)
+            os.unlink(folder / "inside")
