@@ -462,3 +462,39 @@ def test_chroot_keeps_locks_apart(settings: Any, zk_server: ZooKeeperServer, nam
     }
     with lock(name, backend="zka", ttl=5, timeout=0), lock(name, backend="zkb", ttl=5, timeout=0):
         assert get_backend("zka").inspect(name) is not None
+
+
+# -- tokens and the clock floor -------------------------------------------------------------
+
+
+def test_tokens_start_at_the_clock_floor(zk: str, name: str) -> None:
+    before_us = time.time_ns() // 1000 - 2_000_000
+    with lock(name, backend=zk, ttl=5, timeout=1) as lease:
+        pass
+    assert before_us <= lease.fencing_token < 2**53
+
+
+def test_tokens_survive_the_loss_of_all_data(
+    settings: Any, own_zk: ZooKeeperServer, name: str
+) -> None:
+    """The ensemble's data is wiped (zxids start again from 0): tokens still grow."""
+    import shutil
+
+    from distlocks.handler import backends
+
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zkw": zk_config(own_zk.location),
+    }
+    tokens = []
+    for _ in range(3):
+        with lock(name, backend="zkw", ttl=5, timeout=1) as lease:
+            tokens.append(lease.fencing_token)
+    backends.reset()
+    port = own_zk.port
+    own_zk.stop()
+    shutil.rmtree(own_zk.base_dir / "data")
+    own_zk.start(port=port)
+    assert get_backend("zkw").fencing_counter(name) == 0  # the counter is gone...
+    with lock(name, backend="zkw", ttl=5, timeout=1) as lease:
+        assert lease.fencing_token > max(tokens)  # ...yet the token is above the old ones

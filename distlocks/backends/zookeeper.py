@@ -7,9 +7,11 @@ Layout, under ``OPTIONS["prefix"]`` (default ``/distlocks``) below the chroot of
     <prefix>/locks/n<quoted name>/c-<owner>-<seq> ephemeral sequential: one contender
 
 * acquire is one multi-op: create this caller's contender node and write the fence
-  node. Both get the zxid of that transaction, which is the fencing token (the
-  contender's czxid, the fence node's mzxid): zxids only grow, on every server of
-  the ensemble, across restarts and leader changes.
+  node. Both get the zxid of that transaction (the contender's czxid, the fence
+  node's mzxid), which makes the fencing token: zxids only grow, on every server of
+  the ensemble, across restarts and leader changes. The token is that zxid shifted
+  per name to start at the server's clock (microseconds) at the name's first use
+  (:func:`token_of`), so tokens stay above the clock floor the other backends keep.
 * the contender with the lowest sequence number holds the lock; the others wait,
   each watching only the contender just before it (no herd, first come first served).
 * release deletes the caller's own node; a waiter that gives up deletes its node too.
@@ -118,6 +120,15 @@ def _owner_of(child: str) -> str:
 def _contenders(children: list[str]) -> list[str]:
     """Contender nodes in queue order (the holder first)."""
     return sorted((c for c in children if c.startswith(_CONTENDER)), key=_seq)
+
+
+def token_of(zxid: int, fence: ZnodeStat) -> int:
+    """The fencing token of the transaction ``zxid`` on the name whose fence node is
+    ``fence``: the zxid, shifted per name so that it starts from the server's clock
+    (in microseconds) at the name's first use. A strictly increasing function of the
+    zxid for each name, and above every earlier token even if the ensemble's data is
+    lost and the zxids start again from 0 (see docs/backend-zookeeper.md)."""
+    return int(fence.ctime) * 1000 + (int(zxid) - int(fence.czxid))
 
 
 def _epoch_ms(milliseconds: int) -> dt.datetime:
@@ -308,11 +319,19 @@ class ZooKeeperBackend(BaseBackend):
         return f"{self._locks_path}/n{urllib.parse.quote(name, safe='')}"
 
     def _children(self, client: KazooClient, action: str, name: str) -> list[str]:
+        return self._queue(client, action, name)[0]
+
+    def _queue(
+        self, client: KazooClient, action: str, name: str
+    ) -> tuple[list[str], ZnodeStat | None]:
+        """The contenders of ``name`` in queue order, and its fence node's stat."""
         try:
-            children = self._get(action, name, client.get_children_async(self.lock_path(name)))
+            children, stat = self._get(
+                action, name, client.get_children_async(self.lock_path(name), include_data=True)
+            )
         except NoNodeError:
-            return []
-        return _contenders(children)
+            return [], None
+        return _contenders(children), stat
 
     def _commit(self, action: str, name: str, txn: Any) -> list[Any]:
         results = self._get(action, name, txn.commit_async())
@@ -350,7 +369,7 @@ class ZooKeeperBackend(BaseBackend):
                 raise
             created, fence = results
             if isinstance(created, str) and isinstance(fence, ZnodeStat):
-                return _Node(created, fence.mzxid, generation)
+                return _Node(created, token_of(fence.mzxid, fence), generation)
             if isinstance(created, NoNodeError) or isinstance(fence, NoNodeError):
                 # First use of this name: create the fence node, then try again.
                 with contextlib.suppress(NodeExistsError):
@@ -433,7 +452,8 @@ class ZooKeeperBackend(BaseBackend):
         """Take over this owner's node found on the server (a retried acquire)."""
         path = f"{self.lock_path(name)}/{child}"
         stat = self._get("acquire", name, client.exists_async(path))
-        token = stat.czxid if stat is not None else 0
+        fence = self._queue(client, "acquire", name)[1]
+        token = token_of(stat.czxid, fence) if stat is not None and fence is not None else 0
         entry = _Node(path, token, self._generation)
         self._nodes[(name, owner)] = entry
         return entry
@@ -541,14 +561,14 @@ class ZooKeeperBackend(BaseBackend):
         client = self._ready("force-release", name)
         parent = self.lock_path(name)
         for _ in range(5):
-            children = self._children(client, "force-release", name)
-            if not children:
+            children, fence = self._queue(client, "force-release", name)
+            if not children or fence is None:
                 return False  # a free name: nothing is written
             path = f"{parent}/{children[0]}"
             stat = self._get("force-release", name, client.exists_async(path))
             if stat is None:
                 continue  # released meanwhile: look again
-            if token is not None and stat.czxid != token:
+            if token is not None and token_of(stat.czxid, fence) != token:
                 return False  # the lock changed hands: leave the new holder alone
             txn = client.transaction()
             txn.delete(path, version=stat.version)
@@ -566,14 +586,16 @@ class ZooKeeperBackend(BaseBackend):
             "read the fencing counter of", name, client.exists_async(self.lock_path(name))
         )
         # version 0: the fence node was created but no token was issued yet.
-        return int(stat.mzxid) if stat is not None and stat.version > 0 else 0
+        if stat is None or stat.version == 0:
+            return 0
+        return token_of(stat.mzxid, stat)
 
     # -- inspection ---------------------------------------------------------------
 
     def _describe(self, client: KazooClient, name: str) -> LockInfo | None:
         for _ in range(5):
-            children = self._children(client, "inspect", name)
-            if not children:
+            children, fence = self._queue(client, "inspect", name)
+            if not children or fence is None:
                 return None
             try:
                 raw, stat = self._get(
@@ -581,10 +603,12 @@ class ZooKeeperBackend(BaseBackend):
                 )
             except NoNodeError:
                 continue  # released meanwhile: the next contender holds
-            return self._info(name, children, raw, stat)
+            return self._info(name, children, raw, stat, fence)
         return None
 
-    def _info(self, name: str, children: list[str], raw: bytes, stat: ZnodeStat) -> LockInfo:
+    def _info(
+        self, name: str, children: list[str], raw: bytes, stat: ZnodeStat, fence: ZnodeStat
+    ) -> LockInfo:
         try:
             data = json.loads(raw or b"{}")
         except ValueError:
@@ -597,7 +621,7 @@ class ZooKeeperBackend(BaseBackend):
             name=name,
             backend=self.alias,
             owner=str(data.get("owner") or _owner_of(children[0])),
-            fencing_token=int(stat.czxid),
+            fencing_token=token_of(stat.czxid, fence),
             host=str(data.get("host", "")),
             pid=pid if isinstance(pid, int) else None,
             thread=str(data.get("thread", "")),
