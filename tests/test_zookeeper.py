@@ -498,3 +498,36 @@ def test_tokens_survive_the_loss_of_all_data(
     assert get_backend("zkw").fencing_counter(name) == 0  # the counter is gone...
     with lock(name, backend="zkw", ttl=5, timeout=1) as lease:
         assert lease.fencing_token > max(tokens)  # ...yet the token is above the old ones
+
+
+@pytest.mark.slow
+def test_holder_paused_past_its_session_loses_the_lock(
+    zk: str, zk_server: ZooKeeperServer, name: str, tmp_path: Path
+) -> None:
+    """SIGSTOP the holder past its session timeout: the server frees the lock, a new
+    holder gets a higher token, and the resumed holder never claims the lease after
+    the new holder got it (its local lease ran out first)."""
+    log = tmp_path / "holder.log"
+    ctx = multiprocessing.get_context("spawn")
+    holder = ctx.Process(
+        target=zookeeper_workers.hold_and_report, args=(zk_server.location, name, str(log))
+    )
+    holder.start()
+    try:
+        wait_for(lambda: log.exists() and "alive" in log.read_text(), timeout=30)
+        assert holder.pid
+        os.kill(holder.pid, signal.SIGSTOP)
+        with lock(name, backend=zk, ttl=5, timeout=10) as lease:
+            taken_at = time.monotonic()
+            os.kill(holder.pid, signal.SIGCONT)
+            wait_for(lambda: "lost" in log.read_text(), timeout=5)
+        first_token = int(log.read_text().split()[1])
+        assert lease.fencing_token > first_token
+        alive = [float(line.split()[1]) for line in log.read_text().splitlines()
+                 if line.startswith("alive")]  # fmt: skip
+        assert alive and max(alive) < taken_at
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        holder.join(10)
+        if holder.is_alive():
+            holder.kill()

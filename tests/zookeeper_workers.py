@@ -50,3 +50,31 @@ def race(location: str, name: str, directory: str, rounds: int, start: Any) -> N
             counter.write_text(str(value + 1))
             os.close(fd)
             os.unlink(folder / "inside")
+
+
+def hold_and_report(location: str, name: str, log_path: str) -> None:
+    """Hold ``name`` (1 s session, 1 s lease) and keep checking the lease; log each
+    check with a monotonic time taken before it, and the loss."""
+    _setup(location)
+    from django.conf import settings
+
+    settings.DISTLOCKS_BACKENDS[ALIAS]["OPTIONS"] = {"session_timeout": 1}
+    from distlocks import lock
+    from distlocks.exceptions import LockLost
+
+    log = Path(log_path)
+
+    def write(line: str) -> None:
+        with log.open("a") as fh:
+            fh.write(line + "\n")
+
+    lease = lock(name, backend=ALIAS, ttl=1, timeout=10).acquire()
+    write(f"acquired {lease.fencing_token} {time.monotonic()}")
+    try:
+        while True:
+            checked_at = time.monotonic()
+            lease.ensure_held()
+            write(f"alive {checked_at}")
+            time.sleep(0.01)
+    except LockLost as exc:
+        write(f"lost {time.monotonic()} {exc.reason}")
