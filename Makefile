@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck docs bench clean install browser
+.PHONY: test demo lint typecheck docs bench clean install browser fuzz
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "Python 3.11+ is needed (python3.11, 3.12 or 3.13 on PATH)"; exit 1; }
@@ -36,6 +36,12 @@ browser:
 test: $(STAMP) browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The stateful and property tests of tests/stateful, with many more and longer runs than
+# `make test` gives them, and the example database (.hypothesis/) so that a failure
+# found once is tried first the next time. FUZZ_ARGS adds pytest arguments.
+fuzz: $(STAMP)
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest tests/stateful $(FUZZ_ARGS)
+
 demo: $(STAMP)
 	$(BIN)/python -m demo_project.run
 
@@ -53,4 +59,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis

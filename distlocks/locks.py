@@ -440,10 +440,17 @@ class _LockBase:
         }
 
     def _reentrant_lease(self) -> BaseLease | None:
-        """The caller's own reentrant lease on this name, if it holds one."""
+        """The caller's own reentrant lease on this name, if it holds one (one whose
+        transaction ended, on PostgreSQL's transaction mode, is over: forgotten)."""
         if not self.reentrant:
             return None
-        return reentrancy.current(self.backend_alias, self.name)
+        lease = reentrancy.current(self.backend_alias, self.name)
+        ended = getattr(lease._backend, "lease_ended", None) if lease is not None else None
+        if lease is not None and ended is not None and ended(self.name, lease.owner):
+            lease._set_released()
+            reentrancy.forget(lease)
+            return None
+        return lease
 
 
 class Lock(_LockBase):

@@ -333,3 +333,32 @@ def test_transaction_mode_force_release_is_bound_to_the_token(name: str) -> None
     # transaction is the last committed one.
     assert backend.force_release(name, token) is False  # free: nothing written
     assert backend.fencing_counter(name) == token
+
+
+# -- transaction mode: found by the stateful tests ------------------------------------
+
+
+def test_a_lock_held_in_an_open_transaction_is_listed_with_its_holder(name: str) -> None:
+    """The registry row is committed at once (before: written in the caller's
+    transaction, so the listing showed nothing, or the previous holder, until COMMIT)."""
+    backend = get_backend("pgx")
+    with transaction.atomic():
+        lease = lock(name, backend="pgx", timeout=0).acquire()
+        info = backend.inspect(name)
+        assert info is not None
+        assert (info.owner, info.fencing_token) == (lease.owner, lease.fencing_token)
+        assert name in {i.name for i in backend.iter_locks()}
+        # A force release bound to the token shown finds that holder.
+        assert backend.fencing_counter(name) == lease.fencing_token
+    assert backend.inspect(name) is None
+
+
+def test_a_reentrant_transaction_lock_starts_afresh_in_the_next_transaction(name: str) -> None:
+    tokens = []
+    for _ in range(3):
+        with transaction.atomic():
+            outer = lock(name, backend="pgx", timeout=0, reentrant=True).acquire()
+            inner = lock(name, backend="pgx", timeout=0, reentrant=True).acquire()
+            assert inner is outer  # re-entered within the transaction
+            tokens.append(outer.fencing_token)
+    assert tokens == sorted(set(tokens))  # a new lease, and token, each time

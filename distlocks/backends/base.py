@@ -250,6 +250,13 @@ class BaseBackend(ABC):
                 results.append(exc)
         return results
 
+    def lease_ended(self, name: str, owner: str) -> bool:
+        """Whether ``owner``'s lease on ``name`` is known to have ended by itself, with
+        no I/O: a transaction-level lock ends with its transaction. A reentrant lock
+        then takes a new lease instead of re-entering the ended one. The default:
+        never (a lease ends by release, expiry or loss, which the lease itself sees)."""
+        return False
+
     @abstractmethod
     def inspect(self, name: str) -> LockInfo | None:
         """Describe the current holder of ``name``, or None when it is free."""

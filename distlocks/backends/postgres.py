@@ -269,6 +269,11 @@ WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted AND l.mode = 'Exc
   AND l.classid = %(classid)s AND l.objid = %(objid)s
 """
 TRY_XACT = "SELECT pg_try_advisory_xact_lock(%(key)s) AS ok"
+# Transaction mode's registry write, on a pooled connection once the caller's
+# transaction holds the lock: the holder's session is the caller's, not this one.
+_REGISTER_XACT = _ACQUIRE.format(lock="SELECT true AS ok").replace(
+    "pg_backend_pid()", "%(backend_pid)s"
+)
 WAIT_XACT = "SELECT true AS ok FROM (SELECT pg_advisory_xact_lock(%(key)s)) AS waited"
 
 # Transaction mode: the holder's lock lives in its transaction, which gives it back at
@@ -538,6 +543,8 @@ class _Held:
     reader: int = 0
     #: The name's guard key, taken (shared) by the statement that gives it back.
     guard: int = 0
+    #: Transaction mode: the server's id of the transaction that holds it.
+    transaction: str = ""
 
 
 class PostgresBackend(BaseBackend):
@@ -1273,8 +1280,8 @@ class PostgresBackend(BaseBackend):
         params = self._params(name, owner, ttl, holder)
         with conn.cursor() as cursor:
             if wait <= 0:
-                cursor.execute(_ACQUIRE.format(lock=TRY_XACT), params)
-                row = cursor.fetchone()
+                cursor.execute(TRY_XACT, params)
+                granted = bool(cursor.fetchone()[0])
             else:
                 # A savepoint bounds the wait: on timeout only the savepoint rolls
                 # back, and SET LOCAL does not leak into the caller's transaction.
@@ -1284,8 +1291,8 @@ class PostgresBackend(BaseBackend):
                 previous = cursor.fetchone()[0]
                 cursor.execute(f"SET LOCAL lock_timeout = {timeout_ms}")
                 try:
-                    cursor.execute(_ACQUIRE.format(lock=WAIT_XACT), params)
-                    row = cursor.fetchone()
+                    cursor.execute(WAIT_XACT, params)
+                    granted = cursor.fetchone() is not None
                 except Exception as exc:
                     cursor.execute("ROLLBACK TO SAVEPOINT distlocks_wait")
                     if getattr(exc, "__cause__", None) is not None and isinstance(
@@ -1296,13 +1303,49 @@ class PostgresBackend(BaseBackend):
                 finally:
                     cursor.execute("SELECT set_config('lock_timeout', %s, true)", [previous])
                     cursor.execute("RELEASE SAVEPOINT distlocks_wait")
-        if row is None:
+        if not granted:
             return AcquireResult(False, 0, None)
+        # The token and the holder are written on a connection of our own, committed at
+        # once: written in the caller's transaction they would stay invisible to
+        # everyone else (the listing, a force release) until it commits. The lock is
+        # already held, so no one else can mint a token for this name meanwhile.
+        params["backend_pid"] = conn.connection.info.backend_pid
+        with self._pooled("acquire", name) as registry:
+            row = registry.execute(_REGISTER_XACT, params).fetchone()
+        token = int(row[0]) if row else 0
         with self._held_lock:
-            self._held[owner] = _Held(conn.connection, params["key"], int(row[0]))
+            self._held[owner] = _Held(
+                conn.connection, params["key"], token, transaction=self._transaction_id(conn)
+            )
         # Forget it when the transaction commits (a rollback is caught by _prune_xact).
         transaction.on_commit(lambda: self._forget(owner), using=self.database)
-        return AcquireResult(True, int(row[0]), None)
+        return AcquireResult(True, token, None)
+
+    @staticmethod
+    def _transaction_id(conn: Any) -> str:
+        """The server's id of the connection's current transaction (its virtual
+        transaction id: every transaction has one, even before it writes)."""
+        with conn.cursor() as cursor:
+            cursor.execute(
+                "SELECT virtualtransaction FROM pg_locks WHERE pid = pg_backend_pid()"
+                " AND locktype = 'virtualxid' LIMIT 1"
+            )
+            row = cursor.fetchone()
+        return str(row[0]) if row else ""
+
+    def lease_ended(self, name: str, owner: str) -> bool:
+        """Transaction mode: the lease's transaction has ended (committed or rolled
+        back; a later transaction on the same connection is another one)."""
+        if self.mode != "transaction":
+            return False
+        with self._held_lock:
+            held = self._held.get(owner)
+        if held is None:
+            return True
+        conn = connections[self.database]
+        if not (conn.in_atomic_block and conn.connection is held.conn):
+            return True
+        return self._transaction_id(conn) != held.transaction
 
     def _forget(self, owner: str) -> None:
         with self._held_lock:
