@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck docs bench clean install browser fuzz
+.PHONY: test demo lint typecheck docs bench clean install browser zookeeper fuzz
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "Python 3.11+ is needed (python3.11, 3.12 or 3.13 on PATH)"; exit 1; }
@@ -33,7 +33,19 @@ browser:
 		|| echo "Could not install chromium: the browser test will be skipped."; \
 	fi
 
-test: $(STAMP) browser
+# The ZooKeeper tests run Debian's ZooKeeper jars on a headless JRE: installed here only
+# as root with apt-get and only if missing; a failure is not fatal (the tests then skip,
+# saying what to install).
+zookeeper:
+	@if [ ! -e /usr/share/java/zookeeper.jar ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "Installing ZooKeeper (apt-get) for the ZooKeeper tests..."; \
+		{ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libzookeeper-java default-jre-headless >/dev/null 2>&1 \
+		  || { apt-get update -qq >/dev/null 2>&1 \
+		       && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libzookeeper-java default-jre-headless >/dev/null 2>&1; }; } \
+		|| echo "Could not install ZooKeeper: the ZooKeeper tests will be skipped."; \
+	fi
+
+test: $(STAMP) browser zookeeper
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The stateful and property tests of tests/stateful, with many more and longer runs than
