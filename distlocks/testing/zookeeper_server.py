@@ -51,15 +51,20 @@ class ZooKeeperServer(_Server, _RunDir):
 
     ``tick_ms`` sets ZooKeeper's tick; sessions may ask for 4 ticks up to 60 s (the
     default 250 ms tick lets tests use 1 s sessions, so an expiry takes about 1 s).
+    With ``durable`` the transaction log is synced to disk before each reply, as in
+    production (for benchmarks); by default it is not, as tests may.
     """
 
     name = "zookeeper"
 
-    def __init__(self, *, tick_ms: int = 250, max_session_ms: int = 60_000) -> None:
+    def __init__(
+        self, *, tick_ms: int = 250, max_session_ms: int = 60_000, durable: bool = False
+    ) -> None:
         _RunDir.__init__(self)
         _Server.__init__(self, self.base_dir)
         self.tick_ms = tick_ms
         self.max_session_ms = max_session_ms
+        self.durable = durable
 
     def servers(self) -> list[_Server]:
         return [self]
@@ -88,7 +93,7 @@ class ZooKeeperServer(_Server, _RunDir):
                         # No HTTP admin server (it would take port 8080).
                         "admin.enableServer=false",
                         "4lw.commands.whitelist=srvr,ruok,mntr",
-                        "forceSync=no",
+                        f"forceSync={'yes' if self.durable else 'no'}",
                         "",
                     ]
                 )
