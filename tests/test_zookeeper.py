@@ -531,3 +531,26 @@ def test_holder_paused_past_its_session_loses_the_lock(
         holder.join(10)
         if holder.is_alive():
             holder.kill()
+
+
+def test_lease_longer_than_the_session_is_lost_once_the_session_may_have_expired(
+    settings: Any, own_zk: ZooKeeperServer, name: str
+) -> None:
+    """ttl 6 s on a 1 s session, server frozen: the first renewal (at 2 s) finds the
+    session cut off for longer than it lives, and reports the lease lost then, not at
+    its 6 s deadline."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zkl": zk_config(own_zk.location, session_timeout=1, connect_timeout=0.3,
+                         socket_timeout=0.3),
+    }  # fmt: skip
+    lease = lock(name, backend="zkl", ttl=6, timeout=1).acquire()
+    assert own_zk.pid
+    os.kill(own_zk.pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        wait_for(lambda: not lease.held(), timeout=4.0)
+        assert time.monotonic() - stopped < 3.0
+        assert "no longer had it" in lease.lost_reason
+    finally:
+        os.kill(own_zk.pid, signal.SIGCONT)

@@ -174,6 +174,9 @@ class ZooKeeperBackend(BaseBackend):
         self._waiting: set[threading.Event] = set()
         self._state_lock = threading.Lock()
         self._warned_ttl = False
+        #: Monotonic time before the last request that got an answer: the server heard
+        #: from this session then at the earliest, so it keeps it a session timeout more.
+        self._last_ok = time.monotonic()
 
     @classmethod
     def validate_config(cls, alias: str, config: Mapping[str, Any]) -> list[str]:
@@ -213,10 +216,16 @@ class ZooKeeperBackend(BaseBackend):
 
     def _on_state(self, state: str) -> None:
         """kazoo's connection thread: never block here."""
+        now = time.monotonic()
         if state == KazooState.CONNECTED:
+            self._last_ok = max(self._last_ok, now)
             self._connected.set()
             return
         self._connected.clear()
+        if state == KazooState.SUSPENDED:
+            # kazoo pings every third of the session timeout and suspends when a ping
+            # goes unanswered: the server heard from us at most 2/3 of it ago.
+            self._last_ok = max(self._last_ok, now - self.session_timeout * 2 / 3)
         if state == KazooState.LOST:
             # The session expired (or was closed): every ephemeral node of it is gone,
             # so every lease of it is lost and every waiter has lost its place.
@@ -357,6 +366,7 @@ class ZooKeeperBackend(BaseBackend):
         node_prefix = f"{parent}/{_CONTENDER}{urllib.parse.quote(owner, safe='')}-"
         generation = self._generation
         for _ in range(3):
+            sent = time.monotonic()
             txn = client.transaction()
             txn.create(node_prefix, data, ephemeral=True, sequence=True)
             txn.set_data(parent, b"")
@@ -369,6 +379,7 @@ class ZooKeeperBackend(BaseBackend):
                 raise
             created, fence = results
             if isinstance(created, str) and isinstance(fence, ZnodeStat):
+                self._last_ok = max(self._last_ok, sent)
                 return _Node(created, token_of(fence.mzxid, fence), generation)
             if isinstance(created, NoNodeError) or isinstance(fence, NoNodeError):
                 # First use of this name: create the fence node, then try again.
@@ -459,8 +470,8 @@ class ZooKeeperBackend(BaseBackend):
         return entry
 
     def _check_ttl(self, client: KazooClient, ttl: float) -> None:
-        negotiated = client._session_timeout / 1000 if client._session_timeout else None
-        if negotiated and ttl > negotiated and not self._warned_ttl:
+        negotiated = self.session_timeout
+        if ttl > negotiated and not self._warned_ttl:
             self._warned_ttl = True
             logger.warning(
                 "Lock ttl %ss on backend %r is longer than its ZooKeeper session timeout "
@@ -513,17 +524,36 @@ class ZooKeeperBackend(BaseBackend):
         if entry is not None and entry.generation != self._generation:
             self._nodes.pop((name, owner), None)
             return False  # the session that held it is gone
-        client = self._ready("extend", name)
+        if self._session_doubtful():
+            return False
+        try:
+            client = self._ready("extend", name)
+        except LockBackendUnavailable:
+            if self._session_doubtful():
+                return False
+            raise
         if entry is not None and entry.generation != self._generation:
             return False  # lost while reconnecting
         path = self._own_path(client, "extend", name, owner)
         if path is None:
             return False
+        sent = time.monotonic()
         stat = self._get("extend", name, client.exists_async(path))
         if stat is None:
             self._nodes.pop((name, owner), None)
             return False
+        self._last_ok = max(self._last_ok, sent)
         return True
+
+    def _session_doubtful(self) -> bool:
+        """True when the server may have expired this session: cut off, with no answer
+        to a request sent within the last session timeout. A lease is not trusted then,
+        even before kazoo hears of the expiry (it does only once it reconnects)."""
+        return (
+            self._client is not None
+            and not self._connected.is_set()
+            and time.monotonic() - self._last_ok >= self.session_timeout
+        )
 
     def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
         """Block until the contender just before ``owner``'s node goes (or the holder,
