@@ -554,3 +554,50 @@ def test_lease_longer_than_the_session_is_lost_once_the_session_may_have_expired
         assert "no longer had it" in lease.lost_reason
     finally:
         os.kill(own_zk.pid, signal.SIGCONT)
+
+
+def test_a_waiter_cut_off_when_it_gives_up_leaves_no_orphan(
+    settings: Any, own_zk: ZooKeeperServer, name: str
+) -> None:
+    """The server goes down while a waiter waits: its timeout passes and deleting its
+    node fails. The server comes back with its data, and the session (which outlived
+    the outage) with it, so the node would block the lock for as long as this process
+    lives; it is deleted once the server answers again."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zko": zk_config(own_zk.location, session_timeout=20, connect_timeout=0.3,
+                         socket_timeout=0.3),
+    }  # fmt: skip
+    backend = get_backend("zko")
+    holder = lock(name, backend="zko", ttl=20, timeout=1).acquire()
+    session = backend.session_id()
+    errors: list[Exception] = []
+
+    def waiter() -> None:
+        try:
+            lock(name, backend="zko", ttl=20, timeout=1.0).acquire()
+        except Exception as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    wait_for(lambda: len(backend.contenders(name)) == 2)
+    port = own_zk.port
+    own_zk.kill()
+    thread.join(10)
+    # Timed out, or failed on the missing server: either way it gave up.
+    assert errors and isinstance(errors[0], LockNotAcquired | LockBackendUnavailable)
+    own_zk.start(port=port)
+
+    def only_the_holder_left() -> bool:
+        try:
+            return backend.contenders(name) == [holder.owner]
+        except LockBackendUnavailable:
+            return False  # still reconnecting
+
+    wait_for(only_the_holder_left, timeout=10)
+    assert backend.session_id() == session  # the same session: nothing expired
+    assert holder.held()
+    holder.release()
+    with lock(name, backend="zko", ttl=20, timeout=0):
+        pass

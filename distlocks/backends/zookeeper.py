@@ -174,6 +174,7 @@ class ZooKeeperBackend(BaseBackend):
         self._waiting: set[threading.Event] = set()
         self._state_lock = threading.Lock()
         self._warned_ttl = False
+        self._closed = False
         #: Monotonic time before the last request that got an answer: the server heard
         #: from this session then at the earliest, so it keeps it a session timeout more.
         self._last_ok = time.monotonic()
@@ -313,6 +314,7 @@ class ZooKeeperBackend(BaseBackend):
             self._fail(action, name, exc)
 
     def close(self) -> None:
+        self._closed = True
         client, self._client = self._client, None
         if client is not None and self._pid == os.getpid():
             try:
@@ -391,14 +393,21 @@ class ZooKeeperBackend(BaseBackend):
         raise LockError(f"Could not create the lock node of {name!r} on backend {self.alias!r}.")
 
     def _cleanup_later(self, name: str, owner: str) -> None:
+        """Delete ``owner``'s node once the ensemble answers again. A contender node
+        lives as long as the session, and the session outlives short outages: a node
+        that a failed release or leave left behind would block the lock for good."""
+        generation = self._generation
+
         def clean() -> None:
-            deadline = time.monotonic() + max(self.session_timeout, 5.0)
-            while time.monotonic() < deadline:
+            delay = 0.05
+            # Until it is gone, or the session is (taking the node with it).
+            while not self._closed and self._generation == generation:
                 try:
-                    self.leave_queue(name, owner)
+                    self._leave(name, owner)
                     return
                 except LockError:
-                    time.sleep(0.2)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 1.0)
 
         threading.Thread(target=clean, name="distlocks-zk-cleanup", daemon=True).start()
 
@@ -494,6 +503,13 @@ class ZooKeeperBackend(BaseBackend):
         return f"{self.lock_path(name)}/{own[0]}" if own else None
 
     def release(self, name: str, owner: str) -> bool:
+        try:
+            return self._release(name, owner)
+        except LockBackendUnavailable:
+            self._cleanup_later(name, owner)
+            raise
+
+    def _release(self, name: str, owner: str) -> bool:
         client = self._ready("release", name)
         entry = self._nodes.get((name, owner))
         lost = entry is not None and entry.generation != self._generation
@@ -510,6 +526,13 @@ class ZooKeeperBackend(BaseBackend):
         return True
 
     def leave_queue(self, name: str, owner: str) -> None:
+        try:
+            self._leave(name, owner)
+        except LockBackendUnavailable:
+            self._cleanup_later(name, owner)
+            raise
+
+    def _leave(self, name: str, owner: str) -> None:
         client = self._ready("leave the queue of", name)
         path = self._own_path(client, "leave the queue of", name, owner)
         self._nodes.pop((name, owner), None)
