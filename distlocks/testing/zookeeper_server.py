@@ -23,9 +23,10 @@ import os
 import shutil
 import signal
 import socket
+import time
 from pathlib import Path
 
-from distlocks.testing.servers import ServerError, _free_port, _RunDir, _Server
+from distlocks.testing.servers import START_TIMEOUT, ServerError, _free_port, _RunDir, _Server
 
 #: Where Debian's ``libzookeeper-java`` puts the server jar; its manifest lists the
 #: other jars it needs (netty, slf4j, ...), so the class path is this plus a logger.
@@ -35,6 +36,40 @@ INSTALL_HINT = (
     "install it as root with `apt-get install -y --no-install-recommends "
     "libzookeeper-java default-jre-headless` (or run `make test`, which does)"
 )
+
+
+STANDALONE_MAIN = "org.apache.zookeeper.server.ZooKeeperServerMain"
+QUORUM_MAIN = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
+
+
+def _java(main_class: str, config: Path) -> list[str]:
+    classpath = [str(ZOOKEEPER_JAR)]
+    if SLF4J_BINDING.exists():
+        classpath.append(str(SLF4J_BINDING))
+    return [
+        shutil.which("java") or "java",
+        "-Xmx256m",
+        "-XX:+UseSerialGC",
+        "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
+        "-cp",
+        os.pathsep.join(classpath),
+        main_class,
+        str(config),
+    ]
+
+
+def mode(port: int) -> str:
+    """The server's role from its ``srvr`` answer: "standalone", "leader" or
+    "follower" once it serves requests; "" while it does not."""
+    with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+        sock.sendall(b"srvr")
+        reply = b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+    for line in reply.decode(errors="replace").splitlines():
+        if line.startswith("Mode:"):
+            return line.split(":", 1)[1].strip()
+    return ""
 
 
 def zookeeper_missing() -> str:
@@ -98,22 +133,7 @@ class ZooKeeperServer(_Server, _RunDir):
                     ]
                 )
             )
-            classpath = [str(ZOOKEEPER_JAR)]
-            if SLF4J_BINDING.exists():
-                classpath.append(str(SLF4J_BINDING))
-            self._spawn(
-                [
-                    shutil.which("java") or "java",
-                    "-Xmx256m",
-                    "-XX:+UseSerialGC",
-                    "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
-                    "-cp",
-                    os.pathsep.join(classpath),
-                    "org.apache.zookeeper.server.ZooKeeperServerMain",
-                    str(config),
-                ],
-                death_signal=signal.SIGKILL,
-            )
+            self._spawn(_java(STANDALONE_MAIN, config), death_signal=signal.SIGKILL)
             try:
                 self._wait_ready(self._probe)
                 return self
@@ -123,16 +143,109 @@ class ZooKeeperServer(_Server, _RunDir):
         return self
 
     def _probe(self) -> None:
-        # "srvr" answers "Mode: standalone" only once the server serves requests.
-        with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
-            sock.sendall(b"srvr")
-            reply = b""
-            while chunk := sock.recv(4096):
-                reply += chunk
-        if b"Mode: standalone" not in reply:
-            raise ServerError(f"zookeeper is not serving yet: {reply[:80]!r}")
+        if mode(self.port) != "standalone":
+            raise ServerError("zookeeper is not serving yet")
 
     @property
     def location(self) -> str:
         """The connection string for ``LOCATION``."""
         return f"127.0.0.1:{self.port}"
+
+
+class ZooKeeperNode(_Server):
+    """One server of a :class:`ZooKeeperEnsemble` (its data survives a kill)."""
+
+    name = "zookeeper-node"
+
+    def __init__(self, base_dir: Path, myid: int, port: int) -> None:
+        base_dir.mkdir(parents=True, exist_ok=True)
+        super().__init__(base_dir)
+        self.myid = myid
+        self.port = port
+        self.config = base_dir / "zoo.cfg"
+
+    def start(self) -> ZooKeeperNode:
+        """Start (or restart, rejoining the ensemble); does not wait for a quorum."""
+        self._spawn(_java(QUORUM_MAIN, self.config), death_signal=signal.SIGKILL)
+        return self
+
+    @property
+    def mode(self) -> str:
+        try:
+            return mode(self.port)
+        except OSError:
+            return ""
+
+
+class ZooKeeperEnsemble(_RunDir):
+    """``size`` ZooKeeper servers forming one ensemble on loopback, for fault tests::
+
+    ensemble = ZooKeeperEnsemble().start()   # ensemble.location: "127.0.0.1:P1,..."
+    ensemble.leader().kill()
+    """
+
+    def __init__(self, size: int = 3, *, tick_ms: int = 250) -> None:
+        super().__init__()
+        self.tick_ms = tick_ms
+        self.nodes = [
+            ZooKeeperNode(self.base_dir / f"node{myid}", myid, _free_port())
+            for myid in range(1, size + 1)
+        ]
+        peers = [
+            f"server.{node.myid}=127.0.0.1:{_free_port()}:{_free_port()}" for node in self.nodes
+        ]
+        for node in self.nodes:
+            data_dir = node.base_dir / "data"
+            data_dir.mkdir(exist_ok=True)
+            (data_dir / "myid").write_text(f"{node.myid}\n")
+            node.config.write_text(
+                "\n".join(
+                    [
+                        f"tickTime={tick_ms}",
+                        "initLimit=40",
+                        "syncLimit=8",
+                        f"dataDir={data_dir}",
+                        f"clientPort={node.port}",
+                        "clientPortAddress=127.0.0.1",
+                        f"minSessionTimeout={4 * tick_ms}",
+                        "maxSessionTimeout=60000",
+                        "admin.enableServer=false",
+                        "4lw.commands.whitelist=srvr,ruok,mntr",
+                        "forceSync=no",
+                        *peers,
+                        "",
+                    ]
+                )
+            )
+
+    def servers(self) -> list[_Server]:
+        return list(self.nodes)
+
+    def start(self) -> ZooKeeperEnsemble:
+        missing = zookeeper_missing()
+        if missing:
+            raise ServerError(f"Cannot start ZooKeeper: {missing}.")
+        for node in self.nodes:
+            node.start()
+        self.wait_for_quorum()
+        return self
+
+    def wait_for_quorum(self, timeout: float = START_TIMEOUT) -> ZooKeeperNode:
+        """Wait until one node leads and every running node serves; the leader."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            running = [n for n in self.nodes if n.process and n.process.poll() is None]
+            modes = {node.myid: node.mode for node in running}
+            leaders = [n for n in running if modes[n.myid] == "leader"]
+            if len(leaders) == 1 and all(modes.values()):
+                return leaders[0]
+            time.sleep(0.05)
+        logs = "\n".join(f"node {n.myid}:\n{n.log_tail(10)}" for n in self.nodes)
+        raise ServerError(f"the ZooKeeper ensemble formed no quorum in {timeout:.0f}s:\n{logs}")
+
+    def leader(self) -> ZooKeeperNode:
+        return next(node for node in self.nodes if node.mode == "leader")
+
+    @property
+    def location(self) -> str:
+        return ",".join(f"127.0.0.1:{node.port}" for node in self.nodes)
