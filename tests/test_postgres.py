@@ -22,7 +22,7 @@ from distlocks.checks import check_settings
 from distlocks.exceptions import LockError, LockNotAcquired
 from distlocks.models import LockRegistry
 from tests import workers
-from tests.waiting import wait_for
+from tests.waiting import wait_for, wait_for_text
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
 
@@ -148,8 +148,7 @@ def test_killed_holder_frees_the_lock_when_its_connection_closes(name: str, tmp_
     ctx = multiprocessing.get_context("spawn")
     proc = ctx.Process(target=workers.hold_until_killed, args=("pg", name, str(ready)))
     proc.start()
-    wait_for(ready.exists, what="holder ready")
-    first_token = int(ready.read_text())
+    first_token = int(wait_for_text(ready, what="holder ready"))
     os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
     killed_at = time.monotonic()
     with lock(name, backend="pg", timeout=10) as lease:

@@ -21,7 +21,7 @@ from distlocks.exceptions import LockLost, LockNotAcquired
 from distlocks.lease import AsyncLease, Lease
 from tests import workers
 from tests.conftest import PERMIT_BACKENDS, alias_fixture
-from tests.waiting import wait_for, wait_gone
+from tests.waiting import wait_for, wait_for_text, wait_gone
 
 alias = alias_fixture("alias", PERMIT_BACKENDS, "Each backend with semaphores in turn.")
 shared_alias = alias_fixture(
@@ -362,8 +362,7 @@ def test_a_killed_holders_permit_comes_back(shared_alias: str, name: str, tmp_pa
     )
     proc.start()
     try:
-        wait_for(ready.exists, 60, "the holder")
-        owner = ready.read_text()
+        owner = wait_for_text(ready, 60, "the holder")
         sem = semaphore(name, limit=1, backend=shared_alias, ttl=10)
         assert [h.owner for h in sem.holders()] == [owner]
         os.kill(proc.pid, signal.SIGKILL)  # type: ignore[arg-type]

@@ -19,6 +19,21 @@ def wait_for(
     return time.monotonic() - start
 
 
+def wait_for_text(path: Path, limit: float = 15.0, what: str = "file") -> str:
+    """The text of ``path`` once another process has written it: a file is created
+    empty before it is written, so its existence alone is not enough (a reader under
+    load sees it in between)."""
+
+    def written() -> str:
+        try:
+            return path.read_text()
+        except FileNotFoundError:
+            return ""
+
+    wait_for(lambda: written().strip(), limit, what)
+    return written()
+
+
 def process_alive(pid: int) -> bool:
     """Running, as opposed to gone or a zombie (an exited process nobody reaped yet:
     a container's first process may never reap orphans)."""
