@@ -82,8 +82,10 @@ class ChildHolder:
         return self
 
     def lost_reason(self) -> str | None:
+        """What the child reported when it lost its lease; None until it has written
+        it (a file is created empty first)."""
         path = self.work / "lost"
-        return path.read_text() if path.exists() else None
+        return (path.read_text() if path.exists() else "") or None
 
     def stop(self) -> None:
         (self.work / "stop").write_text("")
