@@ -78,3 +78,42 @@ def hold_and_report(location: str, name: str, log_path: str) -> None:
             time.sleep(0.01)
     except LockLost as exc:
         write(f"lost {time.monotonic()} {exc.reason}")
+
+
+def race_through_faults(
+    location: str, name: str, directory: str, seconds: float, start: Any
+) -> None:
+    """Like :func:`race`, for ``seconds``, through server faults: a call that finds the
+    ensemble unavailable is tried again. Each holder appends its token to ``tokens``
+    while it holds the lock, so the file is in the order the lock was held."""
+    _setup(location)
+    from django.conf import settings
+
+    settings.DISTLOCKS_BACKENDS[ALIAS]["OPTIONS"] = {
+        "session_timeout": 4,
+        "connect_timeout": 1,
+        "socket_timeout": 1,
+    }
+    from distlocks import lock
+    from distlocks.exceptions import LockBackendUnavailable, LockLost, LockNotAcquired
+
+    folder = Path(directory)
+    start.wait(60)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with lock(name, backend=ALIAS, ttl=4, timeout=5) as lease:
+                lease.ensure_held()
+                try:
+                    fd = os.open(folder / "inside", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                except FileExistsError:
+                    with (folder / "violations").open("a") as fh:
+                        fh.write(f"{os.getpid()} {lease.fencing_token}\n")
+                    continue
+                with (folder / "tokens").open("a") as fh:
+                    fh.write(f"{lease.fencing_token}\n")
+                time.sleep(0.002)
+                os.close(fd)
+                os.unlink(folder / "inside")
+        except (LockBackendUnavailable, LockNotAcquired, LockLost):
+            time.sleep(0.05)
