@@ -601,3 +601,37 @@ def test_a_waiter_cut_off_when_it_gives_up_leaves_no_orphan(
     holder.release()
     with lock(name, backend="zko", ttl=20, timeout=0):
         pass
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("pg_ready")
+def test_a_holder_whose_session_expired_is_fenced_out(
+    settings: Any, zk_server: ZooKeeperServer, name: str
+) -> None:
+    """The holder's session expires while it is paused; the next holder writes; the
+    old holder's write, with its own token, is refused by the database."""
+    from kazoo.client import KazooClient
+
+    from distlocks.exceptions import StaleFencingToken
+    from tests.testapp.models import Account
+
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zkf": zk_config(zk_server.location, session_timeout=1),
+    }
+    row = Account.objects.create(owner="ann", balance=100)
+    paused = lock(f"account:{row.pk}", backend="zkf", ttl=1, timeout=1).acquire()
+    session_id, password = get_backend("zkf")._client.client_id  # type: ignore[union-attr]
+    other = KazooClient(hosts=zk_server.location, client_id=(session_id, password))
+    other.start(timeout=5)
+    other.stop()
+    other.close()
+    with row.fenced_lock(backend="zkf", ttl=1, timeout=5) as lease:
+        assert lease.fencing_token > paused.fencing_token
+        row.balance = 50
+        row.save(fencing_token=lease)
+    stale = Account.objects.get(pk=row.pk)
+    stale.balance = 0
+    with pytest.raises(StaleFencingToken):
+        stale.save(fencing_token=paused.fencing_token)
+    assert Account.objects.get(pk=row.pk).balance == 50
