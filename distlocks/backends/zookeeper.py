@@ -31,6 +31,7 @@ import datetime as dt
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import urllib.parse
@@ -267,6 +268,7 @@ class ZooKeeperBackend(BaseBackend):
                 if client is None:
                     client = self._new_client()
                     try:
+                        self._probe(client)
                         client.start(timeout=self.connect_timeout)
                     except Exception as exc:
                         with_cause = self._unavailable(action, name, exc)
@@ -279,6 +281,22 @@ class ZooKeeperBackend(BaseBackend):
                 f"{redact(self.location)} within {self.connect_timeout:g}s",
             )
         return client
+
+    def _probe(self, client: KazooClient) -> None:
+        """Fail at once when every server refuses the connection (nothing listens),
+        instead of letting kazoo retry for the whole ``connect_timeout``: a page that
+        lists the locks of every backend should not wait on one that is down."""
+        refused: OSError | None = None
+        for host, port in client.hosts:
+            try:
+                with socket.create_connection((host, port), timeout=self.connect_timeout):
+                    return
+            except ConnectionRefusedError as exc:
+                refused = exc
+            except OSError:
+                return  # unreachable or slow: kazoo's own timeout decides
+        if refused is not None:
+            raise refused
 
     def _reset_after_fork(self) -> None:
         self._pid = os.getpid()

@@ -127,7 +127,7 @@ class ZooKeeperServer(_Server, _RunDir):
                         f"maxSessionTimeout={self.max_session_ms}",
                         # No HTTP admin server (it would take port 8080).
                         "admin.enableServer=false",
-                        "4lw.commands.whitelist=srvr,ruok,mntr",
+                        "4lw.commands.whitelist=srvr,ruok,mntr,cons",
                         f"forceSync={'yes' if self.durable else 'no'}",
                         "",
                     ]
@@ -210,7 +210,7 @@ class ZooKeeperEnsemble(_RunDir):
                         f"minSessionTimeout={4 * tick_ms}",
                         "maxSessionTimeout=60000",
                         "admin.enableServer=false",
-                        "4lw.commands.whitelist=srvr,ruok,mntr",
+                        "4lw.commands.whitelist=srvr,ruok,mntr,cons",
                         "forceSync=no",
                         *peers,
                         "",
