@@ -15,9 +15,9 @@ from distlocks.handler import backends
 from distlocks.testing.servers import RedisClusterSet, RedisServer
 
 #: Every backend alias the contract suite runs against.
-CONTRACT_BACKENDS = ["locmem", "redis", "pg", "redlock"]
+CONTRACT_BACKENDS = ["locmem", "redis", "pg", "redlock", "zk"]
 #: Backends whose locks are shared between OS processes.
-CROSS_PROCESS_BACKENDS = ["redis", "pg", "redlock"]
+CROSS_PROCESS_BACKENDS = ["redis", "pg", "redlock", "zk"]
 #: Backends with semaphores and read-write locks (Redlock has none).
 PERMIT_BACKENDS = ["locmem", "redis", "pg"]
 
@@ -39,6 +39,8 @@ def alias_fixture(name: str, aliases: list[str], doc: str) -> Any:
         alias = str(request.param)
         if alias.startswith("pg"):
             request.getfixturevalue("pg_ready")
+        elif alias == "zk":
+            request.getfixturevalue("zk_ready")
         return alias
 
     each.__doc__ = doc
@@ -51,6 +53,30 @@ alias = alias_fixture(
 shared_alias = alias_fixture(
     "shared_alias", CROSS_PROCESS_BACKENDS, "Each backend whose locks processes share."
 )
+
+
+@pytest.fixture(scope="session")
+def zk_ready() -> Iterator[str]:
+    """A throwaway ZooKeeper for the "zk" alias, started on first use; skips saying what
+    to install where it cannot run. DISTLOCKS_TEST_ZOOKEEPER names an existing server
+    instead (and is how spawned workers find this one)."""
+    from django.conf import settings
+
+    from distlocks.testing.zookeeper_server import ZooKeeperServer, zookeeper_missing
+
+    location = os.environ.get("DISTLOCKS_TEST_ZOOKEEPER", "")
+    server = None
+    if not location:
+        missing = zookeeper_missing()
+        if missing:
+            pytest.skip(f"no ZooKeeper: {missing}")
+        server = ZooKeeperServer().start()
+        location = os.environ["DISTLOCKS_TEST_ZOOKEEPER"] = server.location
+    settings.DISTLOCKS_BACKENDS["zk"]["LOCATION"] = location
+    backends.reset()
+    yield location
+    if server is not None:
+        server.close()
 
 
 @pytest.fixture

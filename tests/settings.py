@@ -100,6 +100,12 @@ DISTLOCKS_BACKENDS = {
         "DATABASE": "default",
         "OPTIONS": {"mode": "transaction"},
     },
+    "zk": {
+        "BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend",
+        # Set by the zk_ready fixture (tests/conftest.py) when it starts a server.
+        "LOCATION": os.environ.get("DISTLOCKS_TEST_ZOOKEEPER", "127.0.0.1:2181"),
+        "OPTIONS": {"session_timeout": 4},
+    },
     "redlock": {
         "BACKEND": "distlocks.backends.redlock.RedlockBackend",
         "LOCATION": REDLOCK_URLS,
