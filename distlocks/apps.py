@@ -24,7 +24,10 @@ class DistlocksConfig(AppConfig):
         connection_created.connect(
             install_error_translation, dispatch_uid="distlocks-translate-stale-tokens"
         )
-        post_migrate.connect(install_fencing_triggers, dispatch_uid="distlocks-fencing-triggers")
+        # Once per migrate run (sent for each app; every app's tables exist by then).
+        post_migrate.connect(
+            install_fencing_triggers, sender=self, dispatch_uid="distlocks-fencing-triggers"
+        )
         if conf.METRICS:
             # Only then is prometheus_client imported (the "prometheus" extra).
             from distlocks.metrics import install
@@ -33,15 +36,16 @@ class DistlocksConfig(AppConfig):
 
 
 def install_fencing_triggers(using: str = "default", **kwargs: Any) -> None:
-    """After ``migrate``: put the fencing trigger on every concrete FencedModel table."""
+    """After ``migrate``: put the fencing trigger on every concrete FencedModel table,
+    on the databases where distlocks enforces fencing (PostgreSQL, SQLite, MySQL)."""
     from django.apps import apps
     from django.db import connections, router
 
-    from distlocks.fencing import install_trigger
+    from distlocks.fencing import TOKEN_COLUMN, enforces, install_trigger
     from distlocks.models import FencedModel
 
     connection = connections[using]
-    if connection.vendor != "postgresql":
+    if not enforces(connection):
         return
     tables = connection.introspection.table_names()
     for model in apps.get_models():
@@ -61,5 +65,5 @@ def install_fencing_triggers(using: str = "default", **kwargs: Any) -> None:
                 c.name
                 for c in connection.introspection.get_table_description(cursor, meta.db_table)
             }
-        if "fencing_token" in columns:
+        if TOKEN_COLUMN in columns:
             install_trigger(connection, meta.db_table)

@@ -3,8 +3,9 @@
 * Which leases the current context holds through ``with lock(...)`` (so a save
   inside the block can use its token without passing it).
 * :func:`unfenced`, the explicit escape hatch for data migrations and scripts.
-* The PostgreSQL trigger that rejects any UPDATE lowering a row's token, and
-  the translation of its error into :class:`~distlocks.exceptions.StaleFencingToken`.
+* The triggers that reject, inside PostgreSQL, SQLite and MySQL/MariaDB, any
+  UPDATE lowering a row's token, and the translation of their errors into
+  :class:`~distlocks.exceptions.StaleFencingToken`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import re
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from django.core.exceptions import ImproperlyConfigured
+from django.db.backends.utils import truncate_name
+
 from distlocks.exceptions import StaleFencingToken
 
 if TYPE_CHECKING:
@@ -22,10 +26,18 @@ if TYPE_CHECKING:
 
     from distlocks.lease import BaseLease
 
-#: SQLSTATE raised by the trigger (a custom class, so nothing else can match it).
+#: SQLSTATE raised by the PostgreSQL trigger (a custom class, so nothing else can match it).
 STALE_SQLSTATE = "DLS01"
 TRIGGER_FUNCTION = "distlocks_reject_stale_token"
+#: The trigger's name on PostgreSQL (per table); SQLite and MySQL name triggers per
+#: schema, so there it is followed by the table name (see :func:`trigger_name`).
 TRIGGER_NAME = "distlocks_fencing"
+#: Django database vendors whose engine refuses a token-lowering UPDATE.
+ENFORCING_VENDORS = frozenset({"postgresql", "sqlite", "mysql"})
+#: Start of every trigger's error message: what turns it into StaleFencingToken.
+STALE_MESSAGE = "distlocks: stale fencing token"
+#: The column the triggers guard (distlocks.E010 keeps FencedModel's field on it).
+TOKEN_COLUMN = "fencing_token"
 
 _active: contextvars.ContextVar[tuple[BaseLease, ...]] = contextvars.ContextVar(
     "distlocks_active_leases", default=()
@@ -58,7 +70,8 @@ def unfenced() -> Iterator[None]:
 
     For fixtures and maintenance scripts, where no lock holder can race the write.
     Saves inside are plain Django saves: they write the token the instance holds
-    (loaded with the row), so on PostgreSQL the trigger still refuses a stale
+    (loaded with the row), so where the database enforces fencing (PostgreSQL,
+    SQLite, MySQL/MariaDB) its trigger still refuses a stale
     instance that would lower it. Models from ``apps.get_model()`` in a data
     migration are plain historical models and need no escape hatch.
     """
@@ -73,64 +86,233 @@ def is_unfenced() -> bool:
     return _unfenced.get()
 
 
-# -- PostgreSQL enforcement ----------------------------------------------------
+# -- enforcement inside the database ---------------------------------------------
+#
+# One BEFORE UPDATE trigger per FencedModel table refuses a new fencing_token below
+# the stored one (an equal one is allowed: a holder writes several times with its
+# token). Each engine reports it with a message starting with STALE_MESSAGE, which
+# translate_errors() turns into StaleFencingToken on Django's connections.
 
-FUNCTION_SQL = f"""
+PG_FUNCTION_SQL = f"""
 CREATE OR REPLACE FUNCTION {TRIGGER_FUNCTION}() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF NEW.fencing_token < OLD.fencing_token THEN
+    IF NEW.{TOKEN_COLUMN} < OLD.{TOKEN_COLUMN} THEN
         RAISE EXCEPTION USING
             ERRCODE = '{STALE_SQLSTATE}',
-            MESSAGE = format('distlocks: stale fencing token %s for %s (stored %s)',
-                             NEW.fencing_token, TG_TABLE_NAME, OLD.fencing_token),
+            MESSAGE = format('{STALE_MESSAGE} %s for %s (stored %s)',
+                             NEW.{TOKEN_COLUMN}, TG_TABLE_NAME, OLD.{TOKEN_COLUMN}),
             DETAIL = format('table=%s offered=%s stored=%s',
-                            TG_TABLE_NAME, NEW.fencing_token, OLD.fencing_token);
+                            TG_TABLE_NAME, NEW.{TOKEN_COLUMN}, OLD.{TOKEN_COLUMN});
     END IF;
     RETURN NEW;
 END
 $$
 """
+#: Kept under its former name for code that imported it.
+FUNCTION_SQL = PG_FUNCTION_SQL
 
 
 def trigger_sql(table: str, quote: Callable[[str], str]) -> list[str]:
-    """Statements that (re)install the fencing trigger on ``table``."""
+    """Statements that (re)install the fencing trigger on PostgreSQL ``table``."""
     return [
-        FUNCTION_SQL,
+        PG_FUNCTION_SQL,
         f"DROP TRIGGER IF EXISTS {TRIGGER_NAME} ON {quote(table)}",
-        f"CREATE TRIGGER {TRIGGER_NAME} BEFORE UPDATE OF fencing_token ON {quote(table)}"
+        f"CREATE TRIGGER {TRIGGER_NAME} BEFORE UPDATE OF {TOKEN_COLUMN} ON {quote(table)}"
         f" FOR EACH ROW EXECUTE FUNCTION {TRIGGER_FUNCTION}()",
     ]
 
 
 def drop_trigger_sql(table: str, quote: Callable[[str], str]) -> list[str]:
+    """Statements that remove the fencing trigger from PostgreSQL ``table``."""
     return [f"DROP TRIGGER IF EXISTS {TRIGGER_NAME} ON {quote(table)}"]
 
 
+def enforces(connection: BaseDatabaseWrapper) -> bool:
+    """Whether distlocks installs a fencing trigger on ``connection``'s database."""
+    return connection.vendor in ENFORCING_VENDORS
+
+
+def trigger_name(connection: BaseDatabaseWrapper, table: str) -> str:
+    """The trigger's name on ``table``: SQLite and MySQL name triggers per schema, so
+    the table is part of it (shortened with a hash where MySQL's 64 characters end)."""
+    if connection.vendor == "postgresql":
+        return TRIGGER_NAME
+    return truncate_name(f"{TRIGGER_NAME}_{table}", connection.ops.max_name_length())
+
+
+def _string_literal(value: str, *, backslash_escapes: bool = False) -> str:
+    if backslash_escapes:
+        value = value.replace("\\", "\\\\")
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _sqlite_trigger_sql(connection: BaseDatabaseWrapper, table: str) -> list[str]:
+    quote = connection.ops.quote_name
+    name, column = quote(trigger_name(connection, table)), quote(TOKEN_COLUMN)
+    # RAISE() takes a literal only (SQLite < 3.47), so the message cannot carry the
+    # tokens. SQLite would store a text or real value in an integer column as it is,
+    # and text sorts above every integer: it would fence the row out for good.
+    stale = _string_literal(f"{STALE_MESSAGE} on {table}")
+    not_integer = _string_literal(f"distlocks: {TOKEN_COLUMN} must be an integer on {table}")
+    return [
+        f"DROP TRIGGER IF EXISTS {name}",
+        f"CREATE TRIGGER {name} BEFORE UPDATE OF {column} ON {quote(table)} FOR EACH ROW"
+        f" WHEN NEW.{column} IS NOT NULL"
+        f" AND (typeof(NEW.{column}) <> 'integer' OR NEW.{column} < OLD.{column})"
+        f" BEGIN SELECT CASE WHEN typeof(NEW.{column}) <> 'integer'"
+        f" THEN RAISE(ABORT, {not_integer}) ELSE RAISE(ABORT, {stale}) END; END",
+    ]
+
+
+def _mysql_trigger_sql(connection: BaseDatabaseWrapper, table: str) -> list[str]:
+    quote = connection.ops.quote_name
+    name, column = quote(trigger_name(connection, table)), quote(TOKEN_COLUMN)
+    # A NULL is refused as the NOT NULL column would in strict mode (error 1048): a
+    # non-strict session would otherwise store 0 after this trigger has run.
+    body = (
+        f"BEGIN\n"
+        f"  DECLARE message VARCHAR(128);\n"
+        f"  IF NEW.{column} IS NULL AND OLD.{column} IS NOT NULL THEN\n"
+        f"    SIGNAL SQLSTATE '23000' SET MYSQL_ERRNO = 1048,\n"
+        f"      MESSAGE_TEXT = 'Column ''{TOKEN_COLUMN}'' cannot be null';\n"
+        f"  ELSEIF NEW.{column} < OLD.{column} THEN\n"
+        f"    SET message = LEFT(CONCAT('{STALE_MESSAGE} ', NEW.{column},\n"
+        f"      ' (stored ', OLD.{column}, ') on ',"
+        f" {_string_literal(table, backslash_escapes=True)}), 128);\n"
+        f"    SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = message;\n"
+        f"  END IF;\n"
+        f"END"
+    )
+    head = f"TRIGGER {name} BEFORE UPDATE ON {quote(table)} FOR EACH ROW\n"
+    if getattr(connection, "mysql_is_mariadb", False):
+        return [f"CREATE OR REPLACE {head}{body}"]  # one atomic step
+    return [f"DROP TRIGGER IF EXISTS {name}", f"CREATE {head}{body}"]
+
+
+def install_statements(connection: BaseDatabaseWrapper, table: str) -> list[str]:
+    """Statements that (re)install the fencing trigger on ``table`` (none where the
+    database is not one distlocks enforces fencing in)."""
+    if connection.vendor == "postgresql":
+        return trigger_sql(table, connection.ops.quote_name)
+    if connection.vendor == "sqlite":
+        return _sqlite_trigger_sql(connection, table)
+    if connection.vendor == "mysql":
+        return _mysql_trigger_sql(connection, table)
+    return []
+
+
+def drop_statements(connection: BaseDatabaseWrapper, table: str) -> list[str]:
+    """Statements that remove the fencing trigger from ``table``."""
+    if connection.vendor == "postgresql":
+        return drop_trigger_sql(table, connection.ops.quote_name)
+    if connection.vendor in ENFORCING_VENDORS:
+        return [
+            f"DROP TRIGGER IF EXISTS {connection.ops.quote_name(trigger_name(connection, table))}"
+        ]
+    return []
+
+
+# MySQL/MariaDB errors that mean the user may not create the trigger.
+_MYSQL_PRIVILEGE_HINTS = {
+    # ER_TABLEACCESS_DENIED_ERROR: "TRIGGER command denied to user ..."
+    1142: "Grant the TRIGGER privilege on the database to the user Django connects as "
+    "(GRANT TRIGGER ON `<database>`.* TO '<user>'@'<host>'), then run migrate again.",
+    # ER_BINLOG_CREATE_ROUTINE_NEED_SUPER, and ER_SPECIFIC_ACCESS_DENIED_ERROR (SUPER)
+    1419: "Binary logging is on, and then creating a trigger needs the SUPER privilege "
+    "or log_bin_trust_function_creators = 1 (SET GLOBAL, and in the server's "
+    "configuration so that it lasts); then run migrate again.",
+    1227: "Binary logging is on, and then creating a trigger needs the SUPER privilege "
+    "or log_bin_trust_function_creators = 1 (SET GLOBAL, and in the server's "
+    "configuration so that it lasts); then run migrate again.",
+}
+
+
+def run_statements(
+    connection: BaseDatabaseWrapper,
+    table: str,
+    statements: list[str],
+    execute: Callable[[str], Any],
+) -> None:
+    """Run trigger statements with ``execute``; a missing privilege becomes
+    ImproperlyConfigured saying what to grant."""
+    from django.db import DatabaseError
+
+    try:
+        for sql in statements:
+            execute(sql)
+    except DatabaseError as exc:
+        cause = exc.__cause__ or exc
+        code = cause.args[0] if cause.args else None
+        hint = (
+            _MYSQL_PRIVILEGE_HINTS.get(code)
+            if connection.vendor == "mysql" and isinstance(code, int)
+            else None
+        )
+        if hint is None:
+            raise
+        raise ImproperlyConfigured(
+            f"distlocks could not install or remove the fencing trigger on table {table!r} "
+            f"({_driver_message(cause)}). {hint}"
+        ) from exc
+
+
 def install_trigger(connection: BaseDatabaseWrapper, table: str) -> None:
-    """Install the trigger on ``table`` if ``connection`` is PostgreSQL (no-op elsewhere)."""
-    if connection.vendor != "postgresql":
+    """Install the trigger on ``table`` where ``connection``'s database enforces
+    fencing (a no-op elsewhere). Idempotent: an existing one is replaced."""
+    from django.db import transaction
+
+    statements = install_statements(connection, table)
+    if not statements:
         return
-    with connection.cursor() as cursor:
-        for sql in trigger_sql(table, connection.ops.quote_name):
-            cursor.execute(sql)
+    # PostgreSQL and SQLite run DDL in transactions: no moment without the trigger.
+    atomic = (
+        transaction.atomic(using=connection.alias)
+        if connection.features.can_rollback_ddl
+        else contextlib.nullcontext()
+    )
+    with atomic, connection.cursor() as cursor:
+        run_statements(connection, table, statements, cursor.execute)
 
 
-_DETAIL = re.compile(r"table=(?P<table>\S+) offered=(?P<offered>-?\d+) stored=(?P<stored>-?\d+)")
+def _driver_message(cause: BaseException) -> str:
+    """The text of a driver error: MySQL drivers give (errno, text), sqlite3 (text,)."""
+    args = getattr(cause, "args", ())
+    return str(args[-1]) if args else str(cause)
+
+
+# A table name may hold spaces: the values are read from the end.
+_DETAIL = re.compile(
+    r"table=(?P<table>.+) offered=(?P<offered>-?\d+) stored=(?P<stored>-?\d+)\Z", re.DOTALL
+)
+_MESSAGE = re.compile(
+    re.escape(STALE_MESSAGE)
+    + r" (?:(?P<offered>-?\d+) \(stored (?P<stored>-?\d+)\) )?on (?P<table>.*)\Z",
+    re.DOTALL,
+)
 
 
 def stale_error(exc: BaseException) -> StaleFencingToken | None:
     """The StaleFencingToken a database error stands for, if it is the trigger's."""
     cause = exc.__cause__ or exc
     diag = getattr(cause, "diag", None)
-    if getattr(diag, "sqlstate", None) != STALE_SQLSTATE:
-        return None
-    match = _DETAIL.search(getattr(diag, "message_detail", "") or "")
-    offered = int(match["offered"]) if match else None
-    stored = int(match["stored"]) if match else None
-    table = match["table"] if match else None
+    offered = stored = None
+    table: str | None = None
+    if diag is not None:  # psycopg: the SQLSTATE says it, the DETAIL has the values
+        if getattr(diag, "sqlstate", None) != STALE_SQLSTATE:
+            return None
+        match = _DETAIL.search(getattr(diag, "message_detail", "") or "")
+    else:  # sqlite3, MySQL drivers: the message says it
+        match = _MESSAGE.match(_driver_message(cause))
+        if match is None:
+            return None
+    if match is not None:
+        table = match["table"]
+        offered = int(match["offered"]) if match["offered"] is not None else None
+        stored = int(match["stored"]) if match["stored"] is not None else None
+    values = f": offered {offered}, stored {stored}" if offered is not None else ""
     return StaleFencingToken(
-        f"The database refused to lower the fencing token of a row of {table}: "
-        f"offered {offered}, stored {stored}. A newer lock holder has written it.",
+        f"The database refused to lower the fencing token of a row of {table}{values}. "
+        f"A newer lock holder has written it.",
         model=table,
         offered=offered,
         stored=stored,
@@ -157,5 +339,5 @@ def install_error_translation(
     sender: object, connection: BaseDatabaseWrapper, **kwargs: Any
 ) -> None:
     """``connection_created`` receiver: add :func:`translate_errors` once per connection."""
-    if connection.vendor == "postgresql" and translate_errors not in connection.execute_wrappers:
+    if enforces(connection) and translate_errors not in connection.execute_wrappers:
         connection.execute_wrappers.append(translate_errors)

@@ -23,8 +23,9 @@ from distlocks import fencing
 
 
 class InstallFencingTrigger(Operation):
-    """Reject, inside PostgreSQL, any UPDATE that lowers ``fencing_token`` of a row
-    of ``model_name``. A no-op on other databases."""
+    """Reject, inside the database, any UPDATE that lowers ``fencing_token`` of a row
+    of ``model_name``: a trigger on PostgreSQL, SQLite and MySQL/MariaDB, a no-op on
+    other databases. Reversed, it drops the trigger."""
 
     reversible = True
     reduces_to_sql = True
@@ -41,17 +42,19 @@ class InstallFencingTrigger(Operation):
     def _run(self, app_label: str, schema_editor: Any, state: Any, install: bool) -> None:
         connection = schema_editor.connection
         model = state.apps.get_model(app_label, self.model_name)
-        if connection.vendor != "postgresql" or not self.allow_migrate_model(
+        if not fencing.enforces(connection) or not self.allow_migrate_model(
             connection.alias, model
         ):
             return
         table = model._meta.db_table
-        quote = connection.ops.quote_name
         statements = (
-            fencing.trigger_sql(table, quote) if install else fencing.drop_trigger_sql(table, quote)
+            fencing.install_statements(connection, table)
+            if install
+            else fencing.drop_statements(connection, table)
         )
-        for sql in statements:
-            schema_editor.execute(sql, params=None)
+        fencing.run_statements(
+            connection, table, statements, lambda sql: schema_editor.execute(sql, params=None)
+        )
 
     def database_forwards(
         self, app_label: str, schema_editor: Any, from_state: Any, to_state: Any
