@@ -77,6 +77,48 @@ TEMPLATES = [
 
 DATABASES = {"default": _database(DATABASE_URL)}
 
+
+def _sqlite_path() -> str:
+    """A SQLite file for the "sqlite" alias (tests/test_fencing_sqlite.py), in a temp
+    dir exported like the server URLs, so worker processes open the same file."""
+    path = os.environ.get("DISTLOCKS_TEST_SQLITE_PATH")
+    if not path:
+        import atexit
+        import shutil
+        import tempfile
+
+        directory = tempfile.mkdtemp(prefix="distlocks-sqlite-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        path = os.environ["DISTLOCKS_TEST_SQLITE_PATH"] = os.path.join(directory, "fenced.db")
+    return path
+
+
+# Only the tests that declare it use it (pytest-django sets up no other alias); the
+# test database is this same file, created afresh by the test run.
+DATABASES["sqlite"] = {
+    "ENGINE": "django.db.backends.sqlite3",
+    "NAME": _sqlite_path(),
+    # No DEPENDENCIES: its tests need no other database set up first.
+    "TEST": {"NAME": _sqlite_path(), "DEPENDENCIES": []},
+}
+
+# MariaDB (tests/test_fencing_mariadb.py): its fixture starts a server and exports
+# this URL for worker processes; set it beforehand to use an existing server (a
+# database of its own for the tests: they create their tables in it).
+if os.environ.get("DISTLOCKS_TEST_MARIADB_URL"):
+    import importlib.util
+
+    from distlocks.testing.servers import mariadb_database_settings
+
+    # Django's MySQL backend imports MySQLdb (mysqlclient, which needs C headers to
+    # build); PyMySQL stands in for it.
+    if importlib.util.find_spec("MySQLdb") is None:
+        import pymysql
+
+        pymysql.install_as_MySQLdb()
+
+    DATABASES["mariadb"] = mariadb_database_settings(os.environ["DISTLOCKS_TEST_MARIADB_URL"])
+
 CACHES = {
     "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
     "redis": {
