@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import uuid
 from collections.abc import Iterator
@@ -114,6 +116,60 @@ def redis_client() -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(settings.REDIS_URL)
     yield client
     client.close()
+
+
+@contextlib.contextmanager
+def database_alias(alias: str, url: str) -> Iterator[str]:
+    """Add a MySQL/MariaDB ``DATABASES`` alias for ``url`` to the running process (the
+    settings add it at import only where DISTLOCKS_TEST_MARIADB_URL was set before)."""
+    from django.db import connections
+
+    from distlocks.testing.servers import mariadb_database_settings
+
+    if importlib.util.find_spec("MySQLdb") is None:
+        import pymysql  # the dev extra's driver; mysqlclient needs C headers to build
+
+        pymysql.install_as_MySQLdb()
+    added = alias not in connections.settings
+    if added:
+        configured = connections.configure_settings(
+            {"default": {}, alias: mariadb_database_settings(url)}
+        )
+        connections.settings[alias] = configured[alias]
+    try:
+        yield alias
+    finally:
+        with contextlib.suppress(Exception):
+            connections[alias].close()
+        if added:
+            del connections[alias]
+            del connections.settings[alias]
+
+
+@pytest.fixture(scope="session")
+def mariadb(django_db_blocker: Any) -> Iterator[str]:
+    """The alias ("mariadb") of a migrated MariaDB database: a throwaway server,
+    started on first use, or the one DISTLOCKS_TEST_MARIADB_URL names. Skips, saying
+    what to install, where there is no MariaDB or no driver."""
+    from django.core.management import call_command
+
+    from distlocks.testing.servers import (
+        MARIADB_INSTALL_HINT,
+        ServerError,
+        ensure_mariadb_test_server,
+    )
+
+    try:
+        url = ensure_mariadb_test_server()
+        driver = importlib.util.find_spec("MySQLdb") or importlib.util.find_spec("pymysql")
+        if driver is None:
+            raise ServerError(f"No MySQL driver is installed. {MARIADB_INSTALL_HINT}")
+    except ServerError as exc:
+        pytest.skip(str(exc))
+    with database_alias("mariadb", url) as alias:
+        with django_db_blocker.unblock():
+            call_command("migrate", database=alias, verbosity=0)
+        yield alias
 
 
 @pytest.fixture(autouse=True)

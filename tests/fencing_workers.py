@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
+from typing import Any
 
 from tests.workers import setup_django
 
@@ -86,7 +87,7 @@ def paused_writer(
 
 
 def run_workload(
-    model: type, name: str, work: Path, using: str, *, raw: bool = False
+    model: Any, name: str, work: Path, using: str, *, raw: bool = False
 ) -> dict[str, object]:
     """The lost-update workload of tests/test_fencing.py on database ``using``: a holder
     is paused past its TTL while three processes take the lock in turn and increment

@@ -112,7 +112,7 @@ if os.environ.get("DISTLOCKS_TEST_MARIADB_URL"):
 
     # Django's MySQL backend imports MySQLdb (mysqlclient, which needs C headers to
     # build); PyMySQL stands in for it.
-    if importlib.util.find_spec("MySQLdb") is None:
+    if importlib.util.find_spec("MySQLdb") is None and importlib.util.find_spec("pymysql"):
         import pymysql
 
         pymysql.install_as_MySQLdb()
