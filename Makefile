@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck docs bench clean install browser zookeeper fuzz
+.PHONY: test demo lint typecheck docs bench clean install browser zookeeper mariadb fuzz
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "Python 3.11+ is needed (python3.11, 3.12 or 3.13 on PATH)"; exit 1; }
@@ -45,7 +45,19 @@ zookeeper:
 		|| echo "Could not install ZooKeeper: the ZooKeeper tests will be skipped."; \
 	fi
 
-test: $(STAMP) browser zookeeper
+# The MySQL/MariaDB fencing tests run Debian's MariaDB server (started by the tests in a
+# temporary directory): installed here only as root with apt-get and only if missing; a
+# failure is not fatal (the tests then skip, saying what to install).
+mariadb:
+	@if [ ! -x /usr/sbin/mariadbd ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "Installing mariadb-server (apt-get) for the MariaDB fencing tests..."; \
+		{ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mariadb-server >/dev/null 2>&1 \
+		  || { apt-get update -qq >/dev/null 2>&1 \
+		       && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mariadb-server >/dev/null 2>&1; }; } \
+		|| echo "Could not install mariadb-server: the MariaDB fencing tests will be skipped."; \
+	fi
+
+test: $(STAMP) browser zookeeper mariadb
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The stateful and property tests of tests/stateful, with many more and longer runs than

@@ -159,7 +159,7 @@ def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
                 if field is not None and field.null:
                     problem += " with null=True"
             elif field.column != "fencing_token":
-                problem = f"stored in column {field.column!r} (the trigger expects 'fencing_token')"
+                problem = f"stored in column {field.column!r} (the triggers expect 'fencing_token')"
             elif any(link is not None for link in model._meta.parents.values()):
                 problem = "inherited through multi-table inheritance (one UPDATE covers one table)"
             if problem:
@@ -168,7 +168,11 @@ def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
                     Error(
                         E010,
                         hint=f"{model._meta.label}.fencing_token is {got}; keep the field "
-                        "inherited from FencedModel (fenced saves compare and store it).",
+                        "inherited from FencedModel (fenced saves compare and store it, and "
+                        "the trigger migrate installs on PostgreSQL, SQLite and MySQL/MariaDB "
+                        "guards the 'fencing_token' column; on MySQL/MariaDB creating it "
+                        "needs the TRIGGER privilege and, with binary logging, SUPER or "
+                        "log_bin_trust_function_creators = 1).",
                         obj=model,
                         id="distlocks.E010",
                     )
