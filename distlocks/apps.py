@@ -19,7 +19,10 @@ class DistlocksConfig(AppConfig):
         from distlocks.conf import conf
         from distlocks.fencing import install_error_translation
         from distlocks.handler import reset_on_setting_change
+        from distlocks.redaction import install_log_redaction
 
+        # No log line of distlocks shows a password, whatever the handlers.
+        install_log_redaction()
         setting_changed.connect(reset_on_setting_change, dispatch_uid="distlocks-reset-backends")
         connection_created.connect(
             install_error_translation, dispatch_uid="distlocks-translate-stale-tokens"

@@ -20,9 +20,13 @@ E001 = "DISTLOCKS_BACKENDS must be a dict of alias -> backend config with a 'def
 E002 = "A DISTLOCKS_BACKENDS entry must be a dict with a 'BACKEND' dotted path."
 E003 = "A DISTLOCKS_BACKENDS 'BACKEND' must import as a BaseBackend subclass."
 E004 = "A DISTLOCKS_BACKENDS entry is not valid for its backend class."
-E005 = "DISTLOCKS_DEFAULT_TTL must be a number of seconds from 0.01 to 31,536,000 (365 days)."
+E005 = (
+    f"DISTLOCKS_DEFAULT_TTL must be a number of seconds from 0.01 to {MAX_TTL:,} "
+    f"({MAX_TTL // 86400} days, distlocks.validation.MAX_TTL)."
+)
 E006 = (
-    "DISTLOCKS_DEFAULT_TIMEOUT must be None or a number of seconds from 0 to 31,536,000 (365 days)."
+    f"DISTLOCKS_DEFAULT_TIMEOUT must be None or a number of seconds from 0 to {MAX_TIMEOUT:,} "
+    f"({MAX_TIMEOUT // 86400} days, distlocks.validation.MAX_TIMEOUT)."
 )
 E007 = "DISTLOCKS_KEY_PREFIX must be a non-empty str without braces."
 E008 = "PostgresBackend needs a PostgreSQL database."
@@ -121,7 +125,16 @@ def _check_backends() -> list[CheckMessage]:
             errors.append(Error(E003, hint=str(exc), id="distlocks.E003"))
             continue
         # Backend-specific messages (E004, and E008/E009 for PostgreSQL).
-        errors.extend(cls.check_config(alias, config))
+        try:
+            errors.extend(cls.check_config(alias, config))
+        except Exception as exc:  # a check that crashes must not stop manage.py check
+            errors.append(
+                Error(
+                    E004,
+                    hint=f"DISTLOCKS_BACKENDS[{alias!r}]: {type(exc).__name__}: {exc}",
+                    id="distlocks.E004",
+                )
+            )
         if config["BACKEND"].endswith(".LocMemBackend") and not settings.DEBUG:
             errors.append(
                 Warning(

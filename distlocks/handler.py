@@ -11,6 +11,7 @@ from django.utils.module_loading import import_string
 
 from distlocks.backends.base import BaseBackend
 from distlocks.conf import conf
+from distlocks.redaction import redact, redact_exception
 
 
 def backend_configs() -> dict[str, Mapping[str, Any]]:
@@ -45,8 +46,12 @@ def backend_class(alias: str, config: Any) -> type[BaseBackend]:
     try:
         cls = import_string(path)
     except ImportError as exc:
+        redact_exception(exc)
         raise ImproperlyConfigured(
-            f"DISTLOCKS_BACKENDS[{alias!r}]['BACKEND'] = {path!r} could not be imported: {exc}"
+            redact(
+                f"DISTLOCKS_BACKENDS[{alias!r}]['BACKEND'] = {path!r} could not be imported: "
+                f"{exc}"
+            )
         ) from exc
     if not (isinstance(cls, type) and issubclass(cls, BaseBackend)):
         raise ImproperlyConfigured(
@@ -95,12 +100,19 @@ class BackendHandler:
         check_alias(alias)
         config = backend_configs()[alias]
         cls = backend_class(alias, config)
-        problems = cls.validate_config(alias, config)
-        if problems:
-            raise ImproperlyConfigured(
-                f"DISTLOCKS_BACKENDS[{alias!r}] is invalid: " + "; ".join(problems) + "."
-            )
-        return cls(alias, config)
+        try:
+            problems = cls.validate_config(alias, config)
+            if problems:
+                # A backend's problems quote the settings, LOCATION and all.
+                raise ImproperlyConfigured(
+                    redact(f"DISTLOCKS_BACKENDS[{alias!r}] is invalid: " + "; ".join(problems))
+                    + "."
+                )
+            return cls(alias, config)
+        except Exception as exc:
+            # So is a driver's error on a malformed URL, chained under the backend's.
+            redact_exception(exc)
+            raise
 
     def all(self) -> list[BaseBackend]:
         """Every configured backend (created if needed)."""

@@ -19,6 +19,7 @@ variable, a password of one or two characters).
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -43,10 +44,21 @@ def _mask_url(match: re.Match[str]) -> str:
 def _url_secrets(text: str) -> Iterator[str]:
     for match in _URL.finditer(text):
         user, colon, password = match["userinfo"].partition(":")
-        secret = password if colon else user
-        if secret:
-            yield secret
-            yield unquote(secret)
+        yield from _pieces(password if colon else user)
+
+
+# Where a URL parser may cut a careless password ("redis://u:pass/word@host" is host
+# "u", port "pass", path "/word@host" to urllib): each piece may be quoted alone.
+_CUTS = re.compile(r"[/?#@:;&=,\s]+")
+
+
+def _pieces(secret: str) -> Iterator[str]:
+    """``secret``, unquoted, and the pieces a parser may cut it into."""
+    if not secret:
+        return
+    for whole in (secret, unquote(secret)):
+        yield whole
+        yield from _CUTS.split(whole)
 
 
 # password=secret in a query string or a libpq connection string.
@@ -100,9 +112,10 @@ def configured_secrets() -> tuple[str, ...]:
         )
     except Exception:
         return ()
-    key = tuple(id(source) for source in sources)
+    # Keyed by the setting objects themselves (kept alive by the cache, so an id is
+    # never reused by a replacement setting while the cache still names it).
     cached = _cache.get("secrets")
-    if cached is not None and cached[0] == key:
+    if cached is not None and all(a is b for a, b in zip(cached[0], sources, strict=True)):
         return cached[1]
     found: set[str] = set()
     for source in sources:
@@ -110,11 +123,11 @@ def configured_secrets() -> tuple[str, ...]:
     # Very short strings would mask ordinary words; the patterns above cover the
     # places where a short password appears (a URL, a parameter, a dict item).
     secrets = tuple(sorted((s for s in found if len(s) >= 4), key=len, reverse=True))
-    _cache["secrets"] = (key, secrets)
+    _cache["secrets"] = (sources, secrets)
     return secrets
 
 
-_cache: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+_cache: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {}
 
 
 def _secrets_in(value: Any, depth: int = 0) -> Iterator[str]:
@@ -123,9 +136,7 @@ def _secrets_in(value: Any, depth: int = 0) -> Iterator[str]:
     if isinstance(value, Mapping):
         for key, item in value.items():
             if isinstance(key, str) and key.lower() in _PASSWORD_KEYS and isinstance(item, str):
-                if item:
-                    yield item
-                    yield unquote(item)
+                yield from _pieces(item)
             else:
                 yield from _secrets_in(item, depth + 1)
     elif isinstance(value, str):
@@ -138,10 +149,7 @@ def _secrets_in(value: Any, depth: int = 0) -> Iterator[str]:
 def _secrets_of_text(text: str) -> Iterator[str]:
     yield from _url_secrets(text)
     for match in _PARAM.finditer(text):
-        secret = match["secret"].strip("'")
-        if secret:
-            yield secret
-            yield unquote(secret)
+        yield from _pieces(match["secret"].strip("'"))
 
 
 def escape_control(text: Any) -> str:
@@ -161,3 +169,119 @@ def _escape(ch: str) -> str:
     if code <= 0xFFFF:
         return f"\\u{code:04x}"
     return f"\\U{code:08x}"
+
+
+# -- exceptions and log records ------------------------------------------------------
+
+
+def redact_exception(exc: BaseException | None) -> None:
+    """Remove credentials, in place, from ``exc`` and every exception of its
+    ``__cause__``/``__context__`` chain (a driver's error quoting a URL is chained
+    under the error distlocks raises, and a traceback prints the whole chain).
+
+    A link whose message cannot be changed in place (its ``__str__`` reads something
+    other than its arguments) is replaced in the chain by a :class:`RedactedError`
+    carrying its type name and redacted message.
+    """
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        exc = pending.pop()
+        if exc is None or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        _redact_args(exc)
+        for attribute in ("__cause__", "__context__"):
+            link = getattr(exc, attribute)
+            if link is not None and id(link) not in seen:
+                _redact_args(link)
+                if _leaks(link):
+                    link = RedactedError.of(link)
+                    setattr(exc, attribute, link)
+                pending.append(link)
+
+
+class RedactedError(Exception):
+    """Stands in a chain for an exception whose message held a credential."""
+
+    @classmethod
+    def of(cls, exc: BaseException) -> RedactedError:
+        try:
+            text = redact(exc)
+        except Exception:
+            text = "(message not shown)"
+        stand_in = cls(f"{type(exc).__module__}.{type(exc).__qualname__}: {text}")
+        stand_in.__cause__, stand_in.__context__ = exc.__cause__, exc.__context__
+        stand_in.__suppress_context__ = exc.__suppress_context__
+        stand_in.__traceback__ = exc.__traceback__
+        return stand_in
+
+
+def _redact_args(exc: BaseException) -> None:
+    try:
+        args = tuple(redact(arg) if isinstance(arg, str) else arg for arg in exc.args)
+        if args != exc.args:
+            exc.args = args
+        for name in ("strerror", "filename", "filename2", "msg", "message"):
+            value = getattr(exc, name, None)
+            if isinstance(value, str) and redact(value) != value:
+                setattr(exc, name, redact(value))
+    except Exception:  # a read-only attribute: _leaks() then tells
+        pass
+
+
+def _leaks(exc: BaseException) -> bool:
+    try:
+        return any(redact(text) != text for text in (str(exc), repr(exc)))
+    except Exception:  # an exception that cannot even be shown
+        return True
+
+
+class RedactingFilter(logging.Filter):
+    """Removes credentials from a log record: its message, and its exception chain
+    (see :func:`redact_exception`). Installed on distlocks' loggers by
+    :func:`install_log_redaction`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record is the handler's to report
+            return True
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            redact_exception(error)
+            if _leaks(error):
+                record.exc_info = (RedactedError, RedactedError.of(error), record.exc_info[2])
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        return True
+
+
+def install_log_redaction(package: str = "distlocks") -> None:
+    """Put a :class:`RedactingFilter` on the logger of ``package`` and of each of its
+    modules (a logger's filters see only the records logged on it, not on its
+    children), imported or not; idempotent."""
+    import importlib.util
+    import os
+
+    names = {package}
+    spec = importlib.util.find_spec(package)
+    # The module names are read from the files: importing a module only to name its
+    # logger would load optional drivers.
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for folder, _, files in os.walk(root):
+            parts = os.path.relpath(folder, root).split(os.sep)
+            prefix = ".".join([package, *(p for p in parts if p != ".")])
+            modules = [f"{prefix}.{f[:-3]}" for f in files if f.endswith(".py")]
+            if modules:
+                names.update([prefix, *modules])
+    for name in sorted(names):
+        logger = logging.getLogger(name.removesuffix(".__init__"))
+        if not any(isinstance(f, RedactingFilter) for f in logger.filters):
+            logger.addFilter(_FILTER)
+
+
+_FILTER = RedactingFilter()

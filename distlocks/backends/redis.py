@@ -60,7 +60,7 @@ from distlocks.backends.base import (
 from distlocks.backends.redis_primitives import RedisPermits
 from distlocks.conf import conf
 from distlocks.exceptions import LockBackendUnavailable, LockError
-from distlocks.redaction import redact_url
+from distlocks.redaction import redact, redact_url
 
 try:
     import redis
@@ -360,6 +360,24 @@ def _node(text: str, default_port: int, location: str) -> tuple[str, int]:
     return host, port or default_port
 
 
+def _parse_error(exc: ValueError, location: str) -> str:
+    """The URL parser's complaint, without any piece of the URL's user information
+    (a password holding "/" or "@" is cut by the parser into a "port" or a "path" it
+    then quotes), and what to change."""
+    text = redact(exc)
+    userinfo = location.partition("://")[2].rpartition("@")[0]
+    for piece in sorted(set(re.split(r"[/?#@:;&=,\s]+", userinfo)), key=len, reverse=True):
+        # Quoted, any piece is masked; bare, only one long enough not to be a word.
+        for quoted in (f"'{piece}'", f'"{piece}"'):
+            text = text.replace(quoted, "'***'")
+        if len(piece) >= 4:
+            text = text.replace(piece, "***")
+    return (
+        f"{text} (a password holding '/', '@', ':', '?' or '#' must be percent-encoded, "
+        f"e.g. with urllib.parse.quote(password, safe=''))"
+    )
+
+
 def parse_location(location: str) -> Location:
     """Parse a ``LOCATION`` URL (no I/O); ValueError saying what to change if invalid.
 
@@ -373,6 +391,17 @@ def parse_location(location: str) -> Location:
     shown = redact_url(location)  # messages quote the URL without its password
     scheme = location.partition("://")[0].lower() if "://" in location else ""
     if scheme in _SCHEMES:
+        try:
+            parse_url(location)  # what the client does on first use, read now
+        except ValueError as exc:
+            raise ValueError(f"LOCATION {shown!r}: {_parse_error(exc, location)}") from None
+        path = urlsplit(location).path if scheme != "unix" else ""
+        if path.strip("/") and not path.strip("/").isdigit():
+            # redis-py would quietly use database 0 instead.
+            raise ValueError(
+                f"LOCATION {shown!r}: the path must be a database number (e.g. /0), "
+                f"not {redact(path)!r}"
+            )
         return Location("server")
     if scheme not in _CLUSTER_SCHEMES + _SENTINEL_SCHEMES:
         raise ValueError(f"LOCATION {shown!r} must {_LOCATION_FORMS}")
@@ -415,7 +444,7 @@ def parse_location(location: str) -> Location:
         # Credentials and query options are read exactly as for a redis:// URL.
         options = parse_url(f"redis://{credentials}localhost/0?{query}")
     except ValueError as exc:
-        raise ValueError(f"LOCATION {shown!r}: {exc}") from exc
+        raise ValueError(f"LOCATION {shown!r}: {_parse_error(exc, location)}") from None
     for key in ("host", "port", "db", "path", "connection_class"):
         options.pop(key, None)
     if tls:

@@ -350,6 +350,12 @@ class RedlockBackend(BaseBackend):
                     f"rediss:// or unix://"
                 )
                 continue
+            # The single-node checks (the URL itself, the options) apply to every master.
+            single = {"LOCATION": url, "OPTIONS": redis_options}
+            own = RedisBackend.validate_config(alias, single)
+            problems.extend(problem for problem in own if problem not in problems)
+            if own:
+                continue  # a URL that does not parse names no server to compare
             server = _server_of(url)
             if server in seen:
                 problems.append(
@@ -358,11 +364,6 @@ class RedlockBackend(BaseBackend):
                     f"together, and one server must not count twice toward the quorum)"
                 )
             seen.setdefault(server, describe_url(url))
-            # The single-node checks of the options apply to every master alike.
-            single = {"LOCATION": url, "OPTIONS": redis_options}
-            for problem in RedisBackend.validate_config(alias, single):
-                if problem not in problems:
-                    problems.append(problem)
         return problems
 
     @classmethod
