@@ -1,0 +1,1 @@
+"""pytest fixtures for projects that use distlocks (work in progress; see docs/testing.md)."""
