@@ -22,6 +22,12 @@ the result or outcome, and the model of a rejected fenced write.
 ``distlocks_live_locks``                   live locks now, by ``backend``, ``status``
 ``distlocks_oldest_lock_age_seconds``      the longest-held live lock, by ``backend``
 ``distlocks_backend_up``                   1 if the backend could be listed, else 0
+``distlocks_renewal_lateness_seconds``     how late recent renewals ran against their
+                                           schedule, by ``backend``, ``quantile``
+                                           (0.5, 0.99); late by more than two thirds
+                                           of a ttl is a lost lease
+``distlocks_renewal_turns``                renewal turns taken (one lease or a batch),
+                                           by ``backend``
 ========================================== ======================================
 """
 
@@ -36,7 +42,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse
 
-from distlocks import livelocks, signals
+from distlocks import livelocks, renewal, signals
 from distlocks.exceptions import LockNotAcquired
 
 try:
@@ -48,7 +54,7 @@ try:
         Histogram,
         generate_latest,
     )
-    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.registry import Collector
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImproperlyConfigured(
@@ -105,6 +111,37 @@ class LiveLocksCollector(Collector):
         return (live, oldest, up)
 
 
+class RenewalCollector(Collector):
+    """Reads the renewers' recent lateness at scrape time (in memory, no I/O)."""
+
+    def describe(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        return self._families()
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, CounterMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "distlocks_renewal_lateness_seconds",
+                "How late recent lease renewals ran against their schedule (quantiles of "
+                "the last renewals of this process).",
+                labels=["backend", "quantile"],
+            ),
+            CounterMetricFamily(
+                "distlocks_renewal_turns",
+                "Renewal turns taken by this process (one lease, or a batch due together).",
+                labels=["backend"],
+            ),
+        )
+
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
+        late, turns = self._families()
+        for alias, numbers in sorted(renewal.lateness().items()):
+            late.add_metric([alias, "0.5"], numbers["p50"])
+            late.add_metric([alias, "0.99"], numbers["p99"])
+            turns.add_metric([alias], numbers["turns"])
+        return (late, turns)
+
+
 class Metrics:
     """The metric objects of one registry, and the signal receivers that feed them."""
 
@@ -150,6 +187,8 @@ class Metrics:
         )
         self.collector = LiveLocksCollector()
         registry.register(self.collector)
+        self.renewal = RenewalCollector()
+        registry.register(self.renewal)
 
     # -- receivers (never raise: a metric must not break a lock) ----------------------
 
@@ -230,6 +269,7 @@ def uninstall() -> None:
         metrics.fencing_rejections,
         metrics.force_releases,
         metrics.collector,
+        metrics.renewal,
     ):
         metrics.registry.unregister(collector)
 

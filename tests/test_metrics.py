@@ -131,6 +131,25 @@ def test_live_locks_collector(registry: CollectorRegistry, name: str) -> None:
     assert live("locmem", "ok") == before
 
 
+def test_renewal_lateness_and_turns(registry: CollectorRegistry, name: str) -> None:
+    """Renewals a lease really went through show up as lateness quantiles and turns."""
+    from distlocks import renewal
+    from tests.waiting import wait_for
+
+    def turns() -> float:
+        return value(registry, "distlocks_renewal_turns_total", backend="redis")
+
+    before = turns()
+    with lock(name, backend="redis", ttl=0.6) as lease:  # renewed every 0.2 s
+        wait_for(lambda: turns() >= before + 3, what="three renewal turns", limit=30)
+        assert lease.held()
+    p50 = value(registry, "distlocks_renewal_lateness_seconds", backend="redis", quantile="0.5")
+    p99 = value(registry, "distlocks_renewal_lateness_seconds", backend="redis", quantile="0.99")
+    assert 0.0 <= p50 <= p99
+    # The registry reads the renewer itself (another test's lease may add turns since).
+    assert before + 3 <= turns() <= renewal.lateness()["redis"]["turns"]
+
+
 def test_enabled_by_the_setting_in_ready(rf: Any) -> None:
     from django.apps import apps
 
