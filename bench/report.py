@@ -118,6 +118,12 @@ TARGETS = [
            "Redis contended hand-off faster than every peer"),
     Target("redis-handoff-p50", "handoff", "median_at_most_us", 1000.0,
            "Redis hand-off p50 <= 1 ms"),
+    Target("redis-renewal", "renewal", "none_lost", 0.01,
+           "Redis: 10,000 leases (ttl=2 s) held 30 s, none lost, renewals batched "
+           "(<= 0.01 server calls per lease renewal)"),
+    Target("pg-renewal", "renewal", "none_lost", 1.0,
+           "PostgreSQL: 250 leases (ttl=2 s, one pooled connection each) held 30 s, none lost",
+           family="postgres"),
     Target("pg-cycle-vs-floor", "cycle", "floor_ratio", 1.2,
            "PostgreSQL cycle median <= 1.2x the raw floor (registry and fencing included)",
            family="postgres"),
@@ -177,6 +183,15 @@ def evaluate_target(target: Target, section: dict[str, Any]) -> dict[str, Any] |
         out.update(value=value, limit=target.limit, met=met)
         out["detail"] = f"p50 {value:,.0f} us" + (
             "" if met else f", {value / target.limit:.1f}x the {target.limit:,.0f} us target"
+        )
+    elif target.kind == "none_lost":
+        details = section["params"].get(reference, {})
+        lost, leases = details.get("lost"), details.get("leases")
+        per_lease = details.get("server_calls_per_lease_renewal")
+        met = lost == 0 and (per_lease is None or per_lease <= target.limit)
+        out.update(value=lost, limit=target.limit, met=met)
+        out["detail"] = f"{lost} of {leases:,} leases lost" + (
+            "" if per_lease is None else f", {per_lease:.4f} server calls per lease renewal"
         )
     else:
         raise ValueError(f"unknown target kind {target.kind!r}")
