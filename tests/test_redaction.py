@@ -102,9 +102,15 @@ def texts_of(exc: BaseException | None) -> str:
 
 
 #: Cases whose configuration is fine (the server is simply not there).
-WELL_FORMED = {"unreachable server", "password in OPTIONS", "password as a query parameter",
-               "unix socket", "zookeeper", "sentinel service path",
-               "bad query option"}  # fmt: skip (the last is refused by the server's client)
+WELL_FORMED = {
+    "unreachable server",
+    "password in OPTIONS",
+    "password as a query parameter",
+    "unix socket",
+    "zookeeper",
+    "sentinel service path",
+    "bad query option",
+}  # fmt: skip (the last is refused by the server's client)
 
 
 def test_check_messages(bad: str, request: pytest.FixtureRequest) -> None:

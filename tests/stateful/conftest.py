@@ -51,8 +51,9 @@ settings.register_profile(
 )
 settings.register_profile(
     "fuzz",
-    max_examples=400,
-    stateful_step_count=60,
+    # FUZZ_EXAMPLES / FUZZ_STEPS trade depth for time (the defaults take hours).
+    max_examples=int(os.environ.get("FUZZ_EXAMPLES", "400")),
+    stateful_step_count=int(os.environ.get("FUZZ_STEPS", "60")),
     deadline=None,
     suppress_health_check=_SLOW_OK,
     print_blob=True,
