@@ -267,6 +267,7 @@ def load_registry() -> None:
 
     # Imported after the lock workloads, so the save and Celery workloads run (and are
     # listed) after them.
+    import_module("bench.contended")
     import_module("bench.renewal")
     import_module("bench.saves")
     import_module("bench.celery_overhead")

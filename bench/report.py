@@ -118,6 +118,14 @@ TARGETS = [
            "Redis contended hand-off faster than every peer"),
     Target("redis-handoff-p50", "handoff", "median_at_most_us", 1000.0,
            "Redis hand-off p50 <= 1 ms"),
+    Target("redis-contended-threads-vs-peers", "contended-threads", "beats_peers", 1.0,
+           "Redis contended throughput (8 threads, one lock, 1 ms hold) above every peer"),
+    Target("redis-contended-threads-fair", "contended-threads", "fair_at_least", 0.5,
+           "... with the slowest thread getting at least half the fastest one's acquisitions"),
+    Target("redis-contended-processes-vs-peers", "contended-processes", "beats_peers", 1.0,
+           "Redis contended throughput (4 processes, one lock, 1 ms hold) above every peer"),
+    Target("redis-contended-processes-fair", "contended-processes", "fair_at_least", 0.5,
+           "... with the slowest process getting at least half the fastest one's acquisitions"),
     Target("redis-renewal", "renewal", "none_lost", 0.01,
            "Redis: 10,000 leases (ttl=2 s) held 30 s, none lost, renewals batched "
            "(<= 0.01 server calls per lease renewal)"),
@@ -184,6 +192,12 @@ def evaluate_target(target: Target, section: dict[str, Any]) -> dict[str, Any] |
         out["detail"] = f"p50 {value:,.0f} us" + (
             "" if met else f", {value / target.limit:.1f}x the {target.limit:,.0f} us target"
         )
+    elif target.kind == "fair_at_least":
+        fairness = section["params"].get(reference, {}).get("fairness_by_round", [])
+        value = min(fairness) if fairness else math.nan
+        met = bool(fairness) and value >= target.limit
+        out.update(value=value, limit=target.limit, met=met)
+        out["detail"] = f"slowest worker / fastest, worst round: {value:.2f}"
     elif target.kind == "none_lost":
         details = section["params"].get(reference, {})
         lost, leases = details.get("lost"), details.get("leases")
