@@ -8,7 +8,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint typecheck docs bench clean install browser zookeeper mariadb fuzz
+.PHONY: test test-matrix demo lint typecheck docs bench clean install browser zookeeper mariadb fuzz
 
 $(BIN)/python:
 	@test -n "$(PYTHON)" || { echo "Python 3.11+ is needed (python3.11, 3.12 or 3.13 on PATH)"; exit 1; }
@@ -60,6 +60,14 @@ mariadb:
 test: $(STAMP) browser zookeeper mariadb
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The suite on every supported Django and Python: the quick run above (Django 5.2),
+# then Django 6.x on Python 3.12 and 3.13, each in its own venv under .venv-matrix/
+# (an interpreter not on the machine is skipped with a message). MATRIX lists the
+# python:django pairs.
+MATRIX ?= 3.12:6 3.13:6
+test-matrix: test
+	bash .ci/matrix $(MATRIX)
+
 # The stateful and property tests of tests/stateful, with many more and longer runs than
 # `make test` gives them, and the example database (.hypothesis/) so that a failure
 # found once is tried first the next time. FUZZ_ARGS adds pytest arguments.
@@ -83,4 +91,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-matrix site .pytest_cache .mypy_cache .ruff_cache .hypothesis
