@@ -9,6 +9,7 @@ context variable, so a lease cannot leak into concurrently running tasks.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,20 @@ def remember(lease: BaseLease) -> None:
     with _guard:
         _holds[key] = lease
     lease._reentrant_key = key  # type: ignore[attr-defined]
+
+
+def _forget_all_after_fork() -> None:
+    """A forked child holds none of its parent's leases (the fork rule): a reentrant
+    ``lock()`` there is a new caller, not a re-entry (the forking thread keeps its
+    id in the child, so the parent's holds would otherwise match). The guard is
+    renewed too: another thread of the parent may have held it at the fork."""
+    global _guard
+    _holds.clear()
+    _guard = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_all_after_fork)
 
 
 def forget(lease: BaseLease) -> None:

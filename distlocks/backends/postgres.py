@@ -516,7 +516,20 @@ _instances: weakref.WeakSet[PostgresBackend] = weakref.WeakSet()
 _inherited: list[Any] = []
 
 
+# Django's own connections a forked child inherited (transaction mode runs on them),
+# by id; the objects themselves are kept in _inherited, so an id is never reused.
+_inherited_django: set[int] = set()
+
+
 def _forget_connections_after_fork() -> None:
+    try:
+        for wrapper in connections.all(initialized_only=True):
+            raw = wrapper.connection
+            if raw is not None:
+                _inherited.append(raw)
+                _inherited_django.add(id(raw))
+    except Exception:  # no settings in this process: no Django connection either
+        pass
     for backend in list(_instances):
         _inherited.append((backend._pool, backend._held))
         backend._pool = None
@@ -1254,6 +1267,18 @@ class PostgresBackend(BaseBackend):
 
     def _django_connection(self, name: str) -> Any:
         conn = connections[self.database]
+        if _inherited_django and id(conn.connection) in _inherited_django:
+            # The fork rule: the parent's session (and open transaction, where its own
+            # transaction-mode locks live) is not this process's to lock in.
+            raise LockError(
+                f"Lock {name!r} uses backend {self.alias!r} in transaction mode on the "
+                f"database connection {self.database!r}, which this process inherited "
+                f"when it was forked: its statements would run in the parent's session "
+                f"and transaction, where the parent's locks are already held. Give the "
+                f"child connections of its own (Celery's prefork workers do this; "
+                f"closing the inherited connection with close() would end the parent's "
+                f"session)."
+            )
         if not conn.in_atomic_block:
             raise LockError(
                 f"Lock {name!r} uses backend {self.alias!r} in transaction mode, which "

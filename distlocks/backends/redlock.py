@@ -38,9 +38,11 @@ import dataclasses
 import datetime as dt
 import itertools
 import logging
+import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, TypeVar
@@ -284,6 +286,7 @@ class RedlockBackend(BaseBackend):
         self._round_timeout: float | None = None
         #: Masters whose last call failed (waiters listen on the others first).
         self._down: set[int] = set()
+        _instances.add(self)
 
     # -- configuration ----------------------------------------------------------
 
@@ -862,6 +865,24 @@ class RedlockBackend(BaseBackend):
             executor.shutdown(wait=False, cancel_futures=True)
         for master in self.masters:
             master.close()
+
+
+_instances: weakref.WeakSet[RedlockBackend] = weakref.WeakSet()
+
+
+def _new_pools_after_fork() -> None:
+    """A forked child has none of its parent's threads: the executors it inherited
+    believe their workers exist and would never run a round (every master "did not
+    answer"). The child starts pools of its own on first use; the parent's are
+    dropped without a shutdown (which would wait on threads that are not there).
+    The masters' clients handle the fork themselves (RedisBackend)."""
+    for backend in list(_instances):
+        backend._lock = threading.Lock()
+        backend._executors = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_pools_after_fork)
 
 
 def _reason(exc: Exception) -> str:

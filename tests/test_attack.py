@@ -1,0 +1,161 @@
+"""An attacker's pass over the hardening of issue 14 (defects 1-10), on every backend:
+LocMem, Redis, Redis Cluster, Redlock, PostgreSQL session and transaction mode, and
+ZooKeeper. Each test tries to break one guarantee the way the issue describes, or in
+a nearby way it does not. Real servers only."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.db import transaction
+
+from distlocks import get_backend, lock
+from tests.redis_contract import redis_alias
+
+#: Every backend and mode: the ``alias`` fixture below gives each in turn.
+EVERY = ["locmem", "redis", "cluster", "redlock", "pg", "pgx", "zk"]
+#: Those whose locks OS processes share (a forked child is another holder there).
+SHARED = ["redis", "cluster", "redlock", "pg", "zk"]
+
+fork_only = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+
+
+@pytest.fixture(params=EVERY)
+def alias(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each backend alias in turn ("cluster": the session's Redis Cluster). Named
+    ``alias`` so that tests/conftest.py gives the PostgreSQL ones the test database."""
+    value = str(request.param)
+    if value.startswith("pg"):
+        request.getfixturevalue("pg_ready")
+    elif value == "zk":
+        request.getfixturevalue("zk_ready")
+    if value == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        with redis_alias("cluster", cluster.url):
+            yield value
+    else:
+        yield value
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def in_child(action: Callable[[], object]) -> str:
+    """Run ``action`` in a forked child; its result's repr (or the exception it
+    raised, as ``raised Type: message``) comes back through a pipe."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        try:
+            text = repr(action())
+        except BaseException as exc:
+            text = f"raised {type(exc).__name__}: {exc}"
+        os.write(write, text.encode())
+        os._exit(0)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 65536):
+        chunks.append(chunk)
+    os.close(read)
+    os.waitpid(pid, 0)
+    return b"".join(chunks).decode()
+
+
+# -- 4. fork ------------------------------------------------------------------------
+
+
+@fork_only
+def test_a_forked_child_cannot_use_an_inherited_lease(
+    alias: str, name: str, django_db_blocker: Any
+) -> None:
+    """The fork rule on every backend, ZooKeeper, the Cluster and transaction mode
+    included (tests/test_hardening.py covers LocMem, Redis, Redlock and session mode)."""
+    django_db_blocker.unblock()
+    backend = get_backend(alias)
+    with transaction.atomic() if alias == "pgx" else _nothing():
+        lease = lock(name, backend=alias, ttl=30).acquire()
+        try:
+            assert in_child(lambda: (lease.held(), lease.release(), lease.state)) == (
+                "(False, False, 'held')"
+            )
+            for action in (lease.extend, lease.ensure_held):
+                text = in_child(action)
+                assert text.startswith("raised LockLost"), text
+                assert "forked" in text
+            assert lease.held()
+            lease.extend()  # the parent's lease is intact on the server
+            info = backend.inspect(name)
+            assert info is not None and info.owner == lease.owner
+        finally:
+            assert lease.release() is True
+
+
+@fork_only
+@pytest.mark.parametrize("alias", [a for a in EVERY if a != "pgx"], indirect=True)
+def test_a_child_asking_for_a_reentrant_lock_its_parent_holds_is_another_caller(
+    alias: str, name: str, django_db_blocker: Any
+) -> None:
+    """A child that needs the lock acquires it itself: with ``reentrant=True`` it must
+    not be handed the parent's lease (which it may not use: LockLost) but wait for
+    the lock like any other caller (here: timeout=0, refused while the parent holds
+    it; on LocMem, one process's memory, the child's copy of it is held too).
+    Transaction mode: see test_a_forked_child_cannot_lock_in_its_parents_transaction."""
+    django_db_blocker.unblock()
+    with lock(name, backend=alias, ttl=30, reentrant=True) as lease:
+        text = in_child(
+            lambda: lock(name, backend=alias, ttl=30, reentrant=True, timeout=0).acquire()
+        )
+        assert text.startswith("raised LockNotAcquired"), text
+        assert lease.held()
+
+
+@fork_only
+@pytest.mark.parametrize("alias", SHARED, indirect=True)
+def test_a_forked_child_takes_a_free_lock_of_its_own(
+    alias: str, name: str, django_db_blocker: Any
+) -> None:
+    """A backend used by the parent works in a forked child (a Celery prefork worker
+    forks from a parent that has used it): the child takes, and frees, a lock of its
+    own while the parent holds another."""
+    django_db_blocker.unblock()
+    with lock(name, backend=alias, ttl=30):
+        other = f"{name}:child"
+
+        def take() -> tuple[bool, bool]:
+            with lock(other, backend=alias, ttl=30, timeout=5) as lease:
+                held = lease.held()
+            return held, lease.held()
+
+        assert in_child(take) == "(True, False)"
+        assert get_backend(alias).inspect(other) is None
+
+
+@fork_only
+@pytest.mark.parametrize("alias", ["pgx"], indirect=True)
+def test_a_forked_child_cannot_lock_in_its_parents_transaction(
+    alias: str, name: str, django_db_blocker: Any
+) -> None:
+    """Transaction mode locks on Django's own connection. A forked child inherits it,
+    with the parent's open transaction and the parent's advisory locks: taking the
+    lock there was granted (a second holder, on the parent's session, while the
+    parent holds it). It must be refused, saying why, and leave the parent alone."""
+    django_db_blocker.unblock()
+    backend = get_backend(alias)
+    with transaction.atomic(), lock(name, backend=alias, ttl=30) as lease:
+        text = in_child(lambda: lock(name, backend=alias, ttl=30, timeout=0).acquire())
+        assert text.startswith("raised LockError"), text
+        assert "inherited" in text and "forked" in text
+        text = in_child(lambda: lock(f"{name}:other", backend=alias, ttl=30).acquire())
+        assert text.startswith("raised LockError"), text
+        info = backend.inspect(name)
+        assert info is not None and info.owner == lease.owner
+        assert lease.held()
