@@ -1,0 +1,1283 @@
+"""etcd backend: locks on leases, fenced by the revision of the grant.
+
+It speaks etcd's v3 JSON gateway (``/v3/kv/txn``, ``/v3/lease/*``, ``/v3/watch``) with
+the standard library's ``http.client``: no driver to install, one code path for every
+call (the asyncio API runs it in the backend's worker threads, as on ZooKeeper). See
+docs/backend-etcd.md for why, and for the measurements.
+
+Keys, under ``OPTIONS["prefix"]`` (default ``distlocks``), the name percent-encoded::
+
+    <prefix>/lock/<name>           the holder: owner and holder metadata (JSON), on its lease
+    <prefix>/fence/<name>          the fence key: the name's token base (20 digits), no lease
+    <prefix>/wait/<name>/<owner>   one waiter, on its lease; the queue is create_revision order
+
+* acquire is one transaction on a lease granted for it: put-if-absent of the lock key and
+  a rewrite of the fence key (value kept). The token is the revision of that transaction,
+  shifted per name to start at the clock (microseconds) at the name's first use, or at
+  ``OPTIONS["token_floor"]`` if that is higher (:func:`token_of`).
+* a waiter puts its waiter key and watches only the key just before it in the queue (the
+  lock key, for the first waiter); only the first waiter may take the lock, checked in
+  the same transaction. A caller that waited renews its lease before taking the lock.
+* release and force release are compare-and-delete transactions; force release is bound
+  to the token shown and rewrites the fence key, so the counter moves past the victim.
+* extend renews the lease (keepalive) and checks, in a transaction, that the lock key is
+  still this lease's; a different ttl moves the lock key to a new lease.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import datetime as dt
+import http.client
+import json
+import logging
+import math
+import os
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, ClassVar, NoReturn
+
+from django.core.exceptions import ImproperlyConfigured
+
+from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
+from distlocks.exceptions import LockBackendUnavailable, LockError
+from distlocks.redaction import redact
+
+logger = logging.getLogger(__name__)
+
+DEFAULTS: dict[str, Any] = {
+    "prefix": "distlocks",
+    "connect_timeout": 3.0,
+    "socket_timeout": 5.0,
+    "token_floor": 0,
+}
+_TLS_KEYS = ("ca_file", "cert_file", "key_file", "verify")
+_OPTION_KEYS = frozenset(DEFAULTS) | {"user", "password"} | set(_TLS_KEYS)
+#: Tokens stay exact in doubles and JSON numbers, like every backend's.
+MAX_TOKEN = 2**53
+_BASE_DIGITS = 20
+#: gRPC status codes the gateway returns that mean "try again later / elsewhere".
+_UNAVAILABLE_CODES = {4, 14}  # DEADLINE_EXCEEDED, UNAVAILABLE
+_NOT_FOUND = 5
+_UNAUTHENTICATED = 16
+#: Most operations etcd takes in one transaction (its --max-txn-ops default is 128).
+_TXN_BATCH = 100
+
+
+class _LeaseGone(LockError):
+    """The lease named in a request no longer exists on the server (expired or revoked)."""
+
+
+class _ReAuth(LockError):
+    """The auth token expired: authenticate again and repeat the request."""
+
+
+class _ServerSaid(LockError):
+    """An error answer of the gateway: gRPC ``code`` and etcd's message."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+@dataclasses.dataclass
+class _Entry:
+    """This process's lease for one (name, owner): a waiter's, then the holder's."""
+
+    lease: int
+    #: Seconds the server granted (whole, at least its minimum).
+    lease_ttl: int
+    #: The waiter key's create_revision while queued (0: not queued).
+    wait_rev: int = 0
+    #: The lock key's create_revision once held (0: not held).
+    lock_rev: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Endpoint:
+    scheme: str
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}"
+
+
+def _b64(text: str | bytes) -> str:
+    data = text.encode() if isinstance(text, str) else text
+    return base64.b64encode(data).decode()
+
+
+def _unb64(text: str | None) -> bytes:
+    return base64.b64decode(text or "")
+
+
+def _prefix_end(prefix: str) -> str:
+    """The key just after every key that starts with ``prefix`` (its range end)."""
+    raw = prefix.encode()
+    return _b64(raw[:-1] + bytes([raw[-1] + 1]))
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def lease_seconds(ttl: float) -> int:
+    """The lease to ask etcd for: whole seconds, at least the ttl (the server raises it
+    to its own minimum, 2 s with the default election timeout)."""
+    return max(1, math.ceil(ttl))
+
+
+def token_of(revision: int, fence: Mapping[str, Any]) -> int:
+    """The fencing token of the transaction at ``revision`` on the name whose fence key
+    is ``fence``: the revision, shifted per name so that it starts at the base written
+    in the fence key (the clock in microseconds at the name's first use, or the
+    configured floor). Strictly increasing with the revision for each name, and above
+    every earlier token even when the cluster is rebuilt from nothing and revisions
+    start again from 1 (see docs/backend-etcd.md)."""
+    return _base(fence) + (int(revision) - _int(fence.get("create_revision")))
+
+
+def _base(fence: Mapping[str, Any]) -> int:
+    try:
+        return int(_unb64(fence.get("value")).decode() or 0)
+    except (ValueError, UnicodeDecodeError):
+        return 0
+
+
+def _kvs(response: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The key-values of one range answer inside a transaction answer."""
+    return list(response.get("response_range", {}).get("kvs", []))
+
+
+def _parse_endpoints(location: Any) -> list[_Endpoint]:
+    """Endpoints of ``LOCATION`` (a URL, several separated by commas, or a list);
+    ValueError saying what is wrong. Messages never quote the user information."""
+    items = location if isinstance(location, list | tuple) else str(location).split(",")
+    endpoints = []
+    for raw in items:
+        if not isinstance(raw, str) or not raw.strip():
+            raise ValueError("LOCATION must name etcd endpoints such as 'http://127.0.0.1:2379'")
+        text = raw.strip()
+        if "://" not in text:
+            text = f"http://{text}"
+        parts = urllib.parse.urlsplit(text)
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(
+                f"LOCATION endpoint {redact(text)!r} must be http:// or https:// (the gateway)"
+            )
+        try:
+            port = parts.port or 2379
+        except ValueError:
+            raise ValueError(
+                f"LOCATION endpoint {parts.scheme}://{parts.hostname or ''} has a bad port "
+                f"(percent-encode special characters of a password)"
+            ) from None
+        if not parts.hostname:
+            raise ValueError(f"LOCATION endpoint {redact(text)!r} names no host")
+        endpoints.append(_Endpoint(parts.scheme, parts.hostname, port))
+    return endpoints
+
+
+def _credentials(location: Any) -> tuple[str, str] | None:
+    items = location if isinstance(location, list | tuple) else str(location).split(",")
+    for raw in items:
+        text = str(raw).strip()
+        parts = urllib.parse.urlsplit(text if "://" in text else f"http://{text}")
+        if parts.username:
+            return urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
+    return None
+
+
+class EtcdBackend(BaseBackend):
+    """Locks on an etcd v3 cluster, through its JSON gateway.
+
+    ``LOCATION``: an endpoint URL (``"http://etcd1:2379"``), several separated by commas,
+    or a list of them; ``https://`` for TLS; ``user:password@`` for etcd's own auth.
+    ``OPTIONS``: ``connect_timeout`` and ``socket_timeout`` (seconds), ``prefix`` (of
+    every key), ``user`` and ``password`` (instead of the URL), ``ca_file``,
+    ``cert_file``, ``key_file``, ``verify`` (TLS), ``token_floor`` (the least base of a
+    name's tokens; see docs/backend-etcd.md).
+    """
+
+    config_keys: ClassVar[frozenset[str]] = frozenset({"LOCATION", "OPTIONS"})
+    wakes_on_release: ClassVar[bool] = True
+    expires_on_server: ClassVar[bool] = True
+
+    def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
+        super().__init__(alias, config)
+        problems = self.validate_config(alias, config)
+        if problems:
+            raise ImproperlyConfigured(f"DISTLOCKS_BACKENDS[{alias!r}]: {'; '.join(problems)}.")
+        opts = {**DEFAULTS, **self.options}
+        self.endpoints = _parse_endpoints(config["LOCATION"])
+        self.location = ",".join(map(str, self.endpoints))  # never the credentials
+        self.prefix = str(opts["prefix"]).strip("/")
+        self.connect_timeout = float(opts["connect_timeout"])
+        self.socket_timeout = float(opts["socket_timeout"])
+        self.token_floor = int(opts["token_floor"])
+        creds = _credentials(config["LOCATION"])
+        if "user" in opts:
+            creds = (str(opts["user"]), str(opts.get("password", "")))
+        self._creds = creds
+        self._auth_token = ""
+        self._ssl = self._ssl_context(opts) if self._needs_tls(opts) else None
+        self._pid = os.getpid()
+        self._local = threading.local()
+        self._conns: set[http.client.HTTPConnection] = set()
+        self._conns_lock = threading.Lock()
+        self._entries: dict[tuple[str, str], _Entry] = {}
+        #: The endpoint that answered last: tried first by the next connection.
+        self._preferred = 0
+        self._closed = False
+
+    @classmethod
+    def validate_config(cls, alias: str, config: Mapping[str, Any]) -> list[str]:
+        problems = super().validate_config(alias, config)
+        location = config.get("LOCATION")
+        try:
+            if location is None:
+                raise ValueError(
+                    "LOCATION must name etcd endpoints such as 'http://127.0.0.1:2379'"
+                )
+            _parse_endpoints(location)
+        except ValueError as exc:
+            problems.append(str(exc))
+        options = config.get("OPTIONS") or {}
+        if isinstance(options, Mapping):
+            unknown = set(options) - _OPTION_KEYS
+            if unknown:
+                problems.append(
+                    f"unknown OPTIONS key(s) {', '.join(sorted(map(str, unknown)))}; "
+                    f"EtcdBackend accepts {', '.join(sorted(_OPTION_KEYS))}"
+                )
+            for key in ("connect_timeout", "socket_timeout"):
+                value = options.get(key, DEFAULTS[key])
+                if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                    problems.append(f"OPTIONS[{key!r}] must be a positive number of seconds")
+            prefix = options.get("prefix", DEFAULTS["prefix"])
+            if not isinstance(prefix, str) or not prefix.strip("/"):
+                problems.append("OPTIONS['prefix'] must be a key prefix such as 'distlocks'")
+            floor = options.get("token_floor", 0)
+            if isinstance(floor, bool) or not isinstance(floor, int) or not 0 <= floor < 2**52:
+                problems.append(
+                    "OPTIONS['token_floor'] must be an int from 0 to 2**52 (tokens stay "
+                    "below 2**53)"
+                )
+            for key in ("user", "password", "ca_file", "cert_file", "key_file"):
+                if key in options and not isinstance(options[key], str):
+                    problems.append(f"OPTIONS[{key!r}] must be a str")
+            if "password" in options and "user" not in options:
+                problems.append("OPTIONS['password'] needs OPTIONS['user']")
+        return problems
+
+    # -- HTTP --------------------------------------------------------------------
+
+    def _needs_tls(self, opts: Mapping[str, Any]) -> bool:
+        return any(e.scheme == "https" for e in self.endpoints) or any(
+            key in opts for key in ("ca_file", "cert_file")
+        )
+
+    def _ssl_context(self, opts: Mapping[str, Any]) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=opts.get("ca_file"))
+        if opts.get("cert_file"):
+            context.load_cert_chain(opts["cert_file"], opts.get("key_file"))
+        if opts.get("verify") is False:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        return context
+
+    def _connect(self, endpoint: _Endpoint, timeout: float) -> http.client.HTTPConnection:
+        if endpoint.scheme == "https":
+            return http.client.HTTPSConnection(
+                endpoint.host, endpoint.port, timeout=timeout, context=self._ssl
+            )
+        return http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout)
+
+    def _open(self, endpoint: _Endpoint) -> http.client.HTTPConnection:
+        conn = self._connect(endpoint, self.connect_timeout)
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.settimeout(self.socket_timeout)
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._conns_lock:
+            self._conns.add(conn)
+        return conn
+
+    def _drop(self, conn: http.client.HTTPConnection | None) -> None:
+        if conn is None:
+            return
+        with self._conns_lock:
+            self._conns.discard(conn)
+        with contextlib.suppress(Exception):
+            conn.close()
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
+
+    def _check_pid(self) -> None:
+        if self._pid != os.getpid():
+            # A forked child: the parent's connections and leases are not ours to use
+            # (the lease objects refuse too; this keeps the child off the parent's sockets).
+            self._pid = os.getpid()
+            self._local = threading.local()
+            self._conns = set()
+            self._conns_lock = threading.Lock()
+            self._entries = {}
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self._auth_token:
+            headers["Authorization"] = self._auth_token
+        return headers
+
+    def _call(self, path: str, body: Any, action: str, name: str, *, raw: bool = False) -> Any:
+        """POST ``body`` to the gateway; the decoded answer. Connection failures move on
+        to the next endpoint; LockBackendUnavailable once none answers."""
+        self._check_pid()
+        if self._creds and not self._auth_token and not path.startswith("/v3/auth/"):
+            self._authenticate(action, name)
+        payload = body if raw else json.dumps(body, separators=(",", ":"))
+        last: BaseException | None = None
+        count = len(self.endpoints)
+        for attempt in range(count + 1):
+            conn = getattr(self._local, "conn", None)
+            reused = conn is not None
+            try:
+                if conn is None:
+                    index = (self._preferred + attempt) % count
+                    conn = self._open(self.endpoints[index])
+                    self._local.conn = conn
+                    self._preferred = index
+                conn.request("POST", path, payload, self._headers())
+                reply = conn.getresponse()
+                data = reply.read()
+                status = reply.status
+            except (OSError, http.client.HTTPException) as exc:
+                self._drop(conn)
+                last = exc
+                if reused and isinstance(
+                    exc, http.client.RemoteDisconnected | BrokenPipeError | ConnectionResetError
+                ):
+                    continue  # a kept-alive connection the server had closed: once more
+                if attempt + 1 >= count:
+                    break
+                continue
+            if raw:
+                if status != 200:
+                    self._raise_answer(status, data, action, name, path, body)
+                return data
+            if status != 200:
+                try:
+                    self._raise_answer(status, data, action, name, path, body)
+                except _ReAuth:
+                    return self._call(path, body, action, name)
+            try:
+                return json.loads(data)
+            except ValueError as exc:
+                raise LockError(
+                    f"etcd answered {action} {name!r} on backend {self.alias!r} with "
+                    f"something that is not JSON"
+                ) from exc
+        assert last is not None
+        raise self._unavailable(action, name, last) from last
+
+    def _raise_answer(
+        self, status: int, data: bytes, action: str, name: str, path: str, body: Any
+    ) -> NoReturn:
+        try:
+            answer = json.loads(data)
+            code, message = int(answer.get("code", 0)), str(answer.get("message", ""))
+        except (ValueError, AttributeError, TypeError):
+            code, message = 0, data[:200].decode(errors="replace")
+        if code == _NOT_FOUND and "lease not found" in message:
+            raise _LeaseGone(message)
+        if code == _UNAUTHENTICATED and self._creds and "invalid auth token" in message:
+            self._auth_token = ""
+            raise _ReAuth(message)
+        if code in _UNAVAILABLE_CODES or status in (502, 503, 504):
+            self._drop(getattr(self._local, "conn", None))
+            exc = _ServerSaid(code, message)
+            raise self._unavailable(action, name, exc) from exc
+        raise LockError(
+            f"etcd refused to {action} {name!r} on backend {self.alias!r} "
+            f"(HTTP {status}, code {code}): {redact(message)}"
+        ) from _ServerSaid(code, message)
+
+    def _authenticate(self, action: str, name: str) -> None:
+        assert self._creds is not None
+        user, password = self._creds
+        try:
+            answer = self._call(
+                "/v3/auth/authenticate", {"name": user, "password": password}, action, name
+            )
+        except LockBackendUnavailable:
+            raise
+        except LockError as exc:
+            # etcd's message names neither the password nor the user; keep it so.
+            raise LockError(
+                f"etcd refused the credentials of backend {self.alias!r} (to {action} "
+                f"{name!r}): check OPTIONS['user'] / ['password'] or the LOCATION's user"
+            ) from exc.__cause__
+        self._auth_token = str(answer.get("token", ""))
+
+    def _unavailable(self, action: str, name: str, exc: BaseException) -> LockBackendUnavailable:
+        detail = redact(f"{type(exc).__name__}: {exc}")
+        return LockBackendUnavailable(
+            self.alias, f"{action} {name!r} on etcd {self.location}: {detail}"
+        )
+
+    def close(self) -> None:
+        self._closed = True
+        if self._pid != os.getpid():
+            return  # the parent's sockets: leave them to the parent
+        with self._conns_lock:
+            conns, self._conns = list(self._conns), set()
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                conn.close()
+        self._local = threading.local()
+
+    # -- keys and small requests ---------------------------------------------------
+
+    def _quoted(self, name: str) -> str:
+        return urllib.parse.quote(name, safe="")
+
+    def lock_key(self, name: str) -> str:
+        return f"{self.prefix}/lock/{self._quoted(name)}"
+
+    def fence_key(self, name: str) -> str:
+        return f"{self.prefix}/fence/{self._quoted(name)}"
+
+    def wait_prefix(self, name: str) -> str:
+        return f"{self.prefix}/wait/{self._quoted(name)}/"
+
+    def wait_key(self, name: str, owner: str) -> str:
+        return self.wait_prefix(name) + urllib.parse.quote(owner, safe="")
+
+    def _txn(
+        self,
+        action: str,
+        name: str,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"compare": compare, "success": success}
+        if failure:
+            body["failure"] = failure
+        return dict(self._call("/v3/kv/txn", body, action, name))
+
+    def _grant(self, ttl: float, action: str, name: str) -> tuple[int, int]:
+        """A new lease of at least ``ttl`` seconds: (id, seconds granted)."""
+        answer = self._call("/v3/lease/grant", {"TTL": lease_seconds(ttl)}, action, name)
+        return _int(answer.get("ID")), _int(answer.get("TTL"))
+
+    def _keepalive(self, leases: Sequence[int], action: str, name: str) -> list[int]:
+        """Renew each lease (one request for all); the seconds each now has, 0 if gone."""
+        if not leases:
+            return []
+        body = "\n".join(json.dumps({"ID": str(lease)}) for lease in leases)
+        data = self._call("/v3/lease/keepalive", body, action, name, raw=True)
+        ttls: dict[int, int] = {}
+        for line in data.splitlines():
+            if not line.strip():
+                continue
+            result = json.loads(line).get("result") or {}
+            ttls[_int(result.get("ID"))] = _int(result.get("TTL"))
+        return [ttls.get(lease, 0) for lease in leases]
+
+    def _revoke_quietly(self, lease: int) -> None:
+        """Revoke a lease this process no longer needs: a failure is harmless (it
+        expires by itself within its ttl)."""
+        try:
+            self._call("/v3/lease/revoke", {"ID": str(lease)}, "revoke the lease of", "")
+        except LockError:
+            logger.debug("Could not revoke etcd lease %x", lease, exc_info=True)
+
+    def _time_to_live(self, lease: int, action: str, name: str) -> tuple[int, int]:
+        """(seconds left, seconds granted) of ``lease``; (-1, 0) if it is gone."""
+        if not lease:
+            return -1, 0
+        answer = self._call("/v3/lease/timetolive", {"ID": str(lease)}, action, name)
+        return _int(answer.get("TTL")), _int(answer.get("grantedTTL"))
+
+    def _server_clock_us(self) -> int:
+        """The clock for a new fence's base: this host's, in microseconds."""
+        return time.time_ns() // 1000
+
+    # -- acquire -----------------------------------------------------------------
+
+    def _fence_ready(self, name: str) -> dict[str, Any]:
+        """The comparison that the fence key exists with a base at least the floor."""
+        fence = _b64(self.fence_key(name))
+        fence_cmp: dict[str, Any] = {
+            "target": "VERSION",
+            "key": fence,
+            "result": "GREATER",
+            "version": "0",
+        }
+        if self.token_floor > 0:
+            # Fixed-width digits compare as numbers, byte by byte.
+            fence_cmp = {
+                "target": "VALUE",
+                "key": fence,
+                "result": "GREATER",
+                "value": _b64(str(self.token_floor - 1).zfill(_BASE_DIGITS)),
+            }
+        return fence_cmp
+
+    def _queue_compares(
+        self, name: str, owner: str, entry: _Entry, fair: bool
+    ) -> list[dict[str, Any]]:
+        """Who may take the lock: a queued waiter only when it is first (no waiter key
+        created before its own, which still exists); a newcomer asking for fairness
+        only when nobody queues."""
+        prefix = self.wait_prefix(name)
+        if entry.wait_rev:
+            return [
+                {
+                    "target": "CREATE",
+                    "key": _b64(self.wait_key(name, owner)),
+                    "result": "EQUAL",
+                    "create_revision": str(entry.wait_rev),
+                },
+                {
+                    "target": "CREATE",
+                    "key": _b64(prefix),
+                    "range_end": _prefix_end(prefix),
+                    "result": "GREATER",
+                    "create_revision": str(entry.wait_rev - 1),
+                },
+            ]
+        if fair:
+            return [
+                {
+                    "target": "CREATE",
+                    "key": _b64(prefix),
+                    "range_end": _prefix_end(prefix),
+                    "result": "EQUAL",
+                    "create_revision": "0",
+                }
+            ]
+        return []
+
+    def acquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        wait: float = 0.0,
+        fair: bool = False,
+    ) -> AcquireResult:
+        self._check_pid()
+        action = "acquire"
+        entry = self._entries.get((name, owner))
+        if entry is not None:
+            # Back from a wait (or a retry): renew the lease first and make sure it is
+            # still alive, so the lease handed out is good for its whole ttl (a lock
+            # granted on a lease that ran out while queued is the bug Jepsen found in
+            # etcd 3.4.3's lock).
+            left = self._keepalive([entry.lease], action, name)[0]
+            if left <= 0:
+                entry = None  # expired while queued: its waiter key went with it
+        if entry is None:
+            lease, granted = self._grant(ttl, action, name)
+            entry = _Entry(lease, granted)
+            self._entries[(name, owner)] = entry
+        remaining = min(ttl, float(entry.lease_ttl))
+        value = json.dumps(
+            {
+                "owner": owner,
+                "host": holder.host,
+                "pid": holder.pid,
+                "thread": holder.thread,
+                "extra": dict(holder.extra),
+                "ttl": ttl,
+                "at": time.time_ns() // 1_000_000,
+            },
+            separators=(",", ":"),
+        )
+        try:
+            for _ in range(8):
+                outcome = self._attempt(name, owner, entry, value, wait > 0, fair)
+                if outcome is None:
+                    continue  # something was set up (fence, floor, queue place): again
+                if outcome.acquired:
+                    return AcquireResult(True, outcome.fencing_token, remaining)
+                if wait > 0:
+                    return outcome
+                # Try once: nothing of this attempt stays on the server.
+                self._entries.pop((name, owner), None)
+                self._revoke_quietly(entry.lease)
+                return outcome
+        except _LeaseGone:
+            # The lease ran out between the renewal and the transaction (a long pause):
+            # the next attempt starts afresh.
+            self._entries.pop((name, owner), None)
+            return AcquireResult(False, 0, None)
+        raise LockError(f"Could not take lock {name!r} on backend {self.alias!r}: no progress.")
+
+    def _attempt(
+        self, name: str, owner: str, entry: _Entry, value: str, queue: bool, fair: bool
+    ) -> AcquireResult | None:
+        """One transaction; None when the caller should try again at once."""
+        lock, fence = _b64(self.lock_key(name)), _b64(self.fence_key(name))
+        wait_key = _b64(self.wait_key(name, owner))
+        prefix = self.wait_prefix(name)
+        put_lock = {"requestPut": {"key": lock, "value": _b64(value), "lease": str(entry.lease)}}
+        taken = [put_lock, {"requestDeleteRange": {"key": wait_key}}]
+        compare = [
+            {"target": "CREATE", "key": lock, "result": "EQUAL", "create_revision": "0"},
+            self._fence_ready(name),
+            *self._queue_compares(name, owner, entry, fair),
+        ]
+        failure: list[dict[str, Any]] = [
+            {"requestRange": {"key": lock}},
+            {"requestRange": {"key": fence}},
+        ]
+        if queue:
+            failure += [
+                # Queue (a put keeps the create_revision of a key that exists).
+                {"requestPut": {"key": wait_key, "value": _b64(value), "lease": str(entry.lease)}},
+                {
+                    "requestRange": {
+                        "key": _b64(prefix),
+                        "range_end": _prefix_end(prefix),
+                        "sort_order": "ASCEND",
+                        "sort_target": "CREATE",
+                        "keys_only": True,
+                    }
+                },
+            ]
+        answer = self._txn(
+            "acquire",
+            name,
+            compare,
+            [
+                *taken,
+                {"requestPut": {"key": fence, "ignore_value": True}},
+                {"requestRange": {"key": fence}},
+            ],
+            failure,
+        )
+        revision = _int(answer["header"].get("revision"))
+        responses = answer.get("responses", [])
+        if answer.get("succeeded"):
+            fence_kv = _kvs(responses[-1])[0]
+            entry.wait_rev, entry.lock_rev = 0, revision
+            return AcquireResult(True, token_of(revision, fence_kv))
+        lock_kvs, fence_kvs = _kvs(responses[0]), _kvs(responses[1])
+        if queue:
+            queued = _kvs(responses[3])
+            mine = self.wait_key(name, owner)
+            keys = [_unb64(kv["key"]).decode() for kv in queued]
+            for kv in queued:
+                if _unb64(kv["key"]).decode() == mine:
+                    entry.wait_rev = _int(kv.get("create_revision"))
+            first = bool(keys) and keys[0] == mine
+        else:
+            first = False
+        if lock_kvs:
+            held = lock_kvs[0]
+            if self._owner_of(held) == owner:
+                # A retried acquire whose first reply was lost: the lock is already ours.
+                return self._adopt(name, owner, entry, held, fence_kvs)
+            if not fence_kvs:
+                self._create_fence(name)
+            return AcquireResult(False, 0, None if queue else self._remaining_of(held, name))
+        if not fence_kvs:
+            return self._first_use(name, owner, entry, value, fair)
+        if self.token_floor and _base(fence_kvs[0]) < self.token_floor:
+            self._raise_floor(name, fence_kvs[0])
+            return None
+        # Free, but others queue before this caller.
+        if queue and first:
+            return None
+        return AcquireResult(False, 0, None)
+
+    def _owner_of(self, kv: Mapping[str, Any]) -> str:
+        try:
+            data = json.loads(_unb64(kv.get("value")))
+        except ValueError:
+            return ""
+        return str(data.get("owner", "")) if isinstance(data, dict) else ""
+
+    def _remaining_of(self, kv: Mapping[str, Any], name: str) -> float | None:
+        left, _ = self._time_to_live(_int(kv.get("lease")), "acquire", name)
+        if left < 0:
+            return 0.001  # going, or already gone
+        return max(0.001, float(left))
+
+    def _adopt(
+        self,
+        name: str,
+        owner: str,
+        entry: _Entry,
+        held: Mapping[str, Any],
+        fence_kvs: list[dict[str, Any]],
+    ) -> AcquireResult:
+        lease = _int(held.get("lease"))
+        if lease != entry.lease:
+            self._revoke_quietly(entry.lease)
+            _, granted = self._time_to_live(lease, "acquire", name)
+            entry.lease, entry.lease_ttl = lease, granted
+            self._keepalive([lease], "acquire", name)
+        entry.wait_rev, entry.lock_rev = 0, _int(held.get("create_revision"))
+        token = token_of(entry.lock_rev, fence_kvs[0]) if fence_kvs else 0
+        return AcquireResult(True, token)
+
+    def _new_base(self) -> int:
+        return max(self._server_clock_us(), self.token_floor)
+
+    def _first_use(
+        self, name: str, owner: str, entry: _Entry, value: str, fair: bool
+    ) -> AcquireResult | None:
+        """The name's first lock: create the fence key with its base in the same
+        transaction as the lock key."""
+        lock, fence = _b64(self.lock_key(name)), _b64(self.fence_key(name))
+        base = self._new_base()
+        answer = self._txn(
+            "acquire",
+            name,
+            [
+                {"target": "CREATE", "key": lock, "result": "EQUAL", "create_revision": "0"},
+                {"target": "CREATE", "key": fence, "result": "EQUAL", "create_revision": "0"},
+                *self._queue_compares(name, owner, entry, fair),
+            ],
+            [
+                {"requestPut": {"key": lock, "value": _b64(value), "lease": str(entry.lease)}},
+                {"requestDeleteRange": {"key": _b64(self.wait_key(name, owner))}},
+                {"requestPut": {"key": fence, "value": _b64(str(base).zfill(_BASE_DIGITS))}},
+            ],
+        )
+        if not answer.get("succeeded"):
+            return None
+        entry.wait_rev, entry.lock_rev = 0, _int(answer["header"].get("revision"))
+        return AcquireResult(True, base)
+
+    def _create_fence(self, name: str) -> None:
+        fence = _b64(self.fence_key(name))
+        self._txn(
+            "acquire",
+            name,
+            [{"target": "CREATE", "key": fence, "result": "EQUAL", "create_revision": "0"}],
+            [
+                {
+                    "requestPut": {
+                        "key": fence,
+                        "value": _b64(str(self._new_base()).zfill(_BASE_DIGITS)),
+                    }
+                }
+            ],
+        )
+
+    def _raise_floor(self, name: str, fence_kv: Mapping[str, Any]) -> None:
+        """Move the name's token base up to ``token_floor``: every later token is above
+        it, and above every earlier token (the base only grows, and so does the revision)."""
+        fence = _b64(self.fence_key(name))
+        self._txn(
+            "acquire",
+            name,
+            [
+                {
+                    "target": "MOD",
+                    "key": fence,
+                    "result": "EQUAL",
+                    "mod_revision": str(fence_kv.get("mod_revision")),
+                }
+            ],
+            [
+                {
+                    "requestPut": {
+                        "key": fence,
+                        "value": _b64(str(self.token_floor).zfill(_BASE_DIGITS)),
+                    }
+                }
+            ],
+        )
+
+    # -- release, extend -----------------------------------------------------------
+
+    def release(self, name: str, owner: str) -> bool:
+        self._check_pid()
+        entry = self._entries.pop((name, owner), None)
+        lock = _b64(self.lock_key(name))
+        if entry is not None and entry.lock_rev:
+            lease, created = entry.lease, entry.lock_rev
+        else:
+            # Not this process's (or forgotten): find the owner's lock on the server.
+            held = _kvs(
+                {"response_range": self._call("/v3/kv/range", {"key": lock}, "release", name)}
+            )
+            if not held or self._owner_of(held[0]) != owner:
+                if entry is not None:
+                    self._revoke_quietly(entry.lease)
+                return False
+            lease, created = _int(held[0].get("lease")), _int(held[0].get("create_revision"))
+        answer = self._txn(
+            "release",
+            name,
+            [
+                {"target": "LEASE", "key": lock, "result": "EQUAL", "lease": str(lease)},
+                {
+                    "target": "CREATE",
+                    "key": lock,
+                    "result": "EQUAL",
+                    "create_revision": str(created),
+                },
+            ],
+            [{"requestDeleteRange": {"key": lock}}],
+        )
+        # The lease has nothing else on it: revoking it spares the server its expiry.
+        self._revoke_quietly(lease)
+        return bool(answer.get("succeeded"))
+
+    def leave_queue(self, name: str, owner: str) -> None:
+        self._check_pid()
+        entry = self._entries.pop((name, owner), None)
+        if entry is not None:
+            # Revoking the lease deletes the waiter key, and a lock key a lost reply
+            # may have granted on it: nothing of this attempt stays.
+            with contextlib.suppress(_LeaseGone):
+                self._call("/v3/lease/revoke", {"ID": str(entry.lease)}, "leave the queue of", name)
+            return
+        self._call(
+            "/v3/kv/deleterange",
+            {"key": _b64(self.wait_key(name, owner))},
+            "leave the queue of",
+            name,
+        )
+
+    def _entry_for(self, name: str, owner: str, action: str) -> _Entry | None:
+        """This process's entry for a held lock, or one rebuilt from the server."""
+        entry = self._entries.get((name, owner))
+        if entry is not None and entry.lock_rev:
+            return entry
+        held = _kvs(
+            {
+                "response_range": self._call(
+                    "/v3/kv/range", {"key": _b64(self.lock_key(name))}, action, name
+                )
+            }
+        )
+        if not held or self._owner_of(held[0]) != owner:
+            return None
+        lease = _int(held[0].get("lease"))
+        _, granted = self._time_to_live(lease, action, name)
+        entry = _Entry(lease, granted, lock_rev=_int(held[0].get("create_revision")))
+        self._entries[(name, owner)] = entry
+        return entry
+
+    def _still_mine(self, name: str, entry: _Entry) -> dict[str, Any]:
+        """A nested transaction: the lock key is still on ``entry``'s lease (same
+        incarnation); if so, touch it (value and lease kept), which counts a renewal
+        in its version."""
+        lock = _b64(self.lock_key(name))
+        return {
+            "requestTxn": {
+                "compare": [
+                    {"target": "LEASE", "key": lock, "result": "EQUAL", "lease": str(entry.lease)},
+                    {
+                        "target": "CREATE",
+                        "key": lock,
+                        "result": "EQUAL",
+                        "create_revision": str(entry.lock_rev),
+                    },
+                ],
+                "success": [
+                    {"requestPut": {"key": lock, "ignore_value": True, "ignore_lease": True}}
+                ],
+            }
+        }
+
+    def extend(self, name: str, owner: str, ttl: float) -> bool:
+        result = self.extend_many([(name, owner, ttl)])[0]
+        if isinstance(result, LockError):
+            raise result
+        return result
+
+    def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | LockError]:
+        """Renew every lease with one keepalive request, then confirm each lock key is
+        still on its lease with one transaction (a nested one per lock). Order matters:
+        the check comes after the renewal, so a True means the lock was there, on a
+        lease just renewed. A ttl that needs another lease length moves the lock."""
+        self._check_pid()
+        results: list[bool | LockError] = [False] * len(leases)
+        same: list[tuple[int, str, _Entry]] = []
+        for index, (name, owner, ttl) in enumerate(leases):
+            try:
+                entry = self._entry_for(name, owner, "extend")
+                if entry is None:
+                    results[index] = False
+                elif lease_seconds(ttl) != lease_seconds(entry.lease_ttl) and (
+                    lease_seconds(ttl) > entry.lease_ttl
+                ):
+                    results[index] = self._move(name, owner, entry, ttl)
+                else:
+                    same.append((index, name, entry))
+            except LockError as exc:
+                results[index] = exc
+        for start in range(0, len(same), _TXN_BATCH):
+            batch = same[start : start + _TXN_BATCH]
+            try:
+                self._renew(batch, results)
+            except LockError as exc:
+                for index, _, _ in batch:
+                    results[index] = exc
+        return results
+
+    def _renew(self, batch: list[tuple[int, str, _Entry]], results: list[bool | LockError]) -> None:
+        what = batch[0][1] if len(batch) == 1 else f"{len(batch)} locks"
+        left = self._keepalive([entry.lease for _, _, entry in batch], "extend", what)
+        checks = [(i, n, e) for (i, n, e), secs in zip(batch, left, strict=True) if secs > 0]
+        if checks:
+            answer = self._txn("extend", what, [], [self._still_mine(n, e) for _, n, e in checks])
+            for (index, _, _), response in zip(checks, answer.get("responses", []), strict=True):
+                results[index] = bool(response.get("response_txn", {}).get("succeeded"))
+        for index, name, entry in batch:
+            if results[index] is not True:
+                self._forget(name, entry)
+
+    def _forget(self, name: str, entry: _Entry) -> None:
+        for key, value in list(self._entries.items()):
+            if value is entry:
+                self._entries.pop(key, None)
+        self._revoke_quietly(entry.lease)
+
+    def _move(self, name: str, owner: str, entry: _Entry, ttl: float) -> bool:
+        """A longer ttl than the lease's: etcd keeps a lease's length for good, so grant
+        a lease of the new length and move the lock key onto it in one transaction that
+        checks the key is still on the old lease; then revoke the old one. A shorter
+        ttl keeps the longer lease (the local lease is what shortens; the server keeps
+        the lock a little longer after a crash)."""
+        lease, granted = self._grant(ttl, "extend", name)
+        lock = _b64(self.lock_key(name))
+        try:
+            answer = self._txn(
+                "extend",
+                name,
+                [
+                    {"target": "LEASE", "key": lock, "result": "EQUAL", "lease": str(entry.lease)},
+                    {
+                        "target": "CREATE",
+                        "key": lock,
+                        "result": "EQUAL",
+                        "create_revision": str(entry.lock_rev),
+                    },
+                ],
+                [{"requestPut": {"key": lock, "ignore_value": True, "lease": str(lease)}}],
+            )
+        except LockError:
+            self._revoke_quietly(lease)
+            raise
+        old = entry.lease
+        if not answer.get("succeeded"):
+            self._revoke_quietly(lease)
+            self._forget(name, entry)
+            return False
+        entry.lease, entry.lease_ttl = lease, granted
+        self._entries[(name, owner)] = entry
+        self._revoke_quietly(old)
+        return True
+
+    # -- waiting -----------------------------------------------------------------
+
+    def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
+        """Block until the key just before ``owner``'s waiter key is deleted (the lock
+        key, for the first waiter or a caller not queued), or ``timeout``: a watch from
+        the revision of the queue that was read, so no deletion in between is missed.
+        The waiter's lease is renewed every third of its length meanwhile."""
+        self._check_pid()
+        deadline = time.monotonic() + max(0.0, timeout)
+        entry = self._entries.get((name, owner)) if owner else None
+        while True:
+            watched, revision = self._ahead(name, owner, entry)
+            if not watched:
+                return
+            slice_end = deadline
+            if entry is not None:
+                slice_end = min(deadline, time.monotonic() + max(0.5, entry.lease_ttl / 3))
+            if self._watch_delete(watched, revision + 1, slice_end, name):
+                return
+            if time.monotonic() >= deadline:
+                return
+            if entry is not None and self._keepalive([entry.lease], "wait for", name)[0] <= 0:
+                return  # the waiter's lease ran out: acquire queues it again
+
+    def _ahead(self, name: str, owner: str, entry: _Entry | None) -> tuple[str, int]:
+        """The key to watch ("" to try again at once) and the revision it was read at."""
+        lock = self.lock_key(name)
+        prefix = self.wait_prefix(name)
+        answer = self._txn(
+            "wait for",
+            name,
+            [],
+            [
+                {"requestRange": {"key": _b64(lock), "keys_only": True}},
+                {
+                    "requestRange": {
+                        "key": _b64(prefix),
+                        "range_end": _prefix_end(prefix),
+                        "sort_order": "ASCEND",
+                        "sort_target": "CREATE",
+                        "keys_only": True,
+                    }
+                },
+            ],
+        )
+        revision = _int(answer["header"].get("revision"))
+        responses = answer.get("responses", [])
+        held = bool(_kvs(responses[0]))
+        queue = [_unb64(kv["key"]).decode() for kv in _kvs(responses[1])]
+        mine = self.wait_key(name, owner) if owner else ""
+        if entry is None or not entry.wait_rev or mine not in queue:
+            return (lock if held else ""), revision
+        position = queue.index(mine)
+        if position == 0:
+            return (lock if held else ""), revision
+        return queue[position - 1], revision
+
+    def _watch_delete(self, key: str, start_revision: int, until: float, name: str) -> bool:
+        """True when ``key`` is deleted at ``start_revision`` or later, before ``until``
+        (monotonic); False at ``until``. A connection of its own, closed after."""
+        body = json.dumps(
+            {
+                "create_request": {
+                    "key": _b64(key),
+                    "start_revision": str(start_revision),
+                    "filters": ["NOPUT"],
+                }
+            }
+        )
+        conn: http.client.HTTPConnection | None = None
+        last: BaseException | None = None
+        try:
+            for offset in range(len(self.endpoints)):
+                endpoint = self.endpoints[(self._preferred + offset) % len(self.endpoints)]
+                try:
+                    conn = self._connect(endpoint, self.connect_timeout)
+                    conn.request("POST", "/v3/watch", body, self._headers())
+                    assert conn.sock is not None
+                    conn.sock.settimeout(self.socket_timeout)
+                    reply = conn.getresponse()
+                    break
+                except (OSError, http.client.HTTPException) as exc:
+                    last = exc
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+            if conn is None:
+                assert last is not None
+                raise self._unavailable("wait for", name, last) from last
+            if reply.status != 200:
+                self._raise_answer(reply.status, reply.read(), "wait for", name, "", None)
+            while True:
+                left = until - time.monotonic()
+                if left <= 0:
+                    return False
+                assert conn.sock is not None
+                conn.sock.settimeout(left)
+                try:
+                    line = reply.readline()
+                except TimeoutError:
+                    return False
+                except (OSError, http.client.HTTPException) as exc:
+                    raise self._unavailable("wait for", name, exc) from exc
+                if not line:
+                    # The stream ended (the member went away): let the caller look again.
+                    return True
+                result = json.loads(line).get("result") or {}
+                if result.get("canceled") or result.get("compact_revision"):
+                    return True  # compacted past our revision: look again
+                if result.get("events"):
+                    return True
+        finally:
+            if conn is not None:
+                conn.close()
+
+    # -- force release, counters ---------------------------------------------------
+
+    def force_release(self, name: str, token: int | None = None) -> bool:
+        self._check_pid()
+        lock, fence = _b64(self.lock_key(name)), _b64(self.fence_key(name))
+        for _ in range(5):
+            answer = self._txn(
+                "force-release",
+                name,
+                [],
+                [{"requestRange": {"key": lock}}, {"requestRange": {"key": fence}}],
+            )
+            responses = answer.get("responses", [])
+            held, fences = _kvs(responses[0]), _kvs(responses[1])
+            if not held:
+                return False  # a free name: nothing is written
+            created = _int(held[0].get("create_revision"))
+            if token is not None and (not fences or token_of(created, fences[0]) != token):
+                return False  # the lock changed hands: leave the new holder alone
+            compare = [
+                {
+                    "target": "CREATE",
+                    "key": lock,
+                    "result": "EQUAL",
+                    "create_revision": str(created),
+                }
+            ]
+            success: list[dict[str, Any]] = [{"requestDeleteRange": {"key": lock}}]
+            if fences:
+                compare.append(
+                    {"target": "VERSION", "key": fence, "result": "GREATER", "version": "0"}
+                )
+                success.append({"requestPut": {"key": fence, "ignore_value": True}})
+            answer = self._txn("force-release", name, compare, success)
+            if answer.get("succeeded"):
+                # Its holder learns at its next renewal, which finds its lease gone.
+                self._revoke_quietly(_int(held[0].get("lease")))
+                return True
+            if token is not None:
+                return False
+        return False
+
+    def fencing_counter(self, name: str) -> int:
+        self._check_pid()
+        answer = self._call(
+            "/v3/kv/range",
+            {"key": _b64(self.fence_key(name))},
+            "read the fencing counter of",
+            name,
+        )
+        kvs = answer.get("kvs") or []
+        if not kvs:
+            return 0
+        return token_of(_int(kvs[0].get("mod_revision")), kvs[0])
+
+    # -- inspection ---------------------------------------------------------------
+
+    def _info(
+        self,
+        name: str,
+        held: Mapping[str, Any],
+        fence: Mapping[str, Any] | None,
+        queue: list[dict[str, Any]],
+        action: str,
+    ) -> LockInfo:
+        try:
+            data = json.loads(_unb64(held.get("value")))
+        except ValueError:
+            data = {}
+        if not isinstance(data, dict):
+            data = {}
+        lease = _int(held.get("lease"))
+        left, granted = self._time_to_live(lease, action, name)
+        now = dt.datetime.now(dt.UTC)
+        pid, ttl, at = data.get("pid"), data.get("ttl"), data.get("at")
+        shown_ttl: float | None = float(ttl) if isinstance(ttl, int | float) else None
+        if granted and (shown_ttl is None or lease_seconds(shown_ttl) < granted):
+            shown_ttl = float(granted)  # extended with a longer ttl since
+        waiting = [
+            urllib.parse.unquote(_unb64(kv["key"]).decode().rsplit("/", 1)[1]) for kv in queue
+        ]
+        return LockInfo(
+            name=name,
+            backend=self.alias,
+            owner=str(data.get("owner", "")),
+            fencing_token=token_of(_int(held.get("create_revision")), fence or {}),
+            host=str(data.get("host", "")),
+            pid=pid if isinstance(pid, int) else None,
+            thread=str(data.get("thread", "")),
+            # The holder's clock when it asked (etcd keeps no times).
+            acquired_at=(
+                dt.datetime.fromtimestamp(at / 1000, dt.UTC) if isinstance(at, int) else None
+            ),
+            expires_at=now + dt.timedelta(seconds=left) if left >= 0 else now,
+            ttl=shown_ttl,
+            # Each renewal touches the lock key once.
+            renewals=max(0, _int(held.get("version")) - 1),
+            waiters=len(waiting),
+            extra={**(data.get("extra") or {}), "lease": f"{lease:x}", "waiting": waiting},
+        )
+
+    def _queue_range(self, prefix: str) -> dict[str, Any]:
+        return {
+            "requestRange": {
+                "key": _b64(prefix),
+                "range_end": _prefix_end(prefix),
+                "sort_order": "ASCEND",
+                "sort_target": "CREATE",
+                "keys_only": True,
+            }
+        }
+
+    def inspect(self, name: str) -> LockInfo | None:
+        self._check_pid()
+        answer = self._txn(
+            "inspect",
+            name,
+            [],
+            [
+                {"requestRange": {"key": _b64(self.lock_key(name))}},
+                {"requestRange": {"key": _b64(self.fence_key(name))}},
+                self._queue_range(self.wait_prefix(name)),
+            ],
+        )
+        responses = answer.get("responses", [])
+        held, fences, queue = (_kvs(r) for r in responses)
+        if not held:
+            return None
+        return self._info(name, held[0], fences[0] if fences else None, queue, "inspect")
+
+    def iter_locks(self) -> Iterator[LockInfo]:
+        self._check_pid()
+        answer = self._txn(
+            "list",
+            "*",
+            [],
+            [
+                self._queue_range(f"{self.prefix}/lock/"),
+                self._queue_range(f"{self.prefix}/wait/"),
+            ],
+        )
+        responses = answer.get("responses", [])
+        names = sorted(
+            urllib.parse.unquote(_unb64(kv["key"]).decode().rsplit("/", 1)[1])
+            for kv in _kvs(responses[0])
+        )
+        queues: dict[str, list[dict[str, Any]]] = {}
+        for kv in _kvs(responses[1]):
+            quoted = _unb64(kv["key"]).decode()[len(f"{self.prefix}/wait/") :].split("/", 1)[0]
+            queues.setdefault(urllib.parse.unquote(quoted), []).append(kv)
+        for start in range(0, len(names), _TXN_BATCH // 2):
+            batch = names[start : start + _TXN_BATCH // 2]
+            ops = []
+            for name in batch:
+                ops += [
+                    {"requestRange": {"key": _b64(self.lock_key(name))}},
+                    {"requestRange": {"key": _b64(self.fence_key(name))}},
+                ]
+            got = self._txn("list", "*", [], ops).get("responses", [])
+            for offset, name in enumerate(batch):
+                held, fences = _kvs(got[2 * offset]), _kvs(got[2 * offset + 1])
+                if held:
+                    yield self._info(
+                        name, held[0], fences[0] if fences else None, queues.get(name, []), "list"
+                    )
+
+    # -- for tests and operations -------------------------------------------------
+
+    def queue(self, name: str) -> list[str]:
+        """Owners of the waiter keys of ``name`` in queue order."""
+        answer = self._txn("inspect", name, [], [self._queue_range(self.wait_prefix(name))])
+        return [
+            urllib.parse.unquote(_unb64(kv["key"]).decode().rsplit("/", 1)[1])
+            for kv in _kvs(answer.get("responses", [{}])[0])
+        ]
