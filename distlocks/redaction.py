@@ -9,8 +9,9 @@ may name a location goes through :func:`redact`, which removes
 * the value of a ``password=`` (or ``passwd=``, ``pwd=``) parameter, in a query
   string or a ``key=value`` connection string;
 * the value of a ``'password': ...`` item in the repr of a dict;
-* every password configured in ``DISTLOCKS_BACKENDS`` (inside LOCATION, or in
-  ``OPTIONS``) or ``DATABASES``, literally, wherever it appears.
+* every password configured in ``DISTLOCKS_BACKENDS`` (inside LOCATION, with or
+  without a scheme, or in ``OPTIONS``: ``*password`` keys and ZooKeeper's ``auth``
+  credentials) or ``DATABASES``, literally, wherever it appears.
 
 The last rule catches what no pattern can (a password quoted on its own by a
 driver), the first three what settings do not list (a URL in an environment
@@ -73,6 +74,15 @@ _DICT_ITEM = re.compile(
     re.IGNORECASE,
 )
 _PASSWORD_KEYS = frozenset({"password", "passwd", "pwd", "sentinel_password"})
+#: Settings keys whose value is a list of ``(scheme, credential)`` pairs (ZooKeeper's
+#: ``OPTIONS["auth"]``, kazoo's ``auth_data``): every credential is a secret.
+_CREDENTIAL_LIST_KEYS = frozenset({"auth", "auth_data"})
+
+
+def _is_password_key(key: str) -> bool:
+    """``password`` and its kin, also as a suffix (``keyfile_password``, ``ssl_password``)."""
+    key = key.lower()
+    return key in _PASSWORD_KEYS or key.endswith(("_password", "_passwd", "_pwd"))
 
 
 def redact_url(url: str) -> str:
@@ -135,8 +145,10 @@ def _secrets_in(value: Any, depth: int = 0) -> Iterator[str]:
         return
     if isinstance(value, Mapping):
         for key, item in value.items():
-            if isinstance(key, str) and key.lower() in _PASSWORD_KEYS and isinstance(item, str):
+            if isinstance(key, str) and _is_password_key(key) and isinstance(item, str):
                 yield from _pieces(item)
+            elif isinstance(key, str) and key.lower() in _CREDENTIAL_LIST_KEYS:
+                yield from _credentials(item)
             else:
                 yield from _secrets_in(item, depth + 1)
     elif isinstance(value, str):
@@ -146,10 +158,34 @@ def _secrets_in(value: Any, depth: int = 0) -> Iterator[str]:
             yield from _secrets_in(item, depth + 1)
 
 
+def _credentials(value: Any) -> Iterator[str]:
+    """The credentials of ``[(scheme, credential), ...]``, however malformed: every
+    string in it but a lone scheme name, and the part after a ``user:`` (digest)."""
+    items = value if isinstance(value, list | tuple) else [value]
+    for item in items:
+        parts = list(item) if isinstance(item, list | tuple) else [item]
+        for index, part in enumerate(parts):
+            if isinstance(part, bytes):
+                part = part.decode(errors="replace")
+            if not isinstance(part, str) or (index == 0 and len(parts) > 1):
+                continue  # the scheme ("digest", "sasl")
+            yield from _pieces(part)
+            yield from _pieces(part.partition(":")[2])
+
+
 def _secrets_of_text(text: str) -> Iterator[str]:
     yield from _url_secrets(text)
     for match in _PARAM.finditer(text):
         yield from _pieces(match["secret"].strip("'"))
+    # "user:password@host" with no scheme (a ZooKeeper connection string, a host
+    # list): each comma-separated host's user information, where it has a password.
+    if "@" in text:
+        for host in text.partition("/")[0].split(","):
+            if "://" in host or "@" not in host:
+                continue
+            _, colon, password = host.rpartition("@")[0].partition(":")
+            if colon:
+                yield from _pieces(password)
 
 
 def escape_control(text: Any) -> str:

@@ -14,6 +14,20 @@ from django.db import transaction
 
 from distlocks import get_backend, lock
 from tests.redis_contract import redis_alias
+from tests.test_redaction import (
+    SECRET,
+    test_check_messages,
+    test_the_command,
+    test_the_exception_from_lock,
+    test_the_live_locks_page_for_view_only_staff,
+)
+
+__all__ = [  # collected here again, on the ZooKeeper cases of the "bad" fixture below
+    "test_check_messages",
+    "test_the_command",
+    "test_the_exception_from_lock",
+    "test_the_live_locks_page_for_view_only_staff",
+]
 
 #: Every backend and mode: the ``alias`` fixture below gives each in turn.
 EVERY = ["locmem", "redis", "cluster", "redlock", "pg", "pgx", "zk"]
@@ -159,3 +173,83 @@ def test_a_forked_child_cannot_lock_in_its_parents_transaction(
         info = backend.inspect(name)
         assert info is not None and info.owner == lease.owner
         assert lease.held()
+
+
+# -- 1. credentials: ZooKeeper ---------------------------------------------------------
+
+ZK = "distlocks.backends.zookeeper.ZooKeeperBackend"
+#: Careless ZooKeeper settings that carry a credential. kazoo reads "u:pw@host" as
+#: the host alone (and connects without it), so the first three were taken as they
+#: were and quoted, password included, by every message naming the location.
+ZK_BAD = {
+    "zk user info without a scheme": {"BACKEND": ZK, "LOCATION": f"u:{SECRET}@127.0.0.1:1"},
+    "zk digest in the host": {"BACKEND": ZK, "LOCATION": f"digest:u:{SECRET}@127.0.0.1:1/app"},
+    "zk second host with user info": {
+        "BACKEND": ZK,
+        "LOCATION": f"127.0.0.1:1,u:{SECRET}@127.0.0.1:2",
+    },
+    "zk auth not a pair": {
+        "BACKEND": ZK,
+        "LOCATION": "127.0.0.1:1",
+        "OPTIONS": {"auth": [("digest", f"u:{SECRET}", "x")]},
+    },
+    "zk auth as a string": {
+        "BACKEND": ZK,
+        "LOCATION": "127.0.0.1:1",
+        "OPTIONS": {"auth": f"digest:u:{SECRET}"},
+    },
+    "zk tls flag as a string": {
+        "BACKEND": ZK,
+        "LOCATION": "127.0.0.1:1",
+        "OPTIONS": {"use_ssl": "no", "keyfile": "/nonexistent", "keyfile_password": SECRET},
+    },
+}
+
+
+@pytest.fixture(params=list(ZK_BAD), ids=list(ZK_BAD))
+def bad(request: pytest.FixtureRequest, settings: Any) -> str:
+    """The alias "bad", configured with one of ZK_BAD (for the redaction tests
+    imported above from tests/test_redaction.py)."""
+    from distlocks.handler import backends
+    from distlocks.livelocks import snapshots
+
+    settings.DISTLOCKS_BACKENDS = {**settings.DISTLOCKS_BACKENDS, "bad": ZK_BAD[request.param]}
+    backends.reset()
+    snapshots.clear()  # the live-locks listing is shared for a while: read it afresh
+    return "bad"
+
+
+@pytest.mark.parametrize("case", list(ZK_BAD)[:3])
+def test_a_zookeeper_location_with_credentials_is_refused_saying_where_they_go(
+    case: str,
+) -> None:
+    from distlocks.backends.zookeeper import ZooKeeperBackend
+
+    problems = ZooKeeperBackend.validate_config("z", ZK_BAD[case])
+    text = " | ".join(problems)
+    assert "OPTIONS['auth']" in text, text
+    assert SECRET not in text
+
+
+@pytest.mark.parametrize("key", ["use_ssl", "verify_certs", "check_hostname"])
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+def test_zookeeper_tls_flags_must_be_bools(key: str, value: Any) -> None:
+    """kazoo takes any truthy value: ``use_ssl="false"`` turned TLS on."""
+    from distlocks.backends.zookeeper import ZooKeeperBackend
+
+    config = {"BACKEND": ZK, "LOCATION": "127.0.0.1:2181", "OPTIONS": {key: value}}
+    problems = ZooKeeperBackend.validate_config("z", config)
+    assert any(key in problem and "True or False" in problem for problem in problems)
+
+
+def test_a_missing_default_alias_shows_no_zookeeper_credential(settings: Any) -> None:
+    """E001 quotes the start of the setting: a ZooKeeper ``auth`` credential there
+    (no ``password`` key, no URL) was shown as it was."""
+    from distlocks.checks import check_settings
+
+    settings.DISTLOCKS_BACKENDS = {
+        "o": {"OPTIONS": {"auth": [("digest", f"u:{SECRET}")]}, "BACKEND": ZK, "LOCATION": "h"}
+    }
+    messages = check_settings()
+    assert [m.id for m in messages][:1] == ["distlocks.E001"]
+    assert SECRET not in "\n".join(f"{m.msg} {m.hint}" for m in messages)

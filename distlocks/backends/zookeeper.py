@@ -57,6 +57,7 @@ try:
         SessionExpiredError,
     )
     from kazoo.handlers.threading import KazooTimeoutError
+    from kazoo.hosts import collect_hosts
     from kazoo.protocol.states import KazooState, ZnodeStat
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImproperlyConfigured(
@@ -132,6 +133,29 @@ def token_of(zxid: int, fence: ZnodeStat) -> int:
     return int(fence.ctime) * 1000 + (int(zxid) - int(fence.czxid))
 
 
+def _location_problems(location: str) -> list[str]:
+    """What is wrong with a connection string, never quoting a piece of it (a
+    careless one may hold a password)."""
+    hosts = location.partition("/")[0]
+    if "@" in hosts or "://" in hosts:
+        # kazoo reads "user:password@host" as the host alone and connects without
+        # credentials: refuse it rather than drop them silently.
+        return [
+            "LOCATION must be a plain 'host:port,host:port/chroot' connection string: "
+            "it has a URL scheme or user information, which ZooKeeper connection "
+            "strings do not carry (the client would connect without them). Put "
+            "credentials in OPTIONS['auth'], e.g. [('digest', 'user:password')]"
+        ]
+    try:
+        collect_hosts(location)
+    except ValueError:
+        return [
+            "LOCATION has a host that is not 'host' or 'host:port' with a numeric "
+            "port (e.g. 'zk1:2181,zk2:2181/chroot')"
+        ]
+    return []
+
+
 def _epoch_ms(milliseconds: int) -> dt.datetime:
     return dt.datetime.fromtimestamp(milliseconds / 1000, dt.UTC)
 
@@ -189,6 +213,8 @@ class ZooKeeperBackend(BaseBackend):
                 "LOCATION must be a ZooKeeper connection string such as "
                 "'zk1:2181,zk2:2181,zk3:2181/chroot'"
             )
+        else:
+            problems.extend(_location_problems(location))
         options = config.get("OPTIONS") or {}
         if isinstance(options, Mapping):
             unknown = set(options) - _OPTION_KEYS
@@ -204,6 +230,12 @@ class ZooKeeperBackend(BaseBackend):
             prefix = options.get("prefix", DEFAULTS["prefix"])
             if not isinstance(prefix, str) or not prefix.strip("/"):
                 problems.append("OPTIONS['prefix'] must be a znode path such as '/distlocks'")
+            for key in ("use_ssl", "verify_certs", "check_hostname"):
+                if key in options and not isinstance(options[key], bool):
+                    # kazoo takes any truthy value: "false" would turn TLS on.
+                    problems.append(
+                        f"OPTIONS[{key!r}] must be True or False, not {type(options[key]).__name__}"
+                    )
             auth = options.get("auth", [])
             if not isinstance(auth, list | tuple) or not all(
                 isinstance(item, list | tuple) and len(item) == 2 for item in auth
