@@ -21,6 +21,7 @@ DISTRIBUTIONS = (
     "psycopg",
     "psycopg-binary",
     "django-pglock",
+    "kazoo",
 )
 
 
@@ -68,6 +69,12 @@ def _redis_server(env: Env) -> str:
         client.close()
 
 
+def _zookeeper_server(env: Env) -> str:
+    from bench.zookeeper import server_version as zookeeper_version
+
+    return zookeeper_version(env.zookeeper)
+
+
 def load_average() -> list[float] | None:
     """1, 5 and 15 minute load averages: other work on the machine skews every figure."""
     try:
@@ -90,5 +97,6 @@ def machine_info(env: Env) -> dict[str, Any]:
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "redis_server": _redis_server(env),
         "postgres_server": server_version(env),
+        **({"zookeeper_server": _zookeeper_server(env)} if env.zookeeper else {}),
         "packages": _versions(),
     }

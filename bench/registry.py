@@ -32,6 +32,10 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from distlocks.testing.servers import DATABASE_URL_ENV, REDIS_URL_ENV
 
+#: Where the runner puts the connection string of the ZooKeeper server it started,
+#: for Django's settings (:mod:`bench.settings`) and for the implementations.
+ZOOKEEPER_ENV = "DISTLOCKS_BENCH_ZOOKEEPER"
+
 Role = Literal["floor", "distlocks", "peer"]
 Metric = Literal["latency", "throughput"]
 
@@ -46,12 +50,15 @@ class Env:
 
     redis_url: str = ""
     database_url: str = ""
+    #: A ZooKeeper connection string ("127.0.0.1:PORT"), only in runs that need it.
+    zookeeper: str = ""
 
     @classmethod
     def from_environ(cls) -> Env:
         return cls(
             redis_url=os.environ.get(REDIS_URL_ENV, ""),
             database_url=os.environ.get(DATABASE_URL_ENV, ""),
+            zookeeper=os.environ.get(ZOOKEEPER_ENV, ""),
         )
 
 
@@ -79,7 +86,7 @@ class Implementation(ABC):
     role: ClassVar[Role]
     #: Implementations are compared with the floor of their own family.
     family: ClassVar[str]
-    #: The throwaway servers it needs ("redis", "postgres").
+    #: The throwaway servers it needs ("redis", "postgres", "zookeeper").
     servers: ClassVar[frozenset[str]] = frozenset()
     #: Installed distribution whose version is recorded (None: nothing beyond redis-py).
     distribution: ClassVar[str | None] = None
@@ -239,6 +246,14 @@ class Workload(ABC):
 IMPLEMENTATIONS: dict[str, type[Implementation]] = {}
 WORKLOADS: dict[str, type[Workload]] = {}
 
+#: Workloads that run only when named with ``--only``, and the module registering them
+#: (with their implementations) when they are. They need a server that ``make bench``
+#: does not install: ZooKeeper runs Debian's jars on a JRE (see :mod:`bench.zookeeper`).
+OPT_IN_WORKLOADS: dict[str, str] = {
+    "zk-cycle": "bench.zookeeper",
+    "zk-handoff": "bench.zookeeper",
+}
+
 ImplT = TypeVar("ImplT", bound=type[Implementation])
 WorkloadT = TypeVar("WorkloadT", bound=type[Workload])
 
@@ -272,6 +287,14 @@ def load_registry() -> None:
     import_module("bench.saves")
     import_module("bench.celery_overhead")
     import_module("bench.admin_list")
+
+
+def load_opt_in(names: Iterable[str]) -> None:
+    """Register the opt-in workloads among ``names`` (and their implementations)."""
+    for name in names:
+        module = OPT_IN_WORKLOADS.get(name)
+        if module is not None:
+            import_module(module)
 
 
 def floor_of(family: str, names: Iterable[str]) -> str | None:

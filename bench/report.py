@@ -20,7 +20,12 @@ from bench.stats import ratio, summarize
 SCHEMA_VERSION = 1
 
 #: How the families (the server an implementation runs on) are shown.
-FAMILY_NAMES = {"redis": "Redis", "postgres": "PostgreSQL", "celery": "Redis"}
+FAMILY_NAMES = {
+    "redis": "Redis",
+    "postgres": "PostgreSQL",
+    "celery": "Redis",
+    "zookeeper": "ZooKeeper",
+}
 
 
 def _time_per_op(row: dict[str, Any], metric: str) -> float:
@@ -137,6 +142,10 @@ TARGETS = [
            family="postgres"),
     Target("pg-handoff-p50", "handoff", "median_at_most_us", 1000.0,
            "PostgreSQL hand-off p50 <= 1 ms", family="postgres"),
+    Target("zk-cycle-vs-peers", "zk-cycle", "beats_peers", 1.0,
+           "ZooKeeper cycle faster than kazoo's Lock", family="zookeeper"),
+    Target("zk-handoff-vs-peers", "zk-handoff", "beats_peers", 1.0,
+           "ZooKeeper contended hand-off faster than kazoo's Lock", family="zookeeper"),
     Target("fenced-save-vs-plain", "fenced-save", "floor_ratio", 1.1,
            "Fenced save median <= 1.1x a plain save() of the same row",
            family="postgres", versus="the plain save"),
@@ -273,6 +282,8 @@ def format_text(report: dict[str, Any]) -> str:
         lines += [line(header), line(["-" * w for w in widths])]
         lines += [line(cells) for cells in body]
         lines.append("")
+    for name, why in report.get("skipped", {}).items():
+        lines += [f"== {name}: skipped, {why}", ""]
     if report["targets"]:
         lines.append("== Targets")
         for target in report["targets"]:
@@ -288,13 +299,23 @@ def format_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _servers(machine: dict[str, Any]) -> str:
+    """The servers' versions for a header line (ZooKeeper only in runs that used one)."""
+    text = (
+        f"redis-server {machine['redis_server'] or '-'}, "
+        f"PostgreSQL {machine.get('postgres_server') or '-'}"
+    )
+    if machine.get("zookeeper_server"):
+        text += f", ZooKeeper {machine['zookeeper_server']}"
+    return text
+
+
 def format_markdown(report: dict[str, Any]) -> str:
     machine = report["machine"]
     lines = [
         f"Run {report['started_at']} (`{report['command']}`), "
         f"{machine['cpu_model']}, {machine['cores']} cores, {machine['python']}, "
-        f"redis-server {machine['redis_server']}, "
-        f"PostgreSQL {machine.get('postgres_server') or '-'}.",
+        f"{_servers(machine)}.",
         "",
     ]
     lines += ["| implementation | what is measured | version |", "|---|---|---|"]
@@ -310,6 +331,8 @@ def format_markdown(report: dict[str, Any]) -> str:
         for cells in body:
             lines.append("| " + " | ".join([f"`{cells[0]}`", *cells[1:]]) + " |")
         lines.append("")
+    for name, why in report.get("skipped", {}).items():
+        lines += [f"### `{name}`: skipped", "", why, ""]
     if report["targets"]:
         lines += ["### Targets", "", "| target | met | measured |", "|---|---|---|"]
         for target in report["targets"]:
@@ -370,6 +393,10 @@ def draw_chart(report: dict[str, Any], path: Path) -> None:
         for family in families:
             rows = [(n, r) for n, r in section["results"].items() if r["family"] == family]
             panels.append((name, family, section, rows))
+    if not panels:
+        # Every workload was skipped: no chart, and none left over from an earlier run.
+        path.unlink(missing_ok=True)
+        return
     columns = 2 if len(panels) > 1 else 1
     rows_n = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows_n, columns, figsize=(7 * columns, 3.2 * rows_n), squeeze=False)
@@ -411,8 +438,7 @@ def draw_chart(report: dict[str, Any], path: Path) -> None:
     machine = report["machine"]
     fig.suptitle(
         f"distlocks benchmarks, {report['started_at'][:19]}Z, {machine['cpu_model']} "
-        f"x{machine['cores']}, {machine['python']}, redis {machine['redis_server']}, "
-        f"PostgreSQL {machine.get('postgres_server') or '-'}",
+        f"x{machine['cores']}, {machine['python']}, {_servers(machine)}",
         fontsize=9,
     )
     fig.tight_layout()

@@ -14,10 +14,13 @@ from typing import Any
 
 from bench.registry import (
     IMPLEMENTATIONS,
+    OPT_IN_WORKLOADS,
     WORKLOADS,
+    ZOOKEEPER_ENV,
     Env,
     Implementation,
     RunOptions,
+    load_opt_in,
     load_registry,
 )
 
@@ -38,8 +41,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--only",
         action="append",
         metavar="WORKLOAD",
-        choices=list(WORKLOADS),
-        help=f"run only this workload (repeatable): {', '.join(WORKLOADS)}",
+        choices=[*WORKLOADS, *OPT_IN_WORKLOADS],
+        help=f"run only this workload (repeatable): {', '.join(WORKLOADS)}; and, only when "
+        f"named here, {', '.join(OPT_IN_WORKLOADS)} (they need a ZooKeeper server)",
     )
     parser.add_argument(
         "--iterations",
@@ -67,15 +71,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.iterations is not None and args.iterations < 1:
         parser.error("--iterations must be at least 1")
+    load_opt_in(args.only or [])
     return args
 
 
-def _start(impl_classes: list[type[Implementation]]) -> Env:
-    """Start the servers the implementations need, then configure Django."""
+def _missing_servers(impl_classes: list[type[Implementation]]) -> dict[str, str]:
+    """The servers these implementations need that cannot run here, and why."""
+    needed = set().union(*(cls.servers for cls in impl_classes))
+    missing = {}
+    if "zookeeper" in needed:
+        from bench.zookeeper import missing as zookeeper_missing
+
+        reason = zookeeper_missing()
+        if reason:
+            missing["zookeeper"] = reason
+    return missing
+
+
+def _start(impl_classes: list[type[Implementation]], started: list[Any]) -> Env:
+    """Start the servers the implementations need, then configure Django.
+
+    Servers started for this run only (ZooKeeper) are appended to ``started``.
+    """
     from distlocks.testing.servers import ensure_test_servers
 
     needed = set().union(*(cls.servers for cls in impl_classes))
-    ensure_test_servers(redis="redis" in needed, postgres="postgres" in needed)
+    if needed & {"redis", "postgres"}:
+        ensure_test_servers(redis="redis" in needed, postgres="postgres" in needed)
+    if "zookeeper" in needed:
+        from bench.zookeeper import start_server
+
+        server = start_server()
+        started.append(server)
+        # Read by bench.settings (the "zk" backend alias) and by Env.from_environ().
+        os.environ[ZOOKEEPER_ENV] = server.location
     env = Env.from_environ()
     if "postgres" in needed:
         from bench.postgres import prepare_database
@@ -116,7 +145,19 @@ def _measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]
     from bench.report import evaluate_targets, workload_result
 
     options = RunOptions(quick=args.quick, iterations=args.iterations)
-    selected = [WORKLOADS[name] for name in WORKLOADS if not args.only or name in args.only]
+    selected = [
+        WORKLOADS[name]
+        for name in WORKLOADS
+        if (name in args.only if args.only else name not in OPT_IN_WORKLOADS)
+    ]
+    skipped: dict[str, str] = {}
+    for wl in list(selected):
+        taking_part = [cls for cls in IMPLEMENTATIONS.values() if wl.supports(cls)]
+        missing = _missing_servers(taking_part)
+        if missing:
+            skipped[wl.name] = "; ".join(f"no {server}: {why}" for server, why in missing.items())
+            print(f"{wl.name}: skipped, {skipped[wl.name]}", file=sys.stderr, flush=True)
+            selected.remove(wl)
     impl_classes = [
         cls for cls in IMPLEMENTATIONS.values() if any(wl.supports(cls) for wl in selected)
     ]
@@ -126,11 +167,18 @@ def _measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]
 
     started = dt.datetime.now(dt.UTC)
     began = time.monotonic()
-    env = _start(impl_classes)
+    run_servers: list[Any] = []
+    try:
+        env = _start(impl_classes, run_servers) if impl_classes else Env.from_environ()
+    except BaseException:
+        for server in run_servers:
+            server.close()
+        raise
     load_before = load_average()
-    impls = [cls(env) for cls in impl_classes]
+    impls: list[Implementation] = []
     sections: dict[str, dict[str, Any]] = {}
     try:
+        impls = [cls(env) for cls in impl_classes]
         for wl_cls in selected:
             wl = wl_cls(options)
             taking_part = [impl for impl in impls if wl.supports(type(impl))]
@@ -145,6 +193,13 @@ def _measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]
             from bench.postgres import clean_database
 
             clean_database(env)
+        machine = {
+            **machine_info(env),
+            "load_average_before": load_before,
+            "load_average_after": load_average(),
+        }
+        for server in run_servers:
+            server.close()
 
     command = "python -m bench" + "".join(f" {shlex.quote(a)}" for a in (argv or sys.argv[1:]))
     return {
@@ -153,11 +208,7 @@ def _measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]
         "duration_s": round(time.monotonic() - began, 1),
         "command": command,
         "options": {"quick": args.quick, "only": args.only, "iterations": args.iterations},
-        "machine": {
-            **machine_info(env),
-            "load_average_before": load_before,
-            "load_average_after": load_average(),
-        },
+        "machine": machine,
         "implementations": {
             impl.name: {
                 "label": impl.label,
@@ -169,6 +220,7 @@ def _measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]
             for impl in impls
         },
         "workloads": sections,
+        "skipped": skipped,
         "targets": evaluate_targets(sections),
     }
 
@@ -191,6 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     print(format_text(report))
     (out_dir / "latest.md").write_text(format_markdown(report))
     draw_chart(report, out_dir / "latest.png")
-    written += ["latest.md", "latest.png"]
+    written += ["latest.md"] + (["latest.png"] if report["workloads"] else [])
     print(f"\nWrote {', '.join(written)} in {out_dir}.")
     return 0

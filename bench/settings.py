@@ -15,10 +15,16 @@ from __future__ import annotations
 import os
 from urllib.parse import unquote, urlsplit
 
+from bench.registry import ZOOKEEPER_ENV
 from distlocks.testing.servers import DATABASE_URL_ENV, REDIS_URL_ENV
 
 REDIS_URL = os.environ.get(REDIS_URL_ENV, "redis://127.0.0.1:6379/0")
 DATABASE_URL = os.environ.get(DATABASE_URL_ENV, "")
+#: Set by the runner in the ZooKeeper workloads' runs only (see bench.zookeeper).
+ZOOKEEPER_LOCATION = os.environ.get(ZOOKEEPER_ENV, "")
+#: The ZooKeeper session every ZooKeeper implementation asks for, in seconds: the same
+#: as the lease length of the workloads, as docs/backend-zookeeper.md advises.
+ZOOKEEPER_SESSION_TIMEOUT = 30.0
 #: Kept apart from the test suite's databases, so a run never touches their tables.
 BENCH_DATABASE = "distlocks_bench"
 
@@ -63,6 +69,12 @@ if DATABASE_URL:
         "DATABASE": "default",
         # Room for the 17 threads of the hand-off workload, each waiting on its own connection.
         "OPTIONS": {"mode": "session", "pool_size": 24},
+    }
+if ZOOKEEPER_LOCATION:
+    DISTLOCKS_BACKENDS["zk"] = {
+        "BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend",
+        "LOCATION": ZOOKEEPER_LOCATION,
+        "OPTIONS": {"session_timeout": ZOOKEEPER_SESSION_TIMEOUT, "prefix": "/distlocks-bench"},
     }
 DISTLOCKS_KEY_PREFIX = "distlocks-bench"
 
