@@ -5,14 +5,20 @@ a nearby way it does not. Real servers only."""
 
 from __future__ import annotations
 
+import math
 import os
+import sys
 from collections.abc import Callable, Iterator
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 import pytest
 from django.db import transaction
 
-from distlocks import get_backend, lock
+from distlocks import get_backend, lock, lock_many
+from distlocks.primitives import rwlock, semaphore
+from distlocks.validation import MAX_SEMAPHORE_LIMIT, MAX_TIMEOUT, MAX_TTL
 from tests.redis_contract import redis_alias
 from tests.test_redaction import (
     SECRET,
@@ -55,6 +61,8 @@ def alias(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 class _nothing:
+    """A context manager that does nothing (``contextlib.nullcontext`` without a value)."""
+
     def __enter__(self) -> None:
         return None
 
@@ -253,3 +261,109 @@ def test_a_missing_default_alias_shows_no_zookeeper_credential(settings: Any) ->
     messages = check_settings()
     assert [m.id for m in messages][:1] == ["distlocks.E001"]
     assert SECRET not in "\n".join(f"{m.msg} {m.hint}" for m in messages)
+
+
+# -- 2 and 10. bounds and types, checked at the call on every backend -----------------
+
+BAD_NUMBERS = [1e300, 10**400, -(10**400), 1e17, sys.maxsize, MAX_TTL + 1, math.inf, math.nan]
+BAD_TYPES = [True, False, "5", b"5", None, [5], Decimal("5"), Fraction(5)]
+
+
+def short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:8]}..{len(text)}ch"
+
+
+def in_transaction(alias: str) -> Any:
+    """Transaction mode locks only inside a transaction."""
+    return transaction.atomic() if alias == "pgx" else _nothing()
+
+
+def nothing_written(alias: str, name: str) -> bool:
+    backend = get_backend(alias)
+    return backend.inspect(name) is None and backend.fencing_counter(name) == 0
+
+
+@pytest.mark.parametrize("ttl", [*BAD_NUMBERS, 0, -1, 0.001], ids=short)
+def test_a_ttl_out_of_bounds_is_a_value_error_on_every_backend(
+    alias: str, name: str, ttl: Any
+) -> None:
+    with in_transaction(alias):
+        with pytest.raises(ValueError, match="ttl must"):
+            lock(name, backend=alias, ttl=ttl)
+        with pytest.raises(ValueError, match="max_hold must"):
+            lock(name, backend=alias, max_hold=ttl)
+        with pytest.raises(ValueError, match="ttl must"):
+            lock_many([name, f"{name}:2"], backend=alias, ttl=ttl)
+        with lock(name, backend=alias, ttl=30, auto_renew=False) as lease:
+            with pytest.raises(ValueError, match="ttl must"):
+                lease.extend(ttl)
+            assert lease.ttl == 30
+            assert lease.held()
+
+
+@pytest.mark.parametrize("timeout", [1e300, 10**400, -(10**400), MAX_TIMEOUT + 1, math.inf,
+                                     math.nan, -1], ids=short)  # fmt: skip
+def test_a_timeout_out_of_bounds_is_a_value_error_on_every_backend(
+    alias: str, name: str, timeout: Any
+) -> None:
+    with pytest.raises(ValueError, match="timeout must"):
+        lock(name, backend=alias, timeout=timeout)
+    with pytest.raises(ValueError, match="timeout must"):
+        lock(name, backend=alias).acquire(timeout=timeout)
+    assert nothing_written(alias, name)
+
+
+@pytest.mark.parametrize("value", BAD_TYPES, ids=repr)
+def test_a_ttl_or_timeout_of_the_wrong_type_is_a_type_error(
+    alias: str, name: str, value: Any
+) -> None:
+    with pytest.raises(TypeError, match="ttl must be a number"):
+        lock(name, backend=alias, ttl=value) if value is not None else _raise_type("ttl")
+    if value is not None:  # None waits forever
+        with pytest.raises(TypeError, match="timeout must be a number"):
+            lock(name, backend=alias, timeout=value)
+    assert nothing_written(alias, name)
+
+
+def _raise_type(what: str) -> None:
+    raise TypeError(f"{what} must be a number (None is the default ttl)")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["a\x00b", "a\udc80b", "\ud800", "a\x1b[2Jb", "a\r\nb", "", "x" * 201, b"bytes", 5, None],
+    ids=repr,
+)
+def test_a_bad_name_is_refused_at_the_call_on_every_backend(alias: str, bad: Any) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        lock(bad, backend=alias)
+    with pytest.raises((ValueError, TypeError)):
+        lock_many(["fine", bad], backend=alias)
+    if alias not in ("redlock", "zk"):  # no permits there
+        with pytest.raises((ValueError, TypeError)):
+            semaphore(bad, backend=alias, limit=2)
+        with pytest.raises((ValueError, TypeError)):
+            rwlock(bad, backend=alias)
+
+
+@pytest.mark.parametrize("argument", ["auto_renew", "reentrant", "fair"])
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None, b""], ids=repr)
+def test_flags_must_be_bools_on_every_backend(
+    alias: str, name: str, argument: str, value: Any
+) -> None:
+    with pytest.raises(TypeError, match=f"{argument} must be True or False"):
+        lock(name, backend=alias, **{argument: value})
+    if argument == "auto_renew":
+        with pytest.raises(TypeError, match="auto_renew must be True or False"):
+            lock_many([name], backend=alias, auto_renew=value)
+
+
+@pytest.mark.parametrize(
+    "limit", [0, -1, MAX_SEMAPHORE_LIMIT + 1, 10**9, 10**400, True, "3", 2.0, None], ids=short
+)
+def test_a_semaphore_limit_out_of_bounds_is_refused_on_every_backend(
+    alias: str, name: str, limit: Any
+) -> None:
+    with pytest.raises((ValueError, TypeError), match="limit must"):
+        semaphore(name, backend=alias, limit=limit)
