@@ -5,9 +5,11 @@ a nearby way it does not. Real servers only."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from fractions import Fraction
@@ -17,6 +19,7 @@ import pytest
 from django.db import transaction
 
 from distlocks import get_backend, lock, lock_many
+from distlocks.exceptions import LockError
 from distlocks.primitives import rwlock, semaphore
 from distlocks.validation import MAX_SEMAPHORE_LIMIT, MAX_TIMEOUT, MAX_TTL
 from tests.redis_contract import redis_alias
@@ -27,6 +30,7 @@ from tests.test_redaction import (
     test_the_exception_from_lock,
     test_the_live_locks_page_for_view_only_staff,
 )
+from tests.waiting import wait_for
 
 __all__ = [  # collected here again, on the ZooKeeper cases of the "bad" fixture below
     "test_check_messages",
@@ -367,3 +371,76 @@ def test_a_semaphore_limit_out_of_bounds_is_refused_on_every_backend(
 ) -> None:
     with pytest.raises((ValueError, TypeError), match="limit must"):
         semaphore(name, backend=alias, limit=limit)
+
+
+# -- 3. force release is bound to the token, on every backend --------------------------
+
+
+class Holder(threading.Thread):
+    """Holds ``name`` in a thread of its own (in transaction mode: in a transaction on
+    the thread's own database connection, which a force release may end) until
+    :meth:`done`."""
+
+    def __init__(self, alias: str, name: str) -> None:
+        super().__init__(daemon=True)
+        self.alias, self.name = alias, name
+        self.lease: Any = None
+        self.ready, self.stop = threading.Event(), threading.Event()
+        self.start()
+        assert self.ready.wait(30), "the holder did not get the lock"
+
+    def run(self) -> None:
+        from django.db import connection
+
+        try:
+            with in_transaction(self.alias):
+                self.lease = lock(self.name, backend=self.alias, ttl=30).acquire()
+                self.ready.set()
+                self.stop.wait(60)
+                with contextlib.suppress(LockError):
+                    self.lease.release()
+        except Exception:  # transaction mode: its connection was ended by the eviction
+            pass
+        finally:
+            connection.close()
+
+    def done(self) -> None:
+        self.stop.set()
+        self.join(30)
+
+
+def test_force_release_with_a_wrong_token_leaves_the_holder_on_every_backend(
+    alias: str, name: str
+) -> None:
+    """tests/test_hardening.py covers LocMem, Redis and Redlock, and
+    tests/test_hardening_postgres.py PostgreSQL session mode; here every backend
+    (ZooKeeper, the Cluster and transaction mode included), with tokens above, below
+    and far from the holder's, then the right one."""
+    backend = get_backend(alias)
+    holder = Holder(alias, name)
+    try:
+        token = holder.lease.fencing_token
+        for wrong in (token + 1, token - 1, 0, 2**63 - 1):
+            assert backend.force_release(name, wrong) is False
+            info = backend.inspect(name)
+            assert info is not None and info.owner == holder.lease.owner, wrong
+        assert backend.fencing_counter(name) == token
+        assert backend.force_release(name, token) is True
+        assert backend.fencing_counter(name) > token
+        wait_for(lambda: backend.inspect(name) is None, what="the eviction")
+        with in_transaction(alias), lock(name, backend=alias, ttl=30, timeout=5) as newer:
+            assert newer.fencing_token > token
+    finally:
+        holder.done()
+
+
+def test_force_release_of_a_free_name_writes_nothing_on_every_backend(
+    alias: str, name: str
+) -> None:
+    backend = get_backend(alias)
+    with in_transaction(alias):
+        for token in (None, 1, 2**53):
+            assert backend.force_release(name, token) is False
+        assert nothing_written(alias, name)
+    if alias == "zk":  # not even the fence node
+        assert backend._client.exists(backend.lock_path(name)) is None  # type: ignore[attr-defined]
