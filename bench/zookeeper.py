@@ -177,6 +177,29 @@ class DistlocksZk(DistlocksPg):
 
 
 @implementation
+class DistlocksZkWait(DistlocksZk):
+    """distlocks' public API with a timeout: ``with lock(name, backend="zk", timeout=5):``.
+
+    A caller that may wait queues at once (the multi-op), where one that tries once
+    (``timeout=0``, the ``distlocks-zk`` row) first lists the contenders, so as to write
+    nothing when the lock is busy: one round trip fewer on a free lock.
+    """
+
+    name = "distlocks-zk-wait"
+    label = 'distlocks lock(backend="zk", timeout=5) (public API)'
+    reference = False
+    workloads = frozenset({"zk-cycle"})
+    wait = 5.0
+
+    def cycle(self, name: str, ttl: float) -> None:
+        with self._lock(name, backend=self.alias, ttl=ttl, timeout=self.wait):
+            pass
+
+    def try_acquire(self, name: str, ttl: float) -> Any | None:
+        return self.acquire_blocking(name, ttl, self.wait)
+
+
+@implementation
 class DistlocksZkBackend(BackendLevel):
     """distlocks one layer down: ``ZooKeeperBackend.acquire`` / ``release``, no Lease.
 
