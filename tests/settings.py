@@ -158,6 +158,23 @@ DISTLOCKS_BACKENDS = {
 DISTLOCKS_KEY_PREFIX = "distlocks-test"
 
 
+def etcd_alias(location: str) -> dict[str, object]:
+    """The "etcd" alias for an etcd at ``location``."""
+    return {
+        "BACKEND": "distlocks.backends.etcd.EtcdBackend",
+        "LOCATION": location,
+        "OPTIONS": {"connect_timeout": 2, "socket_timeout": 5},
+    }
+
+
+# etcd: the etcd_ready fixture (tests/conftest.py) starts a server, adds the alias and
+# exports its URL here, so worker processes get it too. Set the variable beforehand to
+# use an existing server. No alias otherwise: the command's and the admin page's
+# listings of every backend would meet an etcd that is not there.
+if os.environ.get("DISTLOCKS_TEST_ETCD"):
+    DISTLOCKS_BACKENDS["etcd"] = etcd_alias(os.environ["DISTLOCKS_TEST_ETCD"])
+
+
 def _redis_db(url: str, db: int) -> str:
     return urlsplit(url)._replace(path=f"/{db}").geturl()
 
