@@ -810,21 +810,28 @@ class EtcdBackend(BaseBackend):
     # -- release, extend -----------------------------------------------------------
 
     def release(self, name: str, owner: str) -> bool:
+        """Revoke the lease of ``owner``'s lock: etcd deletes the lock key with it, in
+        one step, and nothing else (the lease is this acquisition's own). A lease that
+        is gone (expired, or revoked by a force release) means the lock was not ours
+        any more: False."""
         self._check_pid()
         entry = self._entries.pop((name, owner), None)
-        lock = _b64(self.lock_key(name))
         if entry is not None and entry.lock_rev:
-            lease, created = entry.lease, entry.lock_rev
-        else:
-            # Not this process's (or forgotten): find the owner's lock on the server.
-            held = _kvs(
-                {"response_range": self._call("/v3/kv/range", {"key": lock}, "release", name)}
-            )
-            if not held or self._owner_of(held[0]) != owner:
-                if entry is not None:
-                    self._revoke_quietly(entry.lease)
+            try:
+                self._call("/v3/lease/revoke", {"ID": str(entry.lease)}, "release", name)
+            except _LeaseGone:
                 return False
-            lease, created = _int(held[0].get("lease")), _int(held[0].get("create_revision"))
+            return True
+        if entry is not None:
+            self._revoke_quietly(entry.lease)
+        # Not this process's (or forgotten): find the owner's lock on the server and
+        # delete it only if it is still that incarnation on that lease.
+        lock = _b64(self.lock_key(name))
+        answer = self._call("/v3/kv/range", {"key": lock}, "release", name)
+        held = answer.get("kvs") or []
+        if not held or self._owner_of(held[0]) != owner:
+            return False
+        lease, created = _int(held[0].get("lease")), _int(held[0].get("create_revision"))
         answer = self._txn(
             "release",
             name,
@@ -839,8 +846,8 @@ class EtcdBackend(BaseBackend):
             ],
             [{"requestDeleteRange": {"key": lock}}],
         )
-        # The lease has nothing else on it: revoking it spares the server its expiry.
-        self._revoke_quietly(lease)
+        if answer.get("succeeded"):
+            self._revoke_quietly(lease)
         return bool(answer.get("succeeded"))
 
     def leave_queue(self, name: str, owner: str) -> None:
