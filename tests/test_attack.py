@@ -6,6 +6,7 @@ a nearby way it does not. Real servers only."""
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import sys
@@ -16,6 +17,7 @@ from fractions import Fraction
 from typing import Any
 
 import pytest
+from django.core.management import call_command
 from django.db import transaction
 
 from distlocks import get_backend, lock, lock_many
@@ -444,3 +446,97 @@ def test_force_release_of_a_free_name_writes_nothing_on_every_backend(
         assert nothing_written(alias, name)
     if alias == "zk":  # not even the fence node
         assert backend._client.exists(backend.lock_path(name)) is None  # type: ignore[attr-defined]
+
+
+# -- 2. listing survives any lock a server holds: ZooKeeper ---------------------------
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"extra": [1, 2], "owner": "x"}',
+        b'{"extra": "text", "ttl": Infinity, "pid": 1e400}',
+        b'{"extra": {"k": "\\u001b[2J"}, "ttl": NaN, "host": ["h"], "thread": null}',
+        b"[1, 2]",
+        b"\xff\xfe not json",
+    ],
+    ids=["extra-list", "extra-text-inf", "nan", "list", "bytes"],
+)
+@pytest.mark.django_db
+@pytest.mark.parametrize("alias", ["zk"], indirect=True)
+def test_a_zookeeper_node_written_by_another_program_does_not_break_the_listing(
+    alias: str, name: str, data: bytes
+) -> None:
+    """A contender node whose data distlocks did not write (another version, another
+    program, a hand-made node): the listing, inspect, the command and the page go on
+    (the Redis form of this is in tests/test_hardening.py)."""
+    backend = get_backend(alias)
+    with lock(name, backend=alias, ttl=30) as lease:
+        other = f"{name}:other"
+        client = backend._client  # type: ignore[attr-defined]
+        parent = backend.lock_path(other)  # type: ignore[attr-defined]
+        client.ensure_path(parent)
+        node = client.create(f"{parent}/c-someone-", data, ephemeral=True, sequence=True)
+        try:
+            assert backend.inspect(name).owner == lease.owner
+            shown_everywhere(alias, name, other)
+        finally:
+            client.delete(node)
+
+
+def shown_everywhere(alias: str, name: str, other: str) -> None:
+    """``other`` (a lock with foreign data) is listed and inspected by the backend, the
+    command and the live-locks page, beside ``name``; no escape code reaches the
+    terminal."""
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    from distlocks.livelocks import snapshots
+
+    backend = get_backend(alias)
+    listed = {info.name: info for info in backend.iter_locks()}
+    assert name in listed and other in listed
+    assert backend.inspect(other) is not None
+    out = io.StringIO()
+    for args in (["list"], ["list", "--json"], ["inspect", other]):
+        call_command("distlocks", *args, "--backend", alias, stdout=out)
+    assert other in out.getvalue() and "\x1b" not in out.getvalue()
+    snapshots.clear()
+    user = get_user_model().objects.create_superuser("attacker", password="pw")
+    client = Client()
+    client.force_login(user)
+    page = client.get("/admin/distlocks/livelock/", {"refresh": "0", "backend": alias})
+    assert page.status_code == 200 and name in page.content.decode()
+    detail = client.get("/admin/distlocks/livelock/lock/", {"backend": alias, "name": other})
+    assert detail.status_code == 200
+
+
+FOREIGN_EXTRA = ["[1, 2]", '"text"', "17", "not json", '{"k": "\\u001b[2J"}']
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("extra", FOREIGN_EXTRA)
+@pytest.mark.parametrize("alias", ["redis", "pg"], indirect=True)
+def test_a_lock_whose_extra_details_are_not_an_object_does_not_break_the_listing(
+    alias: str, name: str, extra: str, redis_client: Any
+) -> None:
+    """The extra details of a holder, as another program (or version) may have written
+    them: not a JSON object. PostgreSQL's listing failed for the whole backend (list
+    has no pop("of")), and the command's inspect on Redis ('list' has no items())."""
+    from tests.test_hardening_postgres import raw_connection
+
+    backend = get_backend(alias)
+    other = f"{name}:other"
+    with lock(name, backend=alias, ttl=30), lock(other, backend=alias, ttl=30):
+        if alias == "redis":
+            redis_client.hset(backend.all_keys(other).lock, "extra", extra)  # type: ignore[attr-defined]
+        else:
+            value = extra if extra != "not json" else '"not json"'
+            # Committed at once, where the backend's own connections see it.
+            with raw_connection() as conn:
+                done = conn.execute(
+                    "UPDATE distlocks_lockregistry SET extra = %s::jsonb WHERE key = %s",
+                    [value, backend.key(other)],  # type: ignore[attr-defined]
+                )
+                assert done.rowcount == 1
+        shown_everywhere(alias, name, other)

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import datetime as dt
 import functools
+import json
 import logging
 import threading
 import time
@@ -48,6 +49,28 @@ def permit_family(kind: str) -> str:
         raise ValueError(
             f"Unknown permit kind {kind!r}; use 'semaphore', 'read', 'write' or 'rwlock'."
         ) from None
+
+
+def holder_details(value: Any) -> dict[str, Any]:
+    """A holder's extra details as a dict, from whatever a server holds (JSON text, or
+    a value its driver decoded): a lock written by another program, another version
+    or by hand may have anything there. Unreadable text gives ``{}``; a value that is
+    not an object is kept under ``"value"``. A listing then shows the lock instead of
+    failing for every lock of the backend."""
+    if isinstance(value, bytes | bytearray):
+        value = bytes(value).decode(errors="replace")
+    if isinstance(value, str):
+        if not value or value == "{}":
+            return {}
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return {str(key): item for key, item in value.items()}
+    return {"value": value}
 
 
 def moment(start: dt.datetime, milliseconds: float) -> dt.datetime | None:

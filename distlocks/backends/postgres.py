@@ -60,6 +60,7 @@ from distlocks.backends.base import (
     BaseBackend,
     Holder,
     LockInfo,
+    holder_details,
     permit_family,
 )
 from distlocks.conf import conf
@@ -1071,7 +1072,7 @@ class PostgresBackend(BaseBackend):
             waiters=int(row["waiters"]),
             extra={
                 # "of" only ties a permit's row to its semaphore or read-write lock.
-                **{k: v for k, v in (row["extra"] or {}).items() if k != "of"},
+                **{k: v for k, v in holder_details(row["extra"]).items() if k != "of"},
                 "backend_pid": row["backend_pid"],
                 "application_name": row["application_name"],
                 "client_addr": row["client_addr"],
@@ -1101,10 +1102,10 @@ class PostgresBackend(BaseBackend):
         little per row as it can."""
         with self._pooled("list", "locks") as conn:
             rows = conn.execute(self._LISTING).fetchall()
-        alias, loads, utc = self.alias, json.loads, dt.UTC
+        alias, utc = self.alias, dt.UTC
         for (name, owner, token, host, pid, thread, acquired, ttl, renewals, extra,
              backend_pid, application, address, state, changed, waiters) in rows:  # fmt: skip
-            details = loads(extra) if extra and extra != "{}" else {}
+            details = holder_details(extra)
             # "of" only ties a permit's row to its semaphore or read-write lock.
             details.pop("of", None)
             details["backend_pid"] = backend_pid

@@ -55,6 +55,7 @@ from distlocks.backends.base import (
     BaseBackend,
     Holder,
     LockInfo,
+    holder_details,
     moment,
 )
 from distlocks.backends.redis_primitives import RedisPermits
@@ -1537,10 +1538,7 @@ class RedisBackend(RedisPermits, BaseBackend):
         owner, name, token, host, pid, thread, acquired, ttl, renewals, extra, pttl, waiters = (
             values[at : at + _WIDTH]
         )
-        try:
-            details = json.loads(extra) if extra and extra != "{}" else {}
-        except ValueError:
-            details = {}
+        details = holder_details(extra)
         return LockInfo(
             name=name or "",
             backend=self.alias,

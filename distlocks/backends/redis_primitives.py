@@ -46,6 +46,7 @@ from distlocks.backends.base import (
     AcquireResult,
     Holder,
     LockInfo,
+    holder_details,
     moment,
     permit_family,
 )
@@ -602,10 +603,7 @@ class RedisPermits:
         infos = []
         for i in range(2, len(reply), 3):
             owner, ends_ms, raw = _text(reply[i]), float(reply[i + 1]), _text(reply[i + 2])
-            try:
-                about = json.loads(raw) if raw else {}
-            except ValueError:
-                about = {}
+            about = holder_details(raw)
             infos.append(self._permit_info(family, owner, ends_ms - now_ms, about, now, waiters))
         return infos
 
@@ -619,7 +617,7 @@ class RedisPermits:
         waiters: int,
     ) -> LockInfo:
         kind = str(about.get("kind") or (SEMAPHORE if family == SEMAPHORE else READ))
-        extra: dict[str, Any] = {**(about.get("extra") or {}), "kind": kind}
+        extra: dict[str, Any] = {**holder_details(about.get("extra")), "kind": kind}
         if kind == SEMAPHORE:
             extra["limit"] = about.get("limit")
         acquired_ms = int(about.get("acquired_at") or 0)

@@ -40,7 +40,13 @@ from typing import Any, ClassVar, NoReturn
 
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
+from distlocks.backends.base import (
+    AcquireResult,
+    BaseBackend,
+    Holder,
+    LockInfo,
+    holder_details,
+)
 from distlocks.exceptions import LockBackendUnavailable, LockError
 from distlocks.redaction import redact
 
@@ -734,7 +740,7 @@ class ZooKeeperBackend(BaseBackend):
             ttl=float(ttl) if isinstance(ttl, int | float) else None,
             waiters=len(children) - 1,
             extra={
-                **(data.get("extra") or {}),
+                **holder_details(data.get("extra")),
                 "session": f"0x{stat.ephemeralOwner:x}",
                 "waiting": [_owner_of(child) for child in children[1:]],
             },
