@@ -300,14 +300,13 @@ def format_text(report: dict[str, Any]) -> str:
 
 
 def _servers(machine: dict[str, Any]) -> str:
-    """The servers' versions for a header line (ZooKeeper only in runs that used one)."""
-    text = (
-        f"redis-server {machine['redis_server'] or '-'}, "
-        f"PostgreSQL {machine.get('postgres_server') or '-'}"
-    )
-    if machine.get("zookeeper_server"):
-        text += f", ZooKeeper {machine['zookeeper_server']}"
-    return text
+    """The versions of the servers the run used, for a header line."""
+    servers = [
+        ("redis-server", machine.get("redis_server")),
+        ("PostgreSQL", machine.get("postgres_server")),
+        ("ZooKeeper", machine.get("zookeeper_server")),
+    ]
+    return ", ".join(f"{label} {found}" for label, found in servers if found) or "no server"
 
 
 def format_markdown(report: dict[str, Any]) -> str:

@@ -259,7 +259,7 @@ class ZkCycle(Cycle):
     """The ``cycle`` workload on ZooKeeper."""
 
     name = "zk-cycle"
-    title = "ZooKeeper: uncontended acquire + release cycle"
+    title = "Uncontended acquire + release cycle"
     description = (
         "One thread takes and releases the same free lock on a standalone ZooKeeper in a "
         "loop (try once, no wait). The time of each acquire+release pair is one sample."
@@ -275,7 +275,7 @@ class ZkHandOff(HandOff):
     """The ``handoff`` workload on ZooKeeper."""
 
     name = "zk-handoff"
-    title = "ZooKeeper: contended hand-off latency, 16 waiters"
+    title = "Contended hand-off latency, 16 waiters"
     description = (
         "17 threads share one lock on a standalone ZooKeeper: one holds it, 16 wait in the "
         "library's own blocking acquire (a watch on a znode). The holder keeps it 1 ms, "
