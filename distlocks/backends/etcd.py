@@ -510,7 +510,7 @@ class EtcdBackend(BaseBackend):
         answer = self._call("/v3/lease/timetolive", {"ID": str(lease)}, action, name)
         return _int(answer.get("TTL")), _int(answer.get("grantedTTL"))
 
-    def _server_clock_us(self) -> int:
+    def _clock_us(self) -> int:
         """The clock for a new fence's base: this host's, in microseconds."""
         return time.time_ns() // 1000
 
@@ -738,7 +738,7 @@ class EtcdBackend(BaseBackend):
         return AcquireResult(True, token)
 
     def _new_base(self) -> int:
-        return max(self._server_clock_us(), self.token_floor)
+        return max(self._clock_us(), self.token_floor)
 
     def _first_use(
         self, name: str, owner: str, entry: _Entry, value: str, fair: bool
