@@ -407,3 +407,15 @@ def test_configuration_problems_are_named(config: dict[str, Any], problem: str) 
 def test_lease_seconds_are_whole_and_cover_the_ttl() -> None:
     assert [lease_seconds(t) for t in (0.05, 1, 1.2, 30)] == [1, 1, 2, 30]
     assert _b64("a") == "YQ=="
+
+
+def test_a_lock_written_by_another_program_is_still_listed(etcd: EtcdBackend, name: str) -> None:
+    key = _b64(etcd.lock_key(name))
+    lease = etcd._grant(10, "test", name)[0]
+    value = _b64('{"owner": "them", "extra": ["not", "an", "object"], "pid": "x"}')
+    etcd._call("/v3/kv/put", {"key": key, "value": value, "lease": str(lease)}, "test", name)
+    info = etcd.inspect(name)
+    assert info is not None and info.owner == "them" and info.pid is None
+    assert info.extra["value"] == ["not", "an", "object"]
+    assert name in [i.name for i in etcd.iter_locks()]
+    assert etcd.force_release(name, token=info.fencing_token)

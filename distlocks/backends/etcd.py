@@ -45,7 +45,13 @@ from typing import Any, ClassVar, NoReturn
 
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
+from distlocks.backends.base import (
+    AcquireResult,
+    BaseBackend,
+    Holder,
+    LockInfo,
+    holder_details,
+)
 from distlocks.exceptions import LockBackendUnavailable, LockError
 from distlocks.redaction import redact
 
@@ -1130,7 +1136,7 @@ class EtcdBackend(BaseBackend):
             if not held:
                 return False  # a free name: nothing is written
             created = _int(held[0].get("create_revision"))
-            if token is not None and (not fences or token_of(created, fences[0]) != token):
+            if token is not None and token_of(created, fences[0] if fences else {}) != token:
                 return False  # the lock changed hands: leave the new holder alone
             compare = [
                 {
@@ -1211,7 +1217,7 @@ class EtcdBackend(BaseBackend):
             # Each renewal touches the lock key once.
             renewals=max(0, _int(held.get("version")) - 1),
             waiters=len(waiting),
-            extra={**(data.get("extra") or {}), "lease": f"{lease:x}", "waiting": waiting},
+            extra={**holder_details(data.get("extra")), "lease": f"{lease:x}", "waiting": waiting},
         )
 
     def _queue_range(self, prefix: str) -> dict[str, Any]:
