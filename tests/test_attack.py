@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 from fractions import Fraction
@@ -540,3 +541,85 @@ def test_a_lock_whose_extra_details_are_not_an_object_does_not_break_the_listing
                 )
                 assert done.rowcount == 1
         shown_everywhere(alias, name, other)
+
+
+# -- 10. held() and ensure_held() do no I/O: not even behind a stalled server ---------
+
+
+@contextlib.contextmanager
+def stalled(alias: str, name: str, request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every server ``alias`` talks to stops answering for a while (Redis: CLIENT
+    PAUSE on each server or node; PostgreSQL: the lock's session SIGSTOPped)."""
+    import signal
+
+    import redis as redis_lib
+    from django.conf import settings
+
+    if alias == "pg":
+        pid = int(get_backend(alias).inspect(name).extra["backend_pid"])  # type: ignore[union-attr]
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except PermissionError:
+            pytest.skip("the PostgreSQL server runs as another user")
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return
+    if alias == "cluster":
+        urls = [
+            f"redis://127.0.0.1:{n.port}" for n in request.getfixturevalue("redis_cluster").nodes
+        ]
+    elif alias == "redlock":
+        urls = list(settings.DISTLOCKS_BACKENDS["redlock"]["LOCATION"])
+    else:
+        urls = [settings.REDIS_URL]
+    clients = [redis_lib.Redis.from_url(url) for url in urls]
+    for client in clients:
+        client.execute_command("CLIENT", "PAUSE", 20_000, "WRITE")
+    try:
+        yield
+    finally:
+        for client in clients:
+            client.execute_command("CLIENT", "UNPAUSE")
+            client.close()
+
+
+@pytest.mark.parametrize("alias", ["redis", "cluster", "redlock", "pg"], indirect=True)
+def test_held_and_ensure_held_answer_at_once_while_an_extend_waits_on_the_server(
+    alias: str, name: str, request: pytest.FixtureRequest
+) -> None:
+    """The issue's "no I/O" claim on real servers: an extend() (what the renewer does)
+    is stuck on a server that does not answer, holding the lease's mutex; held(),
+    ensure_held(), state and remaining() still answer from local knowledge at once.
+    (tests/test_hardening.py holds the mutex by hand, with no server involved.)"""
+    lease = lock(name, backend=alias, ttl=60, auto_renew=False).acquire()
+    try:
+        with stalled(alias, name, request):
+            extender = threading.Thread(target=_quiet, args=(lease.extend,), daemon=True)
+            extender.start()
+
+            def mutex_busy() -> bool:
+                if lease._mutex.acquire(blocking=False):
+                    lease._mutex.release()
+                    return False
+                return True
+
+            wait_for(mutex_busy, what="the extend in flight")
+            started = time.monotonic()
+            for _ in range(100):
+                assert lease.held()
+                lease.ensure_held()
+                assert lease.state == "held"
+                assert lease.remaining() is None or lease.remaining() > 0
+            assert time.monotonic() - started < 2.0  # the server stays silent for 20 s
+            assert extender.is_alive()  # the extend was still waiting all along
+        extender.join(30)
+    finally:
+        with contextlib.suppress(LockError):
+            lease.release()
+
+
+def _quiet(action: Callable[[], object]) -> None:
+    with contextlib.suppress(Exception):
+        action()
