@@ -22,10 +22,11 @@ from django.core.management import call_command
 from django.db import transaction
 
 from distlocks import get_backend, lock, lock_many
-from distlocks.exceptions import LockError
+from distlocks.exceptions import LockError, LockNotAcquired
 from distlocks.primitives import rwlock, semaphore
 from distlocks.validation import MAX_SEMAPHORE_LIMIT, MAX_TIMEOUT, MAX_TTL
 from tests.redis_contract import redis_alias
+from tests.test_hardening_postgres import own_pg
 from tests.test_redaction import (
     SECRET,
     test_check_messages,
@@ -36,6 +37,7 @@ from tests.test_redaction import (
 from tests.waiting import wait_for
 
 __all__ = [  # collected here again, on the ZooKeeper cases of the "bad" fixture below
+    "own_pg",
     "test_check_messages",
     "test_the_command",
     "test_the_exception_from_lock",
@@ -623,3 +625,50 @@ def test_held_and_ensure_held_answer_at_once_while_an_extend_waits_on_the_server
 def _quiet(action: Callable[[], object]) -> None:
     with contextlib.suppress(Exception):
         action()
+
+
+# -- 6. PostgreSQL: waited grants then a timeout, for permits and transaction mode ----
+
+
+def _take(alias: str, kind: str, name: str) -> Any:
+    if kind == "semaphore":
+        return semaphore(name, backend=alias, limit=1, ttl=30, timeout=30)
+    if kind == "write":
+        return rwlock(name, backend=alias).write(ttl=30, timeout=30)
+    return lock(name, backend=alias, ttl=30, timeout=30)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("pg_ready")
+@pytest.mark.parametrize(
+    ("waiter", "kind"), [("pg", "semaphore"), ("pg", "write"), ("pgx", "lock")]
+)
+def test_a_timeout_after_waited_grants_is_refused_cleanly_for_permits_and_transactions(
+    waiter: str, kind: str, name: str, own_pg: Any
+) -> None:
+    """Defect 6 beyond plain session locks: a semaphore permit, a write lease, and a
+    transaction-mode lock, granted three times after waiting in the server's queue
+    (another session holds them), then asked for with timeout=0.5 while held: a
+    LockNotAcquired after the timeout, not a driver error."""
+    other = own_pg()  # another pool: other server sessions, the same keys
+    for _ in range(3):
+        held = _take(other, kind, name).acquire()
+        timer = threading.Timer(0.2, held.release)
+        timer.start()
+        with transaction.atomic() if waiter == "pgx" else _nothing():
+            lease = _take(waiter, kind, name).acquire()
+            assert lease.held()
+            lease.release()
+        timer.join()
+    held = _take(other, kind, name).acquire()
+    try:
+        started = time.monotonic()
+        with transaction.atomic() if waiter == "pgx" else _nothing():
+            with pytest.raises(LockNotAcquired):
+                _take(waiter, kind, name).acquire(timeout=0.5)
+        assert time.monotonic() - started >= 0.5
+    finally:
+        held.release()
+    with transaction.atomic() if waiter == "pgx" else _nothing():
+        with _take(waiter, kind, name) as lease:
+            assert lease.held()
