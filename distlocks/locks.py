@@ -9,6 +9,7 @@ import inspect
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -184,7 +185,21 @@ def _checked_name(name: Any) -> str:
 
 
 def _in_thread(func: Callable[..., object], *args: Any) -> None:
-    threading.Thread(target=func, args=args, name="distlocks-cleanup", daemon=True).start()
+    # At interpreter exit the finalizers of leases still alive run (weakref.finalize's
+    # own exit hook): a daemon thread started then is killed before it frees the lock,
+    # and Python 3.12+ refuses to start one at all. Free it here and now instead.
+    if not getattr(weakref.finalize, "_shutdown", False) and not sys.is_finalizing():
+        try:
+            thread = threading.Thread(target=func, args=args, name="distlocks-cleanup")
+            thread.daemon = True
+            thread.start()
+            return
+        except RuntimeError:  # "can't create new thread at interpreter shutdown"
+            pass
+    try:
+        func(*args)
+    except Exception:  # the process is exiting; nothing is left to tell
+        logger.debug("Cleanup at interpreter exit failed", exc_info=True)
 
 
 def acquire_lease(
