@@ -672,3 +672,26 @@ def test_a_timeout_after_waited_grants_is_refused_cleanly_for_permits_and_transa
     with transaction.atomic() if waiter == "pgx" else _nothing():
         with _take(waiter, kind, name) as lease:
             assert lease.held()
+
+
+# -- 8. distinct names never share keys, on every backend ----------------------------
+
+
+def test_names_that_look_alike_are_different_locks(alias: str, name: str) -> None:
+    """Braces (Redis hash tags), the '#' + hash form a braced name is stored under,
+    percent-escapes (ZooKeeper quotes names into paths), a trailing slash, case and
+    Unicode normal forms: each a lock of its own, with a fencing counter of its own."""
+    backend = get_backend(alias)
+    braced = f"{name}{{x}}"
+    variants = [braced, f"{name}/", f"{name}%2F", f"{name}{{}}", name.upper(),
+                f"{name}\u00e9", f"{name}e\u0301"]  # fmt: skip
+    if alias in ("redis", "cluster"):
+        tag = backend.all_keys(braced).lock.split("{", 1)[1].split("}", 1)[0]  # type: ignore[attr-defined]
+        variants.append(tag)
+    with in_transaction(alias), contextlib.ExitStack() as stack:
+        leases = [stack.enter_context(lock(v, backend=alias, ttl=30, timeout=0)) for v in variants]
+        assert len({lease.fencing_token for lease in leases}) == len(variants)
+        for variant, lease in zip(variants, leases, strict=True):
+            info = backend.inspect(variant)
+            assert info is not None and info.owner == lease.owner, variant
+            assert info.name == variant
