@@ -17,9 +17,9 @@ from distlocks.handler import backends
 from distlocks.testing.servers import RedisClusterSet, RedisServer
 
 #: Every backend alias the contract suite runs against.
-CONTRACT_BACKENDS = ["locmem", "redis", "pg", "redlock", "zk"]
+CONTRACT_BACKENDS = ["locmem", "redis", "pg", "redlock", "zk", "etcd"]
 #: Backends whose locks are shared between OS processes.
-CROSS_PROCESS_BACKENDS = ["redis", "pg", "redlock", "zk"]
+CROSS_PROCESS_BACKENDS = ["redis", "pg", "redlock", "zk", "etcd"]
 #: Backends with semaphores and read-write locks (Redlock has none).
 PERMIT_BACKENDS = ["locmem", "redis", "pg"]
 

@@ -287,7 +287,10 @@ def test_waiter_is_woken_by_expiry_of_a_dead_holder(alias: str, name: str) -> No
     with lock(name, backend=alias, timeout=10) as lease:
         waited = time.monotonic() - start
     assert lease.state == "released"
-    assert waited < 0.5 + 1.0
+    # Woken by the expiry, not by the 10 s timeout. The margin covers servers that
+    # round a lease up (etcd: whole seconds, expired leases swept every 500 ms) and a
+    # loaded machine; a waiter that misses the expiry runs into its timeout instead.
+    assert waited < 5.0
 
 
 def test_waiters_are_counted_and_forgotten(shared_alias: str, name: str) -> None:
