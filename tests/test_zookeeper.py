@@ -581,11 +581,12 @@ def test_a_waiter_cut_off_when_it_gives_up_leaves_no_orphan(
     lives; it is deleted once the server answers again."""
     settings.DISTLOCKS_BACKENDS = {
         **settings.DISTLOCKS_BACKENDS,
-        "zko": zk_config(own_zk.location, session_timeout=20, connect_timeout=0.3,
+        # A session and lease long enough for a JVM restart on a loaded machine.
+        "zko": zk_config(own_zk.location, session_timeout=40, connect_timeout=0.3,
                          socket_timeout=0.3),
     }  # fmt: skip
     backend = get_backend("zko")
-    holder = lock(name, backend="zko", ttl=20, timeout=1).acquire()
+    holder = lock(name, backend="zko", ttl=40, timeout=1).acquire()
     session = backend.session_id()
     errors: list[Exception] = []
 
@@ -600,7 +601,7 @@ def test_a_waiter_cut_off_when_it_gives_up_leaves_no_orphan(
     wait_for(lambda: len(backend.contenders(name)) == 2)
     port = own_zk.port
     own_zk.kill()
-    thread.join(10)
+    thread.join(30)
     # Timed out, or failed on the missing server: either way it gave up.
     assert errors and isinstance(errors[0], LockNotAcquired | LockBackendUnavailable)
     own_zk.start(port=port)
@@ -611,7 +612,7 @@ def test_a_waiter_cut_off_when_it_gives_up_leaves_no_orphan(
         except LockBackendUnavailable:
             return False  # still reconnecting
 
-    wait_for(only_the_holder_left, timeout=10)
+    wait_for(only_the_holder_left, timeout=30)
     assert backend.session_id() == session  # the same session: nothing expired
     assert holder.held()
     holder.release()
