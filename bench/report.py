@@ -25,6 +25,7 @@ FAMILY_NAMES = {
     "postgres": "PostgreSQL",
     "celery": "Redis",
     "zookeeper": "ZooKeeper",
+    "etcd": "etcd",
 }
 
 
@@ -305,6 +306,7 @@ def _servers(machine: dict[str, Any]) -> str:
         ("redis-server", machine.get("redis_server")),
         ("PostgreSQL", machine.get("postgres_server")),
         ("ZooKeeper", machine.get("zookeeper_server")),
+        ("etcd", machine.get("etcd_server")),
     ]
     return ", ".join(f"{label} {found}" for label, found in servers if found) or "no server"
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.registry import (
+    ETCD_ENV,
     IMPLEMENTATIONS,
     OPT_IN_WORKLOADS,
     WORKLOADS,
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="WORKLOAD",
         choices=[*WORKLOADS, *OPT_IN_WORKLOADS],
         help=f"run only this workload (repeatable): {', '.join(WORKLOADS)}; and, only when "
-        f"named here, {', '.join(OPT_IN_WORKLOADS)} (they need a ZooKeeper server)",
+        f"named here, {', '.join(OPT_IN_WORKLOADS)} (they need a ZooKeeper or an etcd server)",
     )
     parser.add_argument(
         "--iterations",
@@ -85,13 +86,19 @@ def _missing_servers(impl_classes: list[type[Implementation]]) -> dict[str, str]
         reason = zookeeper_missing()
         if reason:
             missing["zookeeper"] = reason
+    if "etcd" in needed:
+        from bench.etcd import missing as etcd_missing
+
+        reason = etcd_missing()
+        if reason:
+            missing["etcd"] = reason
     return missing
 
 
 def _start(impl_classes: list[type[Implementation]], started: list[Any]) -> Env:
     """Start the servers the implementations need, then configure Django.
 
-    Servers started for this run only (ZooKeeper) are appended to ``started``.
+    Servers started for this run only (ZooKeeper, etcd) are appended to ``started``.
     """
     from distlocks.testing.servers import ensure_test_servers
 
@@ -105,6 +112,13 @@ def _start(impl_classes: list[type[Implementation]], started: list[Any]) -> Env:
         started.append(server)
         # Read by bench.settings (the "zk" backend alias) and by Env.from_environ().
         os.environ[ZOOKEEPER_ENV] = server.location
+    if "etcd" in needed:
+        from bench.etcd import start_server as start_etcd
+
+        server = start_etcd()
+        started.append(server)
+        # Read by bench.settings (the "etcd" backend alias) and by Env.from_environ().
+        os.environ[ETCD_ENV] = server.location
     env = Env.from_environ()
     if "postgres" in needed:
         from bench.postgres import prepare_database

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from urllib.parse import unquote, urlsplit
 
-from bench.registry import ZOOKEEPER_ENV
+from bench.registry import ETCD_ENV, ZOOKEEPER_ENV
 from distlocks.testing.servers import DATABASE_URL_ENV, REDIS_URL_ENV
 
 REDIS_URL = os.environ.get(REDIS_URL_ENV, "redis://127.0.0.1:6379/0")
@@ -25,6 +25,8 @@ ZOOKEEPER_LOCATION = os.environ.get(ZOOKEEPER_ENV, "")
 #: The ZooKeeper session every ZooKeeper implementation asks for, in seconds: the same
 #: as the lease length of the workloads, as docs/backend-zookeeper.md advises.
 ZOOKEEPER_SESSION_TIMEOUT = 30.0
+#: Set by the runner in the etcd workloads' runs only (see bench.etcd).
+ETCD_LOCATION = os.environ.get(ETCD_ENV, "")
 #: Kept apart from the test suite's databases, so a run never touches their tables.
 BENCH_DATABASE = "distlocks_bench"
 
@@ -75,6 +77,12 @@ if ZOOKEEPER_LOCATION:
         "BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend",
         "LOCATION": ZOOKEEPER_LOCATION,
         "OPTIONS": {"session_timeout": ZOOKEEPER_SESSION_TIMEOUT, "prefix": "/distlocks-bench"},
+    }
+if ETCD_LOCATION:
+    DISTLOCKS_BACKENDS["etcd"] = {
+        "BACKEND": "distlocks.backends.etcd.EtcdBackend",
+        "LOCATION": ETCD_LOCATION,
+        "OPTIONS": {"prefix": "distlocks-bench"},
     }
 DISTLOCKS_KEY_PREFIX = "distlocks-bench"
 
