@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+import uuid
 from typing import Any
 
 from bench.implementations import BackendLevel
@@ -85,9 +86,12 @@ class EtcdFloor(Implementation):
 
     The least a correct etcd lock needs: the key goes with the lease (a crashed holder
     frees the lock), and only one caller's transaction finds the name free. Keys are
-    ``<root>/<name>/<lease id>``; the holder is the key with the lowest
+    ``<root>/<name>/<client id>``, one id per thread, as etcd's own recipe names them
+    after a session that every acquisition reuses (a new key name per acquisition would
+    leave a deleted key in etcd's index each time, which every later range over the
+    name would scan until the server compacts). The holder is the key with the lowest
     ``create_revision``. Try-once puts its key only if no key of the name exists.
-    Waiting is etcd's own mutex recipe (``concurrency.Mutex``): put the key
+    Waiting is etcd's mutex recipe (``concurrency.Mutex``): put the key
     unconditionally, then watch (on a connection of its own) only the key created just
     before it, until none is left. No fencing token, no holder data, no renewal.
     """
@@ -140,6 +144,13 @@ class EtcdFloor(Implementation):
     def _prefix(self, name: str) -> str:
         return f"{self.root}/{urllib.parse.quote(name, safe='')}/"
 
+    def _key(self, prefix: str) -> str:
+        """This thread's key under ``prefix``: its client id, the same every time."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = uuid.uuid4().hex
+        return prefix + client
+
     # -- the lock ----------------------------------------------------------------
 
     def try_acquire(self, name: str, ttl: float) -> str | None:
@@ -159,7 +170,7 @@ class EtcdFloor(Implementation):
                     }
                 ],
                 "success": [
-                    {"requestPut": {"key": _b64(prefix + lease), "value": "", "lease": lease}}
+                    {"requestPut": {"key": _b64(self._key(prefix)), "value": "", "lease": lease}}
                 ],
             },
         )
@@ -181,7 +192,7 @@ class EtcdFloor(Implementation):
             {
                 "compare": [],
                 "success": [
-                    {"requestPut": {"key": _b64(prefix + lease), "value": "", "lease": lease}}
+                    {"requestPut": {"key": _b64(self._key(prefix)), "value": "", "lease": lease}}
                 ],
             },
         )
