@@ -165,6 +165,19 @@ def _kvs(response: Mapping[str, Any]) -> list[dict[str, Any]]:
     return list(response.get("response_range", {}).get("kvs", []))
 
 
+def _unavailable_answer(status: int, data: bytes) -> _ServerSaid | None:
+    """The error of an answer that means "this member cannot serve now, another may"
+    (gRPC UNAVAILABLE or DEADLINE_EXCEEDED, or a gateway 502/503/504); None otherwise."""
+    try:
+        answer = json.loads(data)
+        code, message = int(answer.get("code", 0)), str(answer.get("message", ""))
+    except (ValueError, AttributeError, TypeError):
+        code, message = 0, data[:200].decode(errors="replace")
+    if code in _UNAVAILABLE_CODES or status in (502, 503, 504):
+        return _ServerSaid(code, message)
+    return None
+
+
 def _parse_endpoints(location: Any) -> list[_Endpoint]:
     """Endpoints of ``LOCATION`` (a URL, several separated by commas, or a list);
     ValueError saying what is wrong. Messages never quote the user information."""
@@ -346,22 +359,33 @@ class EtcdBackend(BaseBackend):
         return headers
 
     def _call(self, path: str, body: Any, action: str, name: str, *, raw: bool = False) -> Any:
-        """POST ``body`` to the gateway; the decoded answer. Connection failures move on
-        to the next endpoint; LockBackendUnavailable once none answers."""
+        """POST ``body`` to the gateway; the decoded answer. A member that cannot be
+        reached, or answers UNAVAILABLE (no leader, leader changed: an election in
+        progress; a learner), is passed over for the next endpoint, each tried once;
+        LockBackendUnavailable once none answers."""
         self._check_pid()
         if self._creds and not self._auth_token and not path.startswith("/v3/auth/"):
             self._authenticate(action, name)
         payload = body if raw else json.dumps(body, separators=(",", ":"))
         last: BaseException | None = None
         count = len(self.endpoints)
-        for attempt in range(count + 1):
+        tried: set[int] = set()
+        while True:
             conn = getattr(self._local, "conn", None)
             reused = conn is not None
+            if reused:
+                index = getattr(self._local, "index", self._preferred)
+            else:
+                order = ((self._preferred + k) % count for k in range(count))
+                untried = next((i for i in order if i not in tried), None)
+                if untried is None:
+                    break
+                index = untried
             try:
                 if conn is None:
-                    index = (self._preferred + attempt) % count
+                    tried.add(index)
                     conn = self._open(self.endpoints[index])
-                    self._local.conn = conn
+                    self._local.conn, self._local.index = conn, index
                     self._preferred = index
                 conn.request("POST", path, payload, self._headers())
                 reply = conn.getresponse()
@@ -370,13 +394,24 @@ class EtcdBackend(BaseBackend):
             except (OSError, http.client.HTTPException) as exc:
                 self._drop(conn)
                 last = exc
-                if reused and isinstance(
-                    exc, http.client.RemoteDisconnected | BrokenPipeError | ConnectionResetError
+                if not (
+                    reused
+                    and isinstance(
+                        exc, http.client.RemoteDisconnected | BrokenPipeError | ConnectionResetError
+                    )
                 ):
-                    continue  # a kept-alive connection the server had closed: once more
-                if attempt + 1 >= count:
-                    break
+                    tried.add(index)
+                # else: a kept-alive connection the server had closed: once more
                 continue
+            if status != 200:
+                refused = _unavailable_answer(status, data)
+                if refused is not None:
+                    # This member cannot serve now: the next one may (the request was
+                    # not applied, or is retry-safe like a timeout: see docs).
+                    self._drop(conn)
+                    tried.add(index)
+                    last = refused
+                    continue
             if raw:
                 if status != 200:
                     self._raise_answer(status, data, action, name, path, body)
@@ -1084,8 +1119,14 @@ class EtcdBackend(BaseBackend):
                     assert conn.sock is not None
                     conn.sock.settimeout(self.socket_timeout)
                     reply = conn.getresponse()
+                    if reply.status != 200:
+                        data = reply.read()
+                        refused = _unavailable_answer(reply.status, data)
+                        if refused is None:
+                            self._raise_answer(reply.status, data, "wait for", name, "", None)
+                        raise refused  # this member cannot serve now: the next one
                     break
-                except (OSError, http.client.HTTPException) as exc:
+                except (OSError, http.client.HTTPException, _ServerSaid) as exc:
                     last = exc
                     if conn is not None:
                         conn.close()
@@ -1093,8 +1134,6 @@ class EtcdBackend(BaseBackend):
             if conn is None:
                 assert last is not None
                 raise self._unavailable("wait for", name, last) from last
-            if reply.status != 200:
-                self._raise_answer(reply.status, reply.read(), "wait for", name, "", None)
             while True:
                 left = until - time.monotonic()
                 if left <= 0:
@@ -1105,6 +1144,10 @@ class EtcdBackend(BaseBackend):
                     line = reply.readline()
                 except TimeoutError:
                     return False
+                except (ConnectionError, http.client.IncompleteRead):
+                    # The member went away mid-stream (killed: a reset): look again,
+                    # through a member that answers.
+                    return True
                 except (OSError, http.client.HTTPException) as exc:
                     raise self._unavailable("wait for", name, exc) from exc
                 if not line:
