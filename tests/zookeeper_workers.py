@@ -83,9 +83,10 @@ def hold_and_report(location: str, name: str, log_path: str) -> None:
 def race_through_faults(
     location: str, name: str, directory: str, seconds: float, start: Any
 ) -> None:
-    """Like :func:`race`, for ``seconds``, through server faults: a call that finds the
-    ensemble unavailable is tried again. Each holder appends its token to ``tokens``
-    while it holds the lock, so the file is in the order the lock was held."""
+    """Like :func:`race`, through server faults, until the file ``stop`` appears in
+    ``directory`` (or, at the latest, for ``seconds``): a call that finds the ensemble
+    unavailable is tried again. Each holder appends its token to ``tokens`` while it
+    holds the lock, so the file is in the order the lock was held."""
     _setup(location)
     from django.conf import settings
 
@@ -100,7 +101,8 @@ def race_through_faults(
     folder = Path(directory)
     start.wait(60)
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    stop = folder / "stop"
+    while time.monotonic() < deadline and not stop.exists():
         try:
             with lock(name, backend=ALIAS, ttl=4, timeout=5) as lease:
                 lease.ensure_held()
