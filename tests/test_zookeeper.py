@@ -20,11 +20,11 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from distlocks import alock, get_backend, lock
+from distlocks import alock, get_backend, lock, rwlock, semaphore
 from distlocks.backends.base import Holder
 from distlocks.exceptions import LockBackendUnavailable, LockLost, LockNotAcquired
 from distlocks.testing.zookeeper_server import ZooKeeperServer, zookeeper_missing
-from tests import zookeeper_workers
+from tests import waiting, zookeeper_workers
 
 pytestmark = pytest.mark.skipif(bool(zookeeper_missing()), reason=zookeeper_missing())
 
@@ -652,3 +652,296 @@ def test_a_holder_whose_session_expired_is_fenced_out(
     with pytest.raises(StaleFencingToken):
         stale.save(fencing_token=paused.fencing_token)
     assert Account.objects.get(pk=row.pk).balance == 50
+
+
+# -- semaphores and read-write locks ---------------------------------------------------------
+
+
+def watch_count(server: ZooKeeperServer) -> int:
+    """Watches set on the server, by every session (mntr's zk_watch_count)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=2) as sock:
+        sock.sendall(b"mntr")
+        reply = b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+    line = next(line for line in reply.decode().splitlines() if line.startswith("zk_watch_count"))
+    return int(line.split()[1])
+
+
+def permit_nodes(alias: str, kind: str, name: str) -> list[str]:
+    """The owners of the permit nodes of ``name`` in arrival order, each with its kind."""
+    from kazoo.exceptions import NoNodeError
+
+    from distlocks.backends.zookeeper import _permit_kind, _permit_nodes, _permit_owner
+
+    backend = get_backend(alias)
+    client = backend._client
+    assert client is not None
+    try:
+        children = client.get_children(backend.permit_dir(kind, name))
+    except NoNodeError:
+        return []
+    family = "semaphore" if kind == "semaphore" else "rwlock"
+    return [f"{_permit_kind(c)}:{_permit_owner(c)}" for c in _permit_nodes(children, family)]
+
+
+def test_semaphore_waiter_blocked_makes_no_requests_and_wakes_on_any_release(
+    zk: str, name: str, zk_server: ZooKeeperServer
+) -> None:
+    """Three permits held, a fourth request waits watching all three (the limit nodes
+    ahead of it): no request while it waits, and the release of the middle holder
+    lets it in. A waiter watching only its predecessor (the third) or only the node
+    limit places ahead (the first) would sleep through that release."""
+    backend = get_backend(zk)
+    sem = semaphore(name, limit=3, backend=zk, ttl=30, auto_renew=False)
+    holders = [sem.acquire(timeout=0) for _ in range(3)]
+    watches = watch_count(zk_server)
+    got: list[float] = []
+
+    def waiter() -> None:
+        with semaphore(name, limit=3, backend=zk, ttl=30, timeout=30):
+            got.append(time.monotonic())
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        # Waiting once its three watches are set on the server.
+        waiting.wait_for(lambda: watch_count(zk_server) >= watches + 3, 30, "the watches")
+        assert len(permit_nodes(zk, "semaphore", name)) == 4
+        session = backend.session_id()
+        assert session is not None
+        before = received(zk_server, session)
+        time.sleep(2)  # the window measured, not a wait for something to happen
+        # Pings only (a 4 s session pings every ~1.3 s); polling every 100 ms would
+        # have sent 20 requests.
+        assert received(zk_server, session) - before <= 3
+        assert got == []
+        released_at = time.monotonic()
+        holders[1].release()
+        thread.join(30)
+        assert got, "the waiter was not let in"
+        # Woken by the watch; the loop's own timer would have waited for an hour.
+        assert got[0] - released_at < 5
+    finally:
+        thread.join(30)
+        for lease in holders:
+            lease.release()
+    assert permit_nodes(zk, "semaphore", name) == []
+
+
+def test_permit_waiters_that_time_out_leave_no_node(zk: str, name: str) -> None:
+    sem = semaphore(name, limit=1, backend=zk, ttl=30)
+    rw = rwlock(name, backend=zk)
+    with sem as holder, rw.read(ttl=30) as reader:
+        for side in (
+            semaphore(name, limit=1, backend=zk, timeout=0.3),
+            rw.write(timeout=0.3),
+        ):
+            started = time.monotonic()
+            with pytest.raises(LockNotAcquired):
+                side.acquire()
+            assert time.monotonic() - started >= 0.3
+        assert permit_nodes(zk, "semaphore", name) == [f"semaphore:{holder.owner}"]
+        assert permit_nodes(zk, "read", name) == [f"read:{reader.owner}"]
+        # A try-once with no room writes nothing at all.
+        before = last_zxid_of(zk)
+        for side in (semaphore(name, limit=1, backend=zk, timeout=0), rw.write(timeout=0)):
+            with pytest.raises(LockNotAcquired):
+                side.acquire()
+        assert last_zxid_of(zk) == before
+    assert permit_nodes(zk, "semaphore", name) == permit_nodes(zk, "read", name) == []
+
+
+def test_force_release_of_one_semaphore_holder(zk: str, name: str) -> None:
+    backend = get_backend(zk)
+    sem = semaphore(name, limit=3, backend=zk, ttl=30, auto_renew=False)
+    leases = [sem.acquire(timeout=0) for _ in range(3)]
+    got: list[Any] = []
+    thread = threading.Thread(target=lambda: got.append(sem.acquire(timeout=30)))
+    thread.start()
+    try:
+        waiting.wait_for(lambda: len(permit_nodes(zk, "semaphore", name)) == 4, 30, "the waiter")
+        holders = {info.owner: info for info in sem.holders()}
+        assert set(holders) == {lease.owner for lease in leases}
+        info = holders[leases[1].owner]
+        assert (info.pid, info.host, info.ttl, info.fencing_token) == (
+            os.getpid(), socket.gethostname(), 30, 0,
+        )  # fmt: skip
+        assert info.extra["kind"] == "semaphore" and info.extra["limit"] == 3
+        assert info.extra["session"] == f"0x{backend.session_id():x}"
+        assert info.waiters == 1 and len(info.extra["waiting"]) == 1
+        # A stranger's owner, or a waiter's, evicts nothing and writes nothing.
+        before = last_zxid_of(zk)
+        assert backend.permit_force_release("semaphore", name, "nobody") == 0
+        assert backend.permit_force_release("semaphore", name, info.extra["waiting"][0]) == 0
+        assert last_zxid_of(zk) == before
+        # The one holder named goes, the others stay; the waiter gets its permit.
+        assert backend.permit_force_release("semaphore", name, leases[1].owner) == 1
+        thread.join(30)
+        assert got and got[0].held()
+        with pytest.raises(LockLost):
+            leases[1].extend()
+        leases[0].extend()
+        leases[2].extend()
+        assert {i.owner for i in sem.holders()} == {
+            leases[0].owner, leases[2].owner, got[0].owner,
+        }  # fmt: skip
+    finally:
+        thread.join(30)
+        for lease in [*leases, *got]:
+            lease.release()
+
+
+def test_readers_and_writers_in_arrival_order(zk: str, name: str) -> None:
+    """R1 holds; W1, R2, W2, R3 queue in that order. R2 waits behind W1 though only
+    a reader holds; then each release lets in exactly the next in line: W1 alone,
+    R2 alone (R3 is behind W2), W2 alone, R3."""
+    rw = rwlock(name, backend=zk)
+    r1 = rw.read(ttl=30).acquire()
+    order = ["write", "read", "write", "read"]
+    leases: list[Any] = [None] * len(order)
+    go = [threading.Event() for _ in order]
+    errors: list[BaseException] = []
+
+    def enter(index: int) -> None:
+        try:
+            with getattr(rw, order[index])(ttl=30, timeout=60) as lease:
+                leases[index] = lease
+                assert go[index].wait(60)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = []
+    try:
+        for index in range(len(order)):
+            thread = threading.Thread(target=enter, args=(index,))
+            thread.start()
+            threads.append(thread)
+            # Arrival order is the order of the nodes: the next starts once this queued.
+            waiting.wait_for(
+                lambda index=index: len(permit_nodes(zk, "read", name)) == index + 2, 30
+            )
+        assert [n.split(":")[0] for n in permit_nodes(zk, "read", name)] == ["read", *order]
+        assert leases == [None] * 4
+        assert [(h.owner, h.waiters) for h in rw.holders()] == [(r1.owner, 4)]
+        tokens = []
+        r1.release()
+        for index, kind in enumerate(order):
+            waiting.wait_for(lambda index=index: leases[index] is not None, 30, order[index])
+            holders = rw.holders()
+            assert [(h.owner, h.extra["kind"]) for h in holders] == [(leases[index].owner, kind)]
+            assert all(lease is None for lease in leases[index + 1 :])
+            if kind == "write":
+                tokens.append(leases[index].fencing_token)
+                # A writer's token is minted when it queues (as a lock's): the counter
+                # already counts the writer queued behind this one.
+                assert rw.fencing_counter() >= leases[index].fencing_token
+                assert holders[0].fencing_token == leases[index].fencing_token
+            else:
+                assert leases[index].fencing_token == 0
+            go[index].set()
+        for thread in threads:
+            thread.join(30)
+        assert errors == []
+        assert tokens == sorted(set(tokens))
+        assert rw.fencing_counter() == tokens[-1]
+    finally:
+        r1.release()
+        for event in go:
+            event.set()
+        for thread in threads:
+            thread.join(30)
+    assert permit_nodes(zk, "read", name) == []
+
+
+def test_evicting_a_writer_moves_the_write_counter_in_the_same_step(zk: str, name: str) -> None:
+    backend = get_backend(zk)
+    rw = rwlock(name, backend=zk)
+    assert rw.fencing_counter() == 0
+    writer = rw.write(ttl=30, auto_renew=False).acquire()
+    assert rw.fencing_counter() == writer.fencing_token
+    before = last_zxid_of(zk)
+    assert backend.permit_force_release("write", name, writer.owner) == 1
+    assert last_zxid_of(zk) == before + 1  # one transaction: delete and counter
+    assert rw.fencing_counter() > writer.fencing_token
+    with rw.write(ttl=30, timeout=0) as again:
+        assert again.fencing_token > rw.fencing_counter() - 1 > writer.fencing_token
+    assert not writer.release()
+
+
+def test_a_lost_session_loses_permits_too(
+    settings: Any, zk_server: ZooKeeperServer, name: str
+) -> None:
+    from kazoo.client import KazooClient
+
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zk1": zk_config(zk_server.location, session_timeout=1),
+    }
+    lost: list[str] = []
+    on_lost = lambda gone: lost.append(gone.kind)  # noqa: E731
+    permit = semaphore(name, limit=2, backend="zk1", ttl=1, on_lost=on_lost).acquire()
+    writer = rwlock(name, backend="zk1").write(ttl=1, on_lost=on_lost).acquire()
+    session_id, password = get_backend("zk1")._client.client_id  # type: ignore[union-attr]
+    other = KazooClient(hosts=zk_server.location, client_id=(session_id, password))
+    other.start(timeout=5)
+    other.stop()
+    other.close()
+    waiting.wait_for(lambda: not permit.held() and not writer.held(), 5, "the loss")
+    assert sorted(lost) == ["semaphore", "write"]
+    with rwlock(name, backend="zk1").write(ttl=1, timeout=5) as again:
+        assert again.fencing_token > writer.fencing_token
+
+
+def fork_while_state_lock_held(location: str, out: str) -> None:
+    """In a process of its own: a thread holds the backend's state lock when the
+    process forks; the child handles a lost session (which takes that lock)."""
+    from tests.zookeeper_workers import _setup
+
+    _setup(location)
+    from kazoo.protocol.states import KazooState
+
+    from distlocks import lock
+
+    with lock("fork-state", backend="zk", ttl=5, timeout=5):
+        pass
+    backend = get_backend("zk")
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with backend._state_lock:
+            held.set()
+            done.wait(30)
+
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait(30)
+    pid = os.fork()
+    if pid == 0:  # the child: the holding thread is not here
+        code = 1
+        try:
+            with lock("fork-state-child", backend="zk", ttl=5, timeout=5):
+                pass
+            handler = threading.Thread(target=backend._on_state, args=(KazooState.LOST,))
+            handler.start()
+            handler.join(10)
+            code = 2 if handler.is_alive() else 0
+        finally:
+            os._exit(code)
+    done.set()
+    _, status = os.waitpid(pid, 0)
+    Path(out).write_text(str(os.waitstatus_to_exitcode(status)))
+    backend.close()
+
+
+def test_forked_child_renews_the_state_lock(zk_server: ZooKeeperServer, tmp_path: Path) -> None:
+    out = tmp_path / "exit"
+    proc = multiprocessing.get_context("spawn").Process(
+        target=fork_while_state_lock_held, args=(zk_server.location, str(out))
+    )
+    proc.start()
+    proc.join(90)
+    if proc.exitcode is None:
+        proc.kill()
+    assert proc.exitcode == 0
+    # 2: the child's session-loss handler hung on the lock the parent's thread held.
+    assert waiting.wait_for_text(out, 5, "the child's exit code") == "0"

@@ -35,17 +35,22 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, NoReturn
 
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.backends.base import (
+    READ,
+    RWLOCK,
+    SEMAPHORE,
+    WRITE,
     AcquireResult,
     BaseBackend,
     Holder,
     LockInfo,
     holder_details,
+    permit_family,
 )
 from distlocks.exceptions import LockBackendUnavailable, LockError
 from distlocks.redaction import redact
@@ -104,14 +109,21 @@ _TLS_KEYS = (
 _OPTION_KEYS = frozenset(DEFAULTS) | {"auth"} | set(_TLS_KEYS)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Node:
-    """This process's contender node for one (name, owner)."""
+    """This process's contender node for one (name, owner), or permit node for one
+    (kind, name, owner)."""
 
     path: str
     token: int
     #: Session generation it was created in; a lost session took the node with it.
     generation: int
+    #: Set by the watches of a waiting permit request (one per node, so re-arming a
+    #: watch on a node already watched adds nothing on the client or the server).
+    wake: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def watch(self, _event: object) -> None:
+        self.wake.set()
 
 
 def _seq(child: str) -> int:
@@ -128,6 +140,87 @@ def _owner_of(child: str) -> str:
 def _contenders(children: list[str]) -> list[str]:
     """Contender nodes in queue order (the holder first)."""
     return sorted((c for c in children if c.startswith(_CONTENDER)), key=_seq)
+
+
+#: The node name prefix of each permit kind. A semaphore's permits live in a
+#: directory of their own; the read and write nodes of a read-write lock share one,
+#: and so one sequence: their order is the order of arrival.
+_PERMIT_NODE = {SEMAPHORE: "permit-", READ: "read-", WRITE: "write-"}
+_FAMILY_KINDS = {SEMAPHORE: (SEMAPHORE,), RWLOCK: (READ, WRITE)}
+
+
+def _permit_kind(child: str) -> str | None:
+    for kind, prefix in _PERMIT_NODE.items():
+        if child.startswith(prefix):
+            return kind
+    return None
+
+
+def _permit_owner(child: str) -> str:
+    prefix = _PERMIT_NODE.get(_permit_kind(child) or "", "")
+    return urllib.parse.unquote(child[len(prefix) : -_SEQ_DIGITS - 1])
+
+
+def _permit_nodes(children: list[str], family: str) -> list[str]:
+    """The permit nodes of one semaphore or read-write lock, in arrival order."""
+    kinds = _FAMILY_KINDS[family]
+    return sorted((c for c in children if _permit_kind(c) in kinds), key=_seq)
+
+
+def _blockers(kind: str, children: list[str], index: int, limit: int) -> list[str]:
+    """The nodes ahead of position ``index`` of ``children`` (arrival order) that keep a
+    request of ``kind`` there from holding, and so the ones it watches; none when it
+    holds.
+
+    * a semaphore request holds when fewer than its ``limit`` nodes precede it. Held
+      permits go back in any order, so any node ahead may be the one whose going lets
+      it in: it watches the ``limit`` nodes just ahead of it. While all of them are
+      there, at least ``limit`` nodes precede it; once one goes, its watch fires and
+      it looks again. (Watching only one node, its predecessor or the node ``limit``
+      places ahead, would sleep through the going of another.)
+    * a reader holds when no write node precedes it: it watches the nearest one.
+    * a writer holds when it is first: it watches its predecessor.
+    """
+    ahead = children[:index]
+    if kind == SEMAPHORE:
+        return ahead[-limit:] if len(ahead) >= limit else []
+    if kind == READ:
+        return [c for c in ahead if c.startswith(_PERMIT_NODE[WRITE])][-1:]
+    return ahead[-1:]
+
+
+@dataclasses.dataclass
+class _Seen:
+    """A permit node as read from the server, for listing and eviction."""
+
+    child: str
+    data: dict[str, Any]
+    stat: ZnodeStat
+    holds: bool = False
+
+    @property
+    def kind(self) -> str:
+        return _permit_kind(self.child) or SEMAPHORE
+
+    @property
+    def limit(self) -> int:
+        limit = self.data.get("limit")
+        return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 1
+
+
+def _judge(seen: list[_Seen]) -> None:
+    """Mark which of ``seen`` (arrival order) hold, by the rules of
+    :func:`_blockers` (in one pass: a listing may be long)."""
+    write_ahead = False
+    for index, node in enumerate(seen):
+        kind = node.kind
+        if kind == SEMAPHORE:
+            node.holds = index < node.limit
+        elif kind == READ:
+            node.holds = not write_ahead
+        else:
+            node.holds = index == 0
+        write_ahead = write_ahead or kind == WRITE
 
 
 def token_of(zxid: int, fence: ZnodeStat) -> int:
@@ -195,6 +288,10 @@ class ZooKeeperBackend(BaseBackend):
         self.connect_timeout = float(opts["connect_timeout"])
         self.socket_timeout = float(opts["socket_timeout"])
         self._locks_path = f"{self.prefix}/locks"
+        self._family_paths = {
+            SEMAPHORE: f"{self.prefix}/semaphores",
+            RWLOCK: f"{self.prefix}/rwlocks",
+        }
         self._client: KazooClient | None = None
         self._pid = os.getpid()
         self._client_lock = threading.Lock()
@@ -202,6 +299,8 @@ class ZooKeeperBackend(BaseBackend):
         #: Bumped each time a session is lost: nodes of older generations are gone.
         self._generation = 0
         self._nodes: dict[tuple[str, str], _Node] = {}
+        #: This process's permit nodes, by (kind, name, owner).
+        self._permits: dict[tuple[str, str, str], _Node] = {}
         self._waiting: set[threading.Event] = set()
         self._state_lock = threading.Lock()
         self._warned_ttl = False
@@ -342,7 +441,11 @@ class ZooKeeperBackend(BaseBackend):
         self._client_lock = threading.Lock()
         self._connected = threading.Event()
         self._nodes = {}
+        self._permits = {}
         self._waiting = set()
+        # A parent thread may have held it at the fork: the child's copy would stay
+        # locked for good, and the child's first lost session would deadlock on it.
+        self._state_lock = threading.Lock()
 
     def _unavailable(self, action: str, name: str, exc: BaseException) -> LockBackendUnavailable:
         detail = redact(f"{type(exc).__name__}: {exc}")
@@ -448,18 +551,25 @@ class ZooKeeperBackend(BaseBackend):
             self._fail("acquire", name, error)
         raise LockError(f"Could not create the lock node of {name!r} on backend {self.alias!r}.")
 
-    def _cleanup_later(self, name: str, owner: str) -> None:
-        """Delete ``owner``'s node once the ensemble answers again. A contender node
-        lives as long as the session, and the session outlives short outages: a node
-        that a failed release or leave left behind would block the lock for good."""
+    def _cleanup_later(
+        self, name: str, owner: str, leave: Callable[[], None] | None = None
+    ) -> None:
+        """Delete ``owner``'s node once the ensemble answers again (``leave`` does it;
+        by default, the lock's). A contender node lives as long as the session, and
+        the session outlives short outages: a node that a failed release or leave left
+        behind would block the lock (or hold a permit) for good."""
         generation = self._generation
+        if leave is None:
+
+            def leave() -> None:
+                self._leave(name, owner)
 
         def clean() -> None:
             delay = 0.05
             # Until it is gone, or the session is (taking the node with it).
             while not self._closed and self._generation == generation:
                 try:
-                    self._leave(name, owner)
+                    leave()
                     return
                 except LockError:
                     time.sleep(delay)
@@ -599,9 +709,24 @@ class ZooKeeperBackend(BaseBackend):
     def extend(self, name: str, owner: str, ttl: float) -> bool:
         """Confirm the lease: its node still exists in the live session. Nothing is
         written (the server keeps the node for as long as the session lives)."""
-        entry = self._nodes.get((name, owner))
+        return self._confirm(
+            name,
+            self._nodes.get((name, owner)),
+            lambda client: self._own_path(client, "extend", name, owner),
+            lambda: self._nodes.pop((name, owner), None),
+        )
+
+    def _confirm(
+        self,
+        name: str,
+        entry: _Node | None,
+        find: Callable[[KazooClient], str | None],
+        forget: Callable[[], object],
+    ) -> bool:
+        """Whether the node of a lease or permit (``entry``, else the path ``find``
+        gives) still exists in the live session; ``forget`` drops the entry when not."""
         if entry is not None and entry.generation != self._generation:
-            self._nodes.pop((name, owner), None)
+            forget()
             return False  # the session that held it is gone
         if self._session_doubtful():
             return False
@@ -613,13 +738,13 @@ class ZooKeeperBackend(BaseBackend):
             raise
         if entry is not None and entry.generation != self._generation:
             return False  # lost while reconnecting
-        path = self._own_path(client, "extend", name, owner)
+        path = entry.path if entry is not None else find(client)
         if path is None:
             return False
         sent = time.monotonic()
         stat = self._get("extend", name, client.exists_async(path))
         if stat is None:
-            self._nodes.pop((name, owner), None)
+            forget()
             return False
         self._last_ok = max(self._last_ok, sent)
         return True
@@ -749,18 +874,378 @@ class ZooKeeperBackend(BaseBackend):
     def inspect(self, name: str) -> LockInfo | None:
         return self._describe(self._ready("inspect", name), name)
 
-    def iter_locks(self) -> Iterator[LockInfo]:
-        client = self._ready("list", "*")
+    def _names_under(self, client: KazooClient, path: str) -> list[str]:
+        """The names that have a node under ``path`` (locks, semaphores or
+        read-write locks), sorted."""
         try:
-            names = self._get("list", "*", client.get_children_async(self._locks_path))
+            children = self._get("list", "*", client.get_children_async(path))
         except NoNodeError:
-            return
-        for child in sorted(names):
-            if not child.startswith("n"):
-                continue
-            info = self._describe(client, urllib.parse.unquote(child[1:]))
+            return []
+        return [urllib.parse.unquote(child[1:]) for child in sorted(children) if child[:1] == "n"]
+
+    def iter_locks(self) -> Iterator[LockInfo]:
+        """Every lock, then every semaphore permit and read-write lease."""
+        client = self._ready("list", "*")
+        for name in self._names_under(client, self._locks_path):
+            info = self._describe(client, name)
             if info is not None:
                 yield info
+        yield from self.iter_permits()
+
+    # -- semaphores and read-write locks ---------------------------------------------
+    #
+    #   <prefix>/semaphores/n<quoted name>                       persistent: the directory
+    #   <prefix>/semaphores/n<quoted name>/permit-<owner>-<seq>  ephemeral sequential
+    #   <prefix>/rwlocks/n<quoted name>                          persistent: the write fence
+    #   <prefix>/rwlocks/n<quoted name>/read-<owner>-<seq>       ephemeral sequential
+    #   <prefix>/rwlocks/n<quoted name>/write-<owner>-<seq>      ephemeral sequential
+    #
+    # Each request is one node, queued in arrival order; whether it holds is decided
+    # by the nodes ahead of it (see _blockers), and a waiter watches only the ones
+    # that decide it. A write node is created in one multi-op with a write of the
+    # fence node: its token is that zxid, shifted per name as for locks.
+
+    permit_kinds: frozenset[str] = frozenset({SEMAPHORE, READ, WRITE})
+
+    def permit_dir(self, kind: str, name: str) -> str:
+        """The directory of the semaphore or read-write lock ``name`` (for a
+        read-write lock also its write fence node)."""
+        return f"{self._family_paths[permit_family(kind)]}/n{urllib.parse.quote(name, safe='')}"
+
+    def _permit_entry(self, kind: str, name: str, owner: str) -> _Node | None:
+        """This process's node for the permit, if it belongs to the live session."""
+        entry = self._permits.get((kind, name, owner))
+        if entry is not None and entry.generation != self._generation:
+            self._permits.pop((kind, name, owner), None)
+            return None
+        return entry
+
+    def _permit_queue(
+        self, client: KazooClient, action: str, kind: str, name: str
+    ) -> tuple[list[str], ZnodeStat | None]:
+        """The permit nodes of ``name``'s family in arrival order, and the stat of
+        their directory (None when it does not exist)."""
+        try:
+            children, stat = self._get(
+                action,
+                name,
+                client.get_children_async(self.permit_dir(kind, name), include_data=True),
+            )
+        except NoNodeError:
+            return [], None
+        return _permit_nodes(children, permit_family(kind)), stat
+
+    def _find_own_permit(self, children: list[str], kind: str, owner: str) -> list[str]:
+        prefix = f"{_PERMIT_NODE[kind]}{urllib.parse.quote(owner, safe='')}-"
+        return [c for c in children if c.startswith(prefix) and len(c) == len(prefix) + 10]
+
+    def _own_permit_path(
+        self, client: KazooClient, action: str, kind: str, name: str, owner: str
+    ) -> str | None:
+        entry = self._permit_entry(kind, name, owner)
+        if entry is not None:
+            return entry.path
+        own = self._find_own_permit(self._permit_queue(client, action, kind, name)[0], kind, owner)
+        return f"{self.permit_dir(kind, name)}/{own[0]}" if own else None
+
+    def _permit_enqueue(
+        self, client: KazooClient, kind: str, name: str, owner: str, data: bytes
+    ) -> _Node:
+        """Create the request's node (for a writer, in one multi-op with the write of
+        the fence node, whose zxid makes the token)."""
+        parent = self.permit_dir(kind, name)
+        node_prefix = f"{parent}/{_PERMIT_NODE[kind]}{urllib.parse.quote(owner, safe='')}-"
+        generation = self._generation
+        for _ in range(3):
+            sent = time.monotonic()
+            txn = client.transaction()
+            txn.create(node_prefix, data, ephemeral=True, sequence=True)
+            if kind == WRITE:
+                txn.set_data(parent, b"")
+            try:
+                results = self._commit("acquire", name, txn)
+            except LockBackendUnavailable:
+                # Maybe applied with only the reply lost: give the node back later.
+                self._cleanup_later(name, owner, self._permit_leaver(kind, name, owner))
+                raise
+            if not any(isinstance(r, Exception) for r in results):
+                self._last_ok = max(self._last_ok, sent)
+                token = token_of(results[1].mzxid, results[1]) if kind == WRITE else 0
+                return _Node(results[0], token, generation)
+            if any(isinstance(r, NoNodeError) for r in results):
+                # First use of this name: create the directory, then try again.
+                with contextlib.suppress(NodeExistsError):
+                    self._get("acquire", name, client.ensure_path_async(parent))
+                continue
+            self._fail("acquire", name, next(r for r in results if isinstance(r, Exception)))
+        raise LockError(f"Could not create the permit node of {name!r} on backend {self.alias!r}.")
+
+    def _permit_adopt(
+        self, client: KazooClient, kind: str, name: str, owner: str, child: str
+    ) -> _Node:
+        """Take over this owner's node found on the server (a retried acquire)."""
+        path = f"{self.permit_dir(kind, name)}/{child}"
+        token = 0
+        if kind == WRITE:
+            stat = self._get("acquire", name, client.exists_async(path))
+            fence = self._permit_queue(client, "acquire", kind, name)[1]
+            token = token_of(stat.czxid, fence) if stat is not None and fence is not None else 0
+        entry = _Node(path, token, self._generation)
+        self._permits[(kind, name, owner)] = entry
+        return entry
+
+    def permit_acquire(
+        self,
+        kind: str,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        limit: int = 1,
+        wait: float = 0.0,
+    ) -> AcquireResult:
+        self.check_permit_kind(kind)
+        client = self._ready("acquire", name)
+        self._check_ttl(client, ttl)
+        entry = self._permit_entry(kind, name, owner)
+        children: list[str] | None = None
+        if entry is None:
+            children = self._permit_queue(client, "acquire", kind, name)[0]
+            own = self._find_own_permit(children, kind, owner)
+            if own:
+                entry = self._permit_adopt(client, kind, name, owner, own[0])
+            elif wait <= 0 and _blockers(kind, children, len(children), limit):
+                # Try once with no room: refused without writing anything.
+                return AcquireResult(False, 0, None)
+            else:
+                about: dict[str, Any] = {
+                    "owner": owner,
+                    "host": holder.host,
+                    "pid": holder.pid,
+                    "thread": holder.thread,
+                    "extra": dict(holder.extra),
+                    "ttl": ttl,
+                    "kind": kind,
+                }
+                if kind == SEMAPHORE:
+                    about["limit"] = limit
+                data = json.dumps(about, separators=(",", ":")).encode()
+                entry = self._permit_enqueue(client, kind, name, owner, data)
+                self._permits[(kind, name, owner)] = entry
+                children = None
+        mine = entry.path.rsplit("/", 1)[1]
+        if children is None or mine not in children:
+            children = self._permit_queue(client, "acquire", kind, name)[0]
+        if mine not in children:
+            # Deleted under us (evicted, or the session changed): the next call queues
+            # it again.
+            self._permits.pop((kind, name, owner), None)
+            return AcquireResult(False, 0, None)
+        own = self._find_own_permit(children, kind, owner)
+        if own[0] != mine:
+            # A retried acquire found an older node of this owner: keep that one.
+            self._delete_quietly(client, entry.path)
+            entry = self._permit_adopt(client, kind, name, owner, own[0])
+            mine = own[0]
+        if not _blockers(kind, children, children.index(mine), limit):
+            return AcquireResult(True, entry.token, ttl)
+        if wait <= 0:
+            self.permit_leave(kind, name, owner)
+        return AcquireResult(False, 0, None)
+
+    def _permit_leaver(self, kind: str, name: str, owner: str) -> Callable[[], None]:
+        def leave() -> None:
+            self._permit_delete("leave the queue of", kind, name, owner)
+
+        return leave
+
+    def _permit_delete(self, action: str, kind: str, name: str, owner: str) -> bool:
+        """Delete ``owner``'s own node of ``kind`` (never another's); True if this
+        call deleted it."""
+        client = self._ready(action, name)
+        entry = self._permits.get((kind, name, owner))
+        lost = entry is not None and entry.generation != self._generation
+        path = None if lost else self._own_permit_path(client, action, kind, name, owner)
+        self._permits.pop((kind, name, owner), None)
+        if path is None:
+            return False
+        try:
+            # Version 0: a permit node is never rewritten.
+            self._get(action, name, client.delete_async(path, version=0))
+        except (NoNodeError, BadVersionError):
+            return False
+        return True
+
+    def permit_release(self, kind: str, name: str, owner: str) -> bool:
+        self.check_permit_kind(kind)
+        try:
+            return self._permit_delete("release", kind, name, owner)
+        except LockBackendUnavailable:
+            self._cleanup_later(name, owner, self._permit_leaver(kind, name, owner))
+            raise
+
+    def permit_leave(self, kind: str, name: str, owner: str) -> None:
+        """A waiter that gives up deletes its node (the ones behind it watch it)."""
+        try:
+            self._permit_delete("leave the queue of", kind, name, owner)
+        except LockBackendUnavailable:
+            self._cleanup_later(name, owner, self._permit_leaver(kind, name, owner))
+            raise
+
+    def permit_extend(self, kind: str, name: str, owner: str, ttl: float) -> bool:
+        """Confirm the permit, as :meth:`extend` does a lock (nothing is written)."""
+        self.check_permit_kind(kind)
+        return self._confirm(
+            name,
+            self._permits.get((kind, name, owner)),
+            lambda client: self._own_permit_path(client, "extend", kind, name, owner),
+            lambda: self._permits.pop((kind, name, owner), None),
+        )
+
+    def permit_wait(
+        self, kind: str, name: str, timeout: float, *, owner: str = "", limit: int = 1
+    ) -> None:
+        """Block until a node that keeps ``owner``'s request from holding goes (see
+        :func:`_blockers`), or ``timeout``: watches, no polling."""
+        self.check_permit_kind(kind)
+        client = self._ready("wait for", name)
+        entry = self._permit_entry(kind, name, owner) if owner else None
+        if entry is None:
+            return  # no node of its own (gone with its session): the next call queues
+        wake = entry.wake
+        # Cleared before looking: a watch that fires from here on is not missed.
+        wake.clear()
+        with self._state_lock:
+            self._waiting.add(wake)
+        try:
+            if entry.generation != self._generation:
+                return  # the session went meanwhile
+            children = self._permit_queue(client, "wait for", kind, name)[0]
+            mine = entry.path.rsplit("/", 1)[1]
+            if mine not in children:
+                return
+            watched = _blockers(kind, children, children.index(mine), limit)
+            if not watched:
+                return
+            parent = self.permit_dir(kind, name)
+            # Sent together, answered together: one round trip for all the watches.
+            pending = [
+                client.exists_async(f"{parent}/{child}", watch=entry.watch) for child in watched
+            ]
+            stats = [self._get("wait for", name, result) for result in pending]
+            if all(stat is not None for stat in stats):
+                wake.wait(max(0.0, timeout))
+        finally:
+            with self._state_lock:
+                self._waiting.discard(wake)
+
+    def _permit_state(
+        self, client: KazooClient, action: str, kind: str, name: str
+    ) -> tuple[list[_Seen], ZnodeStat | None]:
+        """The permit nodes of ``name``'s family with their data, each marked holding
+        or waiting, and the directory's stat."""
+        children, fence = self._permit_queue(client, action, kind, name)
+        parent = self.permit_dir(kind, name)
+        pending = [(child, client.get_async(f"{parent}/{child}")) for child in children]
+        seen = []
+        for child, result in pending:
+            try:
+                raw, stat = self._get(action, name, result)
+            except NoNodeError:
+                continue  # gone meanwhile: judged without it
+            try:
+                data = json.loads(raw or b"{}")
+            except ValueError:
+                data = {}
+            seen.append(_Seen(child, data if isinstance(data, dict) else {}, stat))
+        _judge(seen)
+        return seen, fence
+
+    def _permit_infos(self, client: KazooClient, family: str, name: str) -> list[LockInfo]:
+        seen, fence = self._permit_state(client, "inspect", family, name)
+        waiting = [_permit_owner(node.child) for node in seen if not node.holds]
+        infos = []
+        for node in seen:
+            if not node.holds:
+                continue
+            data, stat, kind = node.data, node.stat, node.kind
+            pid, ttl = data.get("pid"), data.get("ttl")
+            extra: dict[str, Any] = {**holder_details(data.get("extra")), "kind": kind}
+            if kind == SEMAPHORE:
+                extra["limit"] = node.limit
+            extra["session"] = f"0x{stat.ephemeralOwner:x}"
+            extra["waiting"] = waiting
+            infos.append(
+                LockInfo(
+                    name=name,
+                    backend=self.alias,
+                    # The owner named by the node, which release and eviction go by.
+                    owner=_permit_owner(node.child),
+                    fencing_token=(
+                        token_of(stat.czxid, fence) if kind == WRITE and fence is not None else 0
+                    ),
+                    host=str(data.get("host", "")),
+                    pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+                    thread=str(data.get("thread", "")),
+                    # When the request queued (server clock); nothing expires there.
+                    acquired_at=_epoch_ms(stat.ctime),
+                    expires_at=None,
+                    ttl=float(ttl) if isinstance(ttl, int | float) else None,
+                    waiters=len(waiting),
+                    extra=extra,
+                )
+            )
+        return infos
+
+    def permit_holders(self, kind: str, name: str) -> list[LockInfo]:
+        self.check_permit_kind(kind)
+        return self._permit_infos(self._ready("inspect", name), permit_family(kind), name)
+
+    def iter_permits(self) -> Iterator[LockInfo]:
+        client = self._ready("list", "*")
+        for family, path in self._family_paths.items():
+            for name in self._names_under(client, path):
+                yield from self._permit_infos(client, family, name)
+
+    def permit_force_release(self, kind: str, name: str, owner: str | None = None) -> int:
+        """Delete the node of ``owner``'s permit (of every permit held when None), in
+        one multi-op that, for a read-write lock, also writes the fence node: the
+        write counter moves past an evicted writer. Waiting requests are left alone;
+        nothing is written when no permit matches."""
+        self.check_permit_kind(kind)
+        client = self._ready("force-release", name)
+        parent = self.permit_dir(kind, name)
+        for _ in range(5):
+            seen, fence = self._permit_state(client, "force-release", kind, name)
+            targets = [
+                node
+                for node in seen
+                if node.holds and (owner is None or _permit_owner(node.child) == owner)
+            ]
+            if not targets or fence is None:
+                return 0
+            txn = client.transaction()
+            for node in targets:
+                txn.delete(f"{parent}/{node.child}", version=node.stat.version)
+            if permit_family(kind) == RWLOCK:
+                txn.set_data(parent, b"")
+            results = self._commit("force-release", name, txn)
+            if not any(isinstance(r, Exception) for r in results):
+                return len(targets)
+            # One of them went meanwhile: look again.
+        return 0
+
+    def permit_counter(self, name: str) -> int:
+        self.check_permit_kind(WRITE)
+        client = self._ready("read the write counter of", name)
+        stat = self._get(
+            "read the write counter of", name, client.exists_async(self.permit_dir(WRITE, name))
+        )
+        # version 0: the directory exists but no write token was issued yet.
+        if stat is None or stat.version == 0:
+            return 0
+        return token_of(stat.mzxid, stat)
 
     # -- for tests and operations -------------------------------------------------
 
