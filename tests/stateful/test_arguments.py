@@ -272,10 +272,15 @@ limits = st.one_of(
 )
 
 
-@pytest.fixture(params=["locmem", "redis", "pg"])
+@pytest.fixture(
+    # pg needs the test database even when this is the only test run (-k semaphore).
+    params=["locmem", "redis", pytest.param("pg", marks=pytest.mark.django_db), "zk"]
+)
 def permit_alias(request: pytest.FixtureRequest) -> str:
     if request.param == "pg":
         request.getfixturevalue("pg_ready")
+    elif request.param == "zk":
+        request.getfixturevalue("zk_ready")
     return str(request.param)
 
 
