@@ -5,6 +5,10 @@ Layout, under ``OPTIONS["prefix"]`` (default ``/distlocks``) below the chroot of
 
     <prefix>/locks/n<quoted name>                 persistent: the fence node
     <prefix>/locks/n<quoted name>/c-<owner>-<seq> ephemeral sequential: one contender
+    <prefix>/semaphores/n<quoted name>/permit-<owner>-<seq>    one permit request
+    <prefix>/rwlocks/n<quoted name>                            the write fence node
+    <prefix>/rwlocks/n<quoted name>/read-<owner>-<seq>         one read request
+    <prefix>/rwlocks/n<quoted name>/write-<owner>-<seq>        one write request
 
 * acquire is one multi-op: create this caller's contender node and write the fence
   node. Both get the zxid of that transaction (the contender's czxid, the fence
@@ -17,6 +21,11 @@ Layout, under ``OPTIONS["prefix"]`` (default ``/distlocks``) below the chroot of
 * release deletes the caller's own node; a waiter that gives up deletes its node too.
 * force release is one multi-op deleting the holder's node (only if its czxid is the
   token given) and writing the fence node, so the counter moves past the victim.
+
+Semaphores and read-write locks queue their requests the same way, each holding by
+the rule of its kind over the nodes ahead of it and watching only the nodes that
+decide it (see :func:`_blockers`); a write request is one multi-op with a write of
+the read-write lock's fence node, and its token comes from that zxid as above.
 
 The nodes are ephemeral: ZooKeeper deletes them when the client's session ends. A
 lock therefore lives as long as the holder's session, not for ``ttl``; ``ttl`` is the
