@@ -405,8 +405,8 @@ class BaseBackend(ABC):
         what = _PLURALS[permit_family(kind)]
         return ImproperlyConfigured(
             f"Backend {self.alias!r} ({type(self).__name__}) does not support {what}. "
-            f"Use a backend that does (Redis, PostgreSQL in session mode, or LocMem in "
-            f"tests) for them: pass backend=<its alias>."
+            f"Use a backend that does (Redis, PostgreSQL in session mode, ZooKeeper, or "
+            f"LocMem in tests) for them: pass backend=<its alias>."
         )
 
     def check_permit_kind(self, kind: str) -> None:
