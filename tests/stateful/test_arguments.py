@@ -164,7 +164,7 @@ def test_any_name_is_taken_or_refused_cleanly(alias: str, name: Any) -> None:
 @examples(15)
 @given(
     tails=st.lists(st.text(key_chars, min_size=1, max_size=6), min_size=2, max_size=4, unique=True)
-)  # noqa: E501
+)
 def test_distinct_names_never_share_a_lock(alias: str, tails: list[str]) -> None:
     """Names made of the characters a key scheme gives meaning to are all held at once,
     each with its own counter: no two of them map to one lock."""
