@@ -25,6 +25,7 @@ from distlocks import get_backend, lock, lock_many
 from distlocks.exceptions import LockError, LockNotAcquired
 from distlocks.primitives import rwlock, semaphore
 from distlocks.validation import MAX_SEMAPHORE_LIMIT, MAX_TIMEOUT, MAX_TTL
+from tests.conftest import PERMIT_BACKENDS
 from tests.redis_contract import redis_alias
 from tests.test_hardening_postgres import own_pg
 from tests.test_redaction import (
@@ -349,7 +350,7 @@ def test_a_bad_name_is_refused_at_the_call_on_every_backend(alias: str, bad: Any
         lock(bad, backend=alias)
     with pytest.raises((ValueError, TypeError)):
         lock_many(["fine", bad], backend=alias)
-    if alias not in ("redlock", "zk"):  # no permits there
+    if alias in PERMIT_BACKENDS:
         with pytest.raises((ValueError, TypeError)):
             semaphore(bad, backend=alias, limit=2)
         with pytest.raises((ValueError, TypeError)):
