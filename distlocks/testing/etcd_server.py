@@ -297,12 +297,15 @@ class EtcdCluster(_RunDir):
                     member.port, member.peer_port = _free_port(), _free_port()
         return self
 
-    def wait_for_quorum(self, timeout: float = START_TIMEOUT) -> EtcdMember:
-        """Wait until every running member is healthy and they all name the same leader,
-        itself running; that leader."""
+    def wait_for_quorum(
+        self, timeout: float = START_TIMEOUT, *, among: list[EtcdMember] | None = None
+    ) -> EtcdMember:
+        """Wait until every running member (or every one of ``among``: leave out one
+        that is paused) is healthy and they all name the same leader, one of them;
+        that leader."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            running = [m for m in self.members if m.running]
+            running = [m for m in (among or self.members) if m.running]
             leader = self._agreed_leader(running)
             if leader is not None and all(m.healthy() for m in running):
                 return leader
