@@ -225,6 +225,21 @@ class PostgresReused(_Page):
     fresh = False
 
 
+def _delete_redis_locks() -> None:
+    """Delete the keys of the workload's Redis locks (and their fencing counters)."""
+    import redis
+
+    from bench.registry import Env
+
+    client = redis.Redis.from_url(Env.from_environ().redis_url)
+    try:
+        pattern = f"distlocks-bench:{{{NAME_PREFIX}*"
+        for keys in _batches(client.scan_iter(match=pattern, count=10_000), 500):
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
 def _batches(keys: Any, size: int = 1000) -> Any:
     batch: list[Any] = []
     for key in keys:
@@ -329,6 +344,7 @@ class AdminList(Workload):
         self.rows_per_page = 0
         self._pg: Any = None
         self._page = 0
+        self._redis_locks = False
 
     @classmethod
     def supports(cls, impl: type[Implementation]) -> bool:
@@ -345,6 +361,7 @@ class AdminList(Workload):
     def setup(self, impls: list[Implementation]) -> None:
         servers = set().union(*(impl.servers for impl in impls))
         if "redis" in servers:
+            self._redis_locks = True
             self._take_redis_locks()
         if "postgres" in servers:
             self._take_postgres_locks()
@@ -386,8 +403,12 @@ class AdminList(Workload):
         if self._pg is not None:
             self._pg.close()  # its advisory locks end with the session
             self._pg = None
-        # The Redis locks go with the keys the runner removes after the run (the
-        # implementations' key_patterns); the registry rows, with the database clean-up.
+        if self._redis_locks:
+            # Removed now, not with the run's clean-up: a later workload that lists the
+            # live locks (admin-list-100k) must not see them.
+            self._redis_locks = False
+            _delete_redis_locks()
+        # The registry rows go with the database clean-up.
 
     def measure(self, impl: Implementation, round_no: int) -> Measurement:
         assert isinstance(impl, AdminListing)

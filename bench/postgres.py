@@ -54,11 +54,11 @@ def prepare_database(env: Env) -> None:
                 conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(BENCH_DATABASE)))
 
 
-def migrate() -> None:
+def migrate(database: str = "default") -> None:
     """Run the migrations into the benchmark's database (after ``django.setup()``)."""
     from django.core.management import call_command
 
-    call_command("migrate", database="default", interactive=False, verbosity=0)
+    call_command("migrate", database=database, interactive=False, verbosity=0)
 
 
 def clean_database(env: Env) -> None:

@@ -37,6 +37,9 @@ from distlocks.testing.servers import DATABASE_URL_ENV, REDIS_URL_ENV
 ZOOKEEPER_ENV = "DISTLOCKS_BENCH_ZOOKEEPER"
 #: The same for the etcd server's endpoint ("http://127.0.0.1:PORT").
 ETCD_ENV = "DISTLOCKS_BENCH_ETCD"
+#: The URL of the PostgreSQL with production settings the runner starts for the
+#: ``pg-cycle-durable`` workload (see :mod:`bench.pg_durable`).
+DURABLE_DATABASE_ENV = "DISTLOCKS_BENCH_DURABLE_DATABASE"
 
 Role = Literal["floor", "distlocks", "peer"]
 Metric = Literal["latency", "throughput"]
@@ -91,7 +94,8 @@ class Implementation(ABC):
     role: ClassVar[Role]
     #: Implementations are compared with the floor of their own family.
     family: ClassVar[str]
-    #: The throwaway servers it needs ("redis", "postgres", "zookeeper", "etcd").
+    #: The throwaway servers it needs ("redis", "postgres", "postgres-durable",
+    #: "zookeeper", "etcd").
     servers: ClassVar[frozenset[str]] = frozenset()
     #: Installed distribution whose version is recorded (None: nothing beyond redis-py).
     distribution: ClassVar[str | None] = None
@@ -292,9 +296,12 @@ def load_registry() -> None:
     # listed) after them.
     import_module("bench.contended")
     import_module("bench.renewal")
+    import_module("bench.asyncio_locks")
+    import_module("bench.pg_durable")
     import_module("bench.saves")
     import_module("bench.celery_overhead")
     import_module("bench.admin_list")
+    import_module("bench.admin_scale")
 
 
 def load_opt_in(names: Iterable[str]) -> None:

@@ -23,6 +23,7 @@ SCHEMA_VERSION = 1
 FAMILY_NAMES = {
     "redis": "Redis",
     "postgres": "PostgreSQL",
+    "postgres-durable": "PostgreSQL, durable",
     "celery": "Redis",
     "zookeeper": "ZooKeeper",
     "etcd": "etcd",
@@ -124,6 +125,13 @@ TARGETS = [
            "Redis contended hand-off faster than every peer"),
     Target("redis-handoff-p50", "handoff", "median_at_most_us", 1000.0,
            "Redis hand-off p50 <= 1 ms"),
+    Target("redis-async-cycle-vs-floor", "async-cycle", "floor_ratio", 1.1,
+           "asyncio cycle (alock) median <= 1.10x the raw redis.asyncio floor"),
+    Target("redis-async-cycle-vs-peers", "async-cycle", "beats_peers", 1.0,
+           "asyncio cycle (alock) faster than redis.asyncio's Lock"),
+    Target("redis-async-tasks-vs-peers", "async-tasks", "beats_peers", 1.0,
+           "asyncio, 1,000 concurrent tasks on distinct names: alock's throughput above "
+           "redis.asyncio's Lock"),
     Target("redis-contended-threads-vs-peers", "contended-threads", "beats_peers", 1.0,
            "Redis contended throughput (8 threads, one lock, 1 ms hold) above every peer"),
     Target("redis-contended-threads-fair", "contended-threads", "fair_at_least", 0.5,
@@ -141,6 +149,9 @@ TARGETS = [
     Target("pg-cycle-vs-floor", "cycle", "floor_ratio", 1.2,
            "PostgreSQL cycle median <= 1.2x the raw floor (registry and fencing included)",
            family="postgres"),
+    Target("pg-durable-cycle-vs-floor", "pg-cycle-durable", "floor_ratio", 1.3,
+           "PostgreSQL cycle on a durable server (fsync=on) <= 1.3x its raw floor",
+           family="postgres-durable"),
     Target("pg-handoff-p50", "handoff", "median_at_most_us", 1000.0,
            "PostgreSQL hand-off p50 <= 1 ms", family="postgres"),
     Target("zk-cycle-vs-peers", "zk-cycle", "beats_peers", 1.0,
@@ -156,7 +167,9 @@ TARGETS = [
 ]  # fmt: skip
 
 #: Latency workloads whose chart panels show their floor-ratio budget as a line.
-_BUDGET_LINES = frozenset({"cycle", "fenced-save", "fenced-save-fields"})
+_BUDGET_LINES = frozenset(
+    {"cycle", "async-cycle", "pg-cycle-durable", "fenced-save", "fenced-save-fields"}
+)
 
 
 def _missing(value: float | None) -> bool:

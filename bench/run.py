@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.registry import (
+    DURABLE_DATABASE_ENV,
     ETCD_ENV,
     IMPLEMENTATIONS,
     OPT_IN_WORKLOADS,
@@ -86,6 +87,12 @@ def _missing_servers(impl_classes: list[type[Implementation]]) -> dict[str, str]
         reason = zookeeper_missing()
         if reason:
             missing["zookeeper"] = reason
+    if "postgres-durable" in needed:
+        from bench.pg_durable import missing as durable_missing
+
+        reason = durable_missing()
+        if reason:
+            missing["postgres-durable"] = reason
     if "etcd" in needed:
         from bench.etcd import missing as etcd_missing
 
@@ -119,11 +126,22 @@ def _start(impl_classes: list[type[Implementation]], started: list[Any]) -> Env:
         started.append(server)
         # Read by bench.settings (the "etcd" backend alias) and by Env.from_environ().
         os.environ[ETCD_ENV] = server.location
+    if "postgres-durable" in needed:
+        from bench.pg_durable import start_server as start_durable
+
+        durable = start_durable()
+        started.append(durable)
+        # Read by bench.settings (the "durable" database, the "pg-durable*" aliases).
+        os.environ[DURABLE_DATABASE_ENV] = durable.location
     env = Env.from_environ()
     if "postgres" in needed:
         from bench.postgres import prepare_database
 
         prepare_database(env)
+    if "postgres-durable" in needed:
+        from bench.pg_durable import durable_env
+
+        prepare_database(durable_env())
     # Forced, not defaulted: a caller such as the test suite may have its own settings set.
     os.environ["DJANGO_SETTINGS_MODULE"] = "bench.settings"
     import django
@@ -133,6 +151,10 @@ def _start(impl_classes: list[type[Implementation]], started: list[Any]) -> Env:
         from bench.postgres import migrate
 
         migrate()
+    if "postgres-durable" in needed:
+        from bench.pg_durable import DATABASE_ALIAS
+
+        migrate(DATABASE_ALIAS)
     return env
 
 
@@ -207,6 +229,10 @@ def _measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]
             from bench.postgres import clean_database
 
             clean_database(env)
+        if any("postgres-durable" in impl.servers for impl in impls):
+            from bench.pg_durable import durable_env
+
+            clean_database(durable_env())
         machine = {
             **machine_info(env),
             "load_average_before": load_before,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from urllib.parse import unquote, urlsplit
 
-from bench.registry import ETCD_ENV, ZOOKEEPER_ENV
+from bench.registry import DURABLE_DATABASE_ENV, ETCD_ENV, ZOOKEEPER_ENV
 from distlocks.testing.servers import DATABASE_URL_ENV, REDIS_URL_ENV
 
 REDIS_URL = os.environ.get(REDIS_URL_ENV, "redis://127.0.0.1:6379/0")
@@ -27,6 +27,8 @@ ZOOKEEPER_LOCATION = os.environ.get(ZOOKEEPER_ENV, "")
 ZOOKEEPER_SESSION_TIMEOUT = 30.0
 #: Set by the runner in the etcd workloads' runs only (see bench.etcd).
 ETCD_LOCATION = os.environ.get(ETCD_ENV, "")
+#: Set by the runner when the pg-cycle-durable workload runs (see bench.pg_durable).
+DURABLE_DATABASE_URL = os.environ.get(DURABLE_DATABASE_ENV, "")
 #: Kept apart from the test suite's databases, so a run never touches their tables.
 BENCH_DATABASE = "distlocks_bench"
 
@@ -71,6 +73,19 @@ if DATABASE_URL:
         "DATABASE": "default",
         # Room for the 17 threads of the hand-off workload, each waiting on its own connection.
         "OPTIONS": {"mode": "session", "pool_size": 24},
+    }
+if DATABASE_URL and DURABLE_DATABASE_URL:
+    # The PostgreSQL with production settings (fsync=on, synchronous_commit=on).
+    DATABASES["durable"] = _database(DURABLE_DATABASE_URL)
+    DISTLOCKS_BACKENDS["pg-durable"] = {
+        "BACKEND": "distlocks.backends.postgres.PostgresBackend",
+        "DATABASE": "durable",
+        "OPTIONS": {"mode": "session", "pool_size": 4},
+    }
+    DISTLOCKS_BACKENDS["pg-durable-sync"] = {
+        "BACKEND": "distlocks.backends.postgres.PostgresBackend",
+        "DATABASE": "durable",
+        "OPTIONS": {"mode": "session", "pool_size": 4, "synchronous_commit": "on"},
     }
 if ZOOKEEPER_LOCATION:
     DISTLOCKS_BACKENDS["zk"] = {

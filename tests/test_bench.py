@@ -38,6 +38,21 @@ CELERY_REFERENCES = {"celery": "celery-single"}
 ADMIN_WORKLOADS = ("admin-list",)
 ADMIN_FLOORS = {"redis": "admin-redis-raw", "postgres": "admin-pg-raw"}
 ADMIN_REFERENCES = {"redis": "admin-redis-first", "postgres": "admin-pg-first"}
+#: The same page with 100,000 live locks, Redis only, every view cold.
+ADMIN_100K_FLOORS = {"redis": "admin100k-redis-raw"}
+ADMIN_100K_REFERENCES = {"redis": "admin100k-cold"}
+
+
+#: The asyncio workloads: a raw redis.asyncio client is their floor, alock() their reference.
+ASYNC_WORKLOADS = ("async-cycle", "async-tasks")
+ASYNC_FLOORS = {"redis": "async-floor"}
+ASYNC_REFERENCES = {"redis": "async-distlocks"}
+
+
+#: The cycle on the fast PostgreSQL and on a durable one: each server has its own floor.
+DURABLE_WORKLOADS = ("pg-cycle-durable",)
+DURABLE_FLOORS = {"postgres": "pg-floor", "postgres-durable": "durable-pg-floor"}
+DURABLE_REFERENCES = {"postgres": "distlocks-pg", "postgres-durable": "durable-distlocks-pg"}
 
 
 #: Workloads of distlocks alone (no floor, no peer): what they report is in their params.
@@ -50,6 +65,12 @@ def _floors_and_references(workload: str) -> tuple[dict[str, Any], dict[str, str
         return {"redis": None, "postgres": None}, OWN_REFERENCES
     if workload in ADMIN_WORKLOADS:
         return ADMIN_FLOORS, ADMIN_REFERENCES
+    if workload == "admin-list-100k":
+        return ADMIN_100K_FLOORS, ADMIN_100K_REFERENCES
+    if workload in ASYNC_WORKLOADS:
+        return ASYNC_FLOORS, ASYNC_REFERENCES
+    if workload in DURABLE_WORKLOADS:
+        return DURABLE_FLOORS, DURABLE_REFERENCES
     if workload in SAVE_WORKLOADS:
         return SAVE_FLOORS, SAVE_REFERENCES
     if workload in CELERY_WORKLOADS:
@@ -90,7 +111,8 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=180,
+        # Generous: the machine runs other test suites beside this one.
+        timeout=300,
         check=False,
     )
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
@@ -165,12 +187,30 @@ def test_json_has_the_expected_structure(smoke_run: tuple[str, Path]) -> None:
         held = report["workloads"]["renewal"]["results"][impl]["ops"]
         assert held == details["leases"] - details["lost"]
     assert all(isinstance(target["met"], bool) for target in targets.values())
+    assert "pg-durable-cycle-vs-floor" in targets
+    # The second server really ran with production settings, and distlocks ran on it
+    # both with its default synchronous_commit=off and with "on".
+    durable = report["workloads"]["pg-cycle-durable"]
+    assert durable["params"]["durable_server"]["fsync"] == "on"
+    assert durable["params"]["durable_server"]["synchronous_commit"] == "on"
+    assert durable["params"]["durable_server"]["full_page_writes"] == "on"
+    assert {"durable-distlocks-pg", "durable-distlocks-pg-sync"} <= set(durable["results"])
+    # The 100,000-lock admin rows report the memory of one view.
+    scale = report["workloads"]["admin-list-100k"]["params"]
+    for impl in ("admin100k-cold", "admin100k-cold-search", "admin100k-cold-status"):
+        assert scale[impl]["tracemalloc_peak_mib"] > 0, impl
     # A Redis target never weighs a PostgreSQL peer, and the reverse.
-    assert set(targets["redis-cycle-vs-peers"]["value"]) == {
-        name
-        for name, cls in IMPLEMENTATIONS.items()
-        if cls.role == "peer" and cls.family == "redis"
-    }
+    for target, workload in (
+        ("redis-cycle-vs-peers", "cycle"),
+        ("redis-async-cycle-vs-peers", "async-cycle"),
+        ("redis-async-tasks-vs-peers", "async-tasks"),
+    ):
+        assert set(targets[target]["value"]) == {
+            name
+            for name, cls in IMPLEMENTATIONS.items()
+            if cls.role == "peer" and cls.family == "redis" and WORKLOADS[workload].supports(cls)
+        }, target
+    assert targets["redis-async-cycle-vs-peers"]["value"].keys() == {"async-redis-py"}
 
 
 def test_postgres_runs_in_its_own_migrated_database(smoke_run: tuple[str, Path]) -> None:
