@@ -154,6 +154,8 @@ TARGETS = [
            family="postgres-durable"),
     Target("pg-handoff-p50", "handoff", "median_at_most_us", 1000.0,
            "PostgreSQL hand-off p50 <= 1 ms", family="postgres"),
+    Target("admin-100k-cold", "admin-list-100k", "median_at_most_us", 1_000_000.0,
+           "Admin page with 100,000 live locks (Redis): cold first page < 1 s"),
     Target("zk-cycle-vs-peers", "zk-cycle", "beats_peers", 1.0,
            "ZooKeeper cycle faster than kazoo's Lock", family="zookeeper"),
     Target("zk-handoff-vs-peers", "zk-handoff", "beats_peers", 1.0,
