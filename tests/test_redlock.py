@@ -31,6 +31,9 @@ from tests.waiting import wait_for
 
 REDLOCK = "distlocks.backends.redlock.RedlockBackend"
 TIMEOUT = 0.5  # socket timeout of the backends built here
+#: For tests that pause no master but expect every master to take part: a master slow
+#: to answer on a loaded machine would otherwise be left out of the grant.
+PATIENT = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}
 
 
 def start_masters(base: Path, count: int) -> list[RedisServer]:
@@ -199,6 +202,34 @@ def test_a_hung_master_costs_at_most_the_socket_timeout(
                 assert "TimeoutError" in str(excinfo.value) or "did not answer" in str(
                     excinfo.value
                 )
+
+
+def test_answers_in_hand_at_the_deadline_count(masters: list[RedisServer], name: str) -> None:
+    """The calling thread gets back to a round only after its deadline (descheduled on
+    a loaded machine) while every master answered in time: those answers count; a
+    master is "did not answer" only if its answer is not there when the round ends."""
+    with redlock(masters) as backend:
+        assert backend.inspect(name) is None  # pools and connections are up
+        submit = backend._submit
+        futures: list[Any] = []
+
+        def late_caller(index: int, func: Any, *args: Any) -> Any:
+            future = submit(index, func, *args)
+            futures.append(future)
+            if len(futures) == len(masters):  # the round's last request: stall
+                past = time.monotonic() + backend.round_timeout
+                wait_for(
+                    lambda: time.monotonic() > past and all(f.done() for f in futures),
+                    what="the answers, and the deadline to pass",
+                )
+            return future
+
+        backend._submit = late_caller  # type: ignore[method-assign]
+        try:
+            replies = backend._round(lambda i: backend.masters[i].inspect(name))
+        finally:
+            del backend._submit
+        assert (replies.results, replies.errors) == ({0: None, 1: None, 2: None}, {})
 
 
 def test_validity_is_the_ttl_less_elapsed_time_and_drift(
@@ -517,7 +548,7 @@ def test_the_grant_raises_every_quorum_counter_to_its_token(
     that master's, and the other masters of the quorum are raised to it. So when that
     master later loses everything, the next token is still higher. Without the raise,
     the other masters would mint from their clocks, below the earlier token."""
-    with redlock(masters) as backend:
+    with redlock(masters, **PATIENT) as backend:
         ahead = (time.time_ns() // 1000) + 3_600_000_000  # an hour ahead of the clocks
         client = raw(masters[1])
         client.set(backend.masters[1].all_keys(name).fence, ahead)
@@ -580,10 +611,90 @@ def test_renewal_by_quorum_and_loss_when_the_quorum_goes(
         assert "only 1 of 3 Redis masters answered" in lease.lost_reason
 
 
+#: One master confirmed, one never had the entry, one hung.
+UNCONFIRMED = "1 of 3 Redis masters confirmed it, 1 did not have it and 1 did not answer"
+
+
+def lease_on_two_masters(backend: RedlockBackend, masters: list[RedisServer], name: str) -> Any:
+    """A lease whose entry is on masters 0 and 1 only: master 2 was down at the grant
+    and came back empty (as after a grant it did not answer in time, whose late part
+    was given back). Still a quorum, so still held. Reentrant, so a nested lock()
+    of this thread re-enters it."""
+    port = masters[2].port
+    masters[2].kill()
+    lease = lock(name, backend="rl", ttl=30, auto_renew=False, reentrant=True).acquire()
+    masters[2].start(port=port)
+    assert lock_keys_present(backend, masters, name) == [0, 1]
+    return lease
+
+
+def test_a_renewal_the_quorum_cannot_confirm_is_unavailable_not_lost(
+    masters: list[RedisServer], name: str
+) -> None:
+    """The lease is on two masters; one of them hangs during an extend. One master
+    confirms, one says "not mine", one does not answer: whether a quorum still holds
+    the lease is unknown (the hung master has it), not "lost". The caller hears
+    LockBackendUnavailable, and the lease stays held on its earlier validity, as on a
+    single server that times out; it is extended once the master answers again."""
+    with redlock(masters) as backend:
+        lease = lease_on_two_masters(backend, masters, name)
+        try:
+            valid_until = lease.remaining()
+            with paused(masters[1]):
+                with pytest.raises(LockBackendUnavailable, match=UNCONFIRMED):
+                    lease.extend(60)
+                # The renewer's batch: an error (retried), not False (lost).
+                [outcome] = backend.extend_many([(name, lease.owner, 60.0)])
+                assert isinstance(outcome, LockBackendUnavailable), outcome
+                # A reentrant re-entry confirms with the servers: the same error.
+                with pytest.raises(LockBackendUnavailable):
+                    lock(name, backend="rl", reentrant=True, timeout=0).acquire()
+            assert lease.state == "held" and lease.held()
+            remaining = lease.remaining()
+            assert remaining is not None and valid_until is not None
+            assert remaining <= valid_until  # not extended by the unconfirmed call
+            lease.extend(60)
+            assert lease.held() and lease.ttl == 60
+        finally:
+            lease.release()
+
+
+def test_a_release_the_quorum_cannot_confirm_is_unavailable(
+    masters: list[RedisServer], name: str
+) -> None:
+    """The same split at release: one master freed it, one never had it, one hangs.
+    Whether this call freed a held lock is unknown: LockBackendUnavailable (the lease
+    then ends by expiry), not "the server no longer had it"."""
+    with redlock(masters) as backend:
+        lease = lease_on_two_masters(backend, masters, name)
+        with paused(masters[1]):
+            with pytest.raises(LockBackendUnavailable, match=UNCONFIRMED):
+                backend.release(name, lease.owner)
+        assert lease.state == "held"
+        assert backend.inspect(name) is None  # one entry left: no lock
+        lease.release()
+
+
+def test_a_lease_a_quorum_no_longer_has_is_lost_even_with_a_master_hung(
+    masters: list[RedisServer], name: str
+) -> None:
+    """Two masters say "not held" and the third hangs: at most one entry is left, no
+    quorum can hold it, so the lease is lost (not "unavailable")."""
+    with redlock(masters) as backend:
+        lease = lease_on_two_masters(backend, masters, name)
+        client = raw(masters[0])
+        client.delete(backend.masters[0].all_keys(name).lock)
+        client.close()
+        with paused(masters[1]):
+            with pytest.raises(LockLost):
+                lease.extend()
+        assert lease.state == "lost"
+
+
 def test_renewal_extends_every_master_by_the_ttl_and_the_drift(
     masters: list[RedisServer], name: str
 ) -> None:
-    with redlock(masters) as backend:
+    with redlock(masters, **PATIENT) as backend:
         lease = lock(name, backend="rl", ttl=20, auto_renew=False).acquire()
         try:
             lease.extend(100)
@@ -608,7 +719,7 @@ def test_late_requests_of_an_attempt_change_nothing_of_the_lease(
     """Requests of an attempt that reach a master late (a grant, a confirmation, a
     give-back of the grant's own attempt or of an older one) neither free nor shorten
     nor re-token an entry the lease renewed."""
-    with redlock(masters) as backend:
+    with redlock(masters, **PATIENT) as backend:
         lease = lock(name, backend="rl", ttl=5, auto_renew=False).acquire()
         try:
             client = raw(masters[0])

@@ -17,7 +17,9 @@ quorum:
   that made it its own: an attempt, or the lease once renewed. A request of an
   older step (a give-back, confirmation or grant that arrives late) changes
   nothing, so it cannot free or shorten what a newer attempt or the lease counts on;
-* release and renewal succeed when a quorum confirms them;
+* release and renewal succeed when a quorum confirms them, and report the lease
+  gone only when so many masters deny it that no quorum can hold it; when the
+  masters that did not answer decide it, they raise LockBackendUnavailable;
 * fencing tokens: each master mints ``max(last + 1, its clock in µs)`` as the
   single-node backend does; the grant takes the largest token of its quorum and,
   in a second short round, raises the counter of every granting master to that
@@ -449,7 +451,7 @@ class RedlockBackend(BaseBackend):
 
         Returns when all have answered, when ``decided`` says the outcome is known
         (the others are left running, in ``pending``), or after :attr:`round_timeout`:
-        a master that has not answered by then counts as failed.
+        a master whose answer is not in by then counts as failed.
         """
         indexes = range(len(self.masters)) if only is None else list(only)
         deadline = time.monotonic() + self.round_timeout
@@ -457,11 +459,12 @@ class RedlockBackend(BaseBackend):
         replies: _Replies[T] = _Replies()
         waiting = set(futures)
         while waiting:
+            # Past the deadline, still collect the answers already in: the caller may
+            # come back late (a loaded machine), and a master that answered in time
+            # has not failed.
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
             finished, waiting = concurrent.futures.wait(
-                waiting, timeout=remaining, return_when=concurrent.futures.FIRST_COMPLETED
+                waiting, timeout=max(remaining, 0), return_when=concurrent.futures.FIRST_COMPLETED
             )
             for future in finished:
                 index = futures[future]
@@ -475,6 +478,8 @@ class RedlockBackend(BaseBackend):
             if waiting and decided is not None and decided(replies):
                 replies.pending = {futures[f]: f for f in waiting}
                 return replies
+            if remaining <= 0:
+                break
         for future in waiting:
             index = futures[future]
             if not future.cancel():  # it started: it may still reach the master
@@ -515,6 +520,27 @@ class RedlockBackend(BaseBackend):
             self.alias,
             f"could not {action} lock {name!r}: only {answered} of {len(self.masters)} Redis "
             f"masters answered and a quorum needs {self.quorum} ({details})",
+        )
+        error.__cause__ = next(iter(replies.errors.values()), None)
+        return error
+
+    def _unconfirmed(
+        self, action: str, name: str, yes: int, replies: _Replies[Any]
+    ) -> LockBackendUnavailable:
+        """The error for a compare-and-something that the masters which did not answer
+        leave undecided: too few confirmed it, too few denied it."""
+        if len(replies.errors) > len(self.masters) - self.quorum:
+            return self._no_quorum(action, name, replies)
+        no = len(replies.results) - yes
+        details = "; ".join(
+            f"{describe_url(self.urls[i])}: {_reason(exc)}"
+            for i, exc in sorted(replies.errors.items())
+        )
+        error = LockBackendUnavailable(
+            self.alias,
+            f"could not {action} lock {name!r}: {yes} of {len(self.masters)} Redis masters "
+            f"confirmed it, {no} did not have it and {len(replies.errors)} did not answer; "
+            f"a quorum needs {self.quorum}, so whether it is still held is unknown ({details})",
         )
         error.__cause__ = next(iter(replies.errors.values()), None)
         return error
@@ -689,20 +715,28 @@ class RedlockBackend(BaseBackend):
 
     def _by_quorum(self, action: str, name: str, call: Callable[[int], bool]) -> bool:
         """Run a compare-and-something on every master: True once a quorum confirms,
-        False once too many say "not held", LockBackendUnavailable when too few answer."""
+        False once so many say "not held" that no quorum can hold it, and
+        LockBackendUnavailable when the masters that did not answer decide it.
+
+        Not-held answers and failures are not added up: one master without the entry
+        (it never confirmed the grant, or restarted empty) and one that does not answer
+        in time leave the lease unconfirmed, not lost; the one that did not answer may
+        still hold it. Like a single server that times out, that is an outage: the
+        lease keeps the validity it had, and a renewal tries again."""
         spare = len(self.masters) - self.quorum
 
         def decided(replies: _Replies[bool]) -> bool:
             yes = sum(1 for ok in replies.results.values() if ok)
             no = len(replies.results) - yes
-            return yes >= self.quorum or no + len(replies.errors) > spare
+            return yes >= self.quorum or no > spare or len(replies.errors) > spare
 
         replies = self._round(call, decided=decided)
-        if sum(1 for ok in replies.results.values() if ok) >= self.quorum:
+        yes = sum(1 for ok in replies.results.values() if ok)
+        if yes >= self.quorum:
             return True
-        if len(replies.errors) > spare:
-            raise self._no_quorum(action, name, replies)
-        return False
+        if len(replies.results) - yes > spare:
+            return False
+        raise self._unconfirmed(action, name, yes, replies)
 
     def release(self, name: str, owner: str) -> bool:
         return self._by_quorum("release", name, lambda i: self.masters[i].release(name, owner))
@@ -742,10 +776,10 @@ class RedlockBackend(BaseBackend):
                 yes = sum(1 for answers in replies.results.values() if answers[at])
                 if yes >= self.quorum:
                     results.append(True)
-                elif len(replies.errors) > spare:
-                    results.append(self._no_quorum("renew", chunk[at][0], replies))
-                else:
+                elif len(replies.results) - yes > spare:
                     results.append(False)
+                else:
+                    results.append(self._unconfirmed("renew", chunk[at][0], yes, replies))
         return results
 
     def force_release(self, name: str, token: int | None = None) -> bool:

@@ -201,7 +201,9 @@ class LockMachine(RuleBasedStateMachine):
     def add(self, holder: Holder) -> None:
         self.holders.append(holder)
         if len(self.holders) > MAX_HOLDERS:
-            # Forget the oldest ended holder (or the oldest stale one).
+            # Forget the oldest ended holder (or the oldest stale one). A stale reentrant
+            # lease stays in the library's registry for this thread: re-entering it later
+            # raises LockLost (acquire() accepts that), and teardown() lets it go.
             for status in ("ended", "gone"):
                 old = next((h for h in self.holders if h.status == status), None)
                 if old is not None:
@@ -210,16 +212,21 @@ class LockMachine(RuleBasedStateMachine):
                         del self.reentrant[old.name]
                     break
 
-    def granted(self, name: str, lease: Lease, reentrant: bool) -> Holder:
-        """Record a new lease on a name the model says is free."""
+    def granted(
+        self, name: str, lease: Lease, reentrant: bool, *, may_have_run_out: bool = False
+    ) -> Holder:
+        """Record a new lease on a name the model says is free (``may_have_run_out``:
+        a short lease, which a loaded machine may let run out before this check)."""
+        # First: the server counted the name as taken whatever the checks below find
+        # (the invariant that a never-taken name has no counter must not fail later).
+        self.taken.add(name)
         current = self.owner_of[name]
         assert current is None, f"{name!r} granted to {lease.owner} while {current} holds it"
-        assert lease.held()
+        assert lease.held() or (may_have_run_out and lease.state == "lost"), lease.state
         assert lease.fencing_token > self.tokens.get(name, 0), (
             f"token {lease.fencing_token} for {name!r} is not above {self.tokens.get(name)}"
         )
         self.tokens[name] = lease.fencing_token
-        self.taken.add(name)
         holder = Holder(lease, name, lease.fencing_token, reentrant)
         self.owner_of[name] = holder
         if reentrant:
@@ -251,6 +258,9 @@ class LockMachine(RuleBasedStateMachine):
     def acquire(self, n: int, reentrant: bool, auto_renew: bool, wait: bool) -> None:
         name = self.names[n]
         again = self.reentrant.get(name) if reentrant else None
+        # What the library keeps for this thread, read before the call: a re-entry that
+        # finds it lost drops it from the registry before raising.
+        kept = reentrancy.current(self.alias, name) if reentrant else None
         timeout = WAIT if wait else 0
         started = time.monotonic()
         try:
@@ -267,17 +277,20 @@ class LockMachine(RuleBasedStateMachine):
             return
         except LockLost:
             # Re-entering a lease the server dropped fails loudly: one the model knows
-            # is gone, or one the model stopped tracking (ended without a release) that
-            # the library still keeps for this thread until it is released.
-            stale = reentrancy.current(self.alias, name)
+            # is gone, or one the model stopped tracking (a "gone" holder it forgot, see
+            # add()) that the library still kept for this thread, never the holder.
             known = again is not None and again.status == "gone"
-            assert known or (stale is not None and not stale.held()), "LockLost from acquire"
+            current = self.owner_of[name]
+            untracked = (
+                again is None
+                and kept is not None
+                and (current is None or current.lease is not kept)
+                and not kept.held()
+            )
+            assert known or untracked, f"LockLost from acquire ({again}, kept {kept!r})"
             if again is not None:
                 self.dropped(again, "ended")
-            if stale is not None:
-                with contextlib.suppress(LockError):
-                    while stale.release():  # every level; False once it is let go
-                        pass
+            let_go(self.alias, name)
             return
         if again is not None and again.status == "held":
             assert lease is again.lease, "re-entry made a new lease"
@@ -329,7 +342,7 @@ class LockMachine(RuleBasedStateMachine):
         if self.owner_of[name] is not None:
             return
         lease = self.lock(name, ttl=SHORT_TTL, timeout=0, auto_renew=False).acquire()
-        holder = self.granted(name, lease, False)
+        holder = self.granted(name, lease, False, may_have_run_out=True)
         wait_for(lambda: self.backend.inspect(name) is None, PATIENCE, f"{name!r} to expire")
         # The local deadline is taken before the request: never later than the server's.
         assert not lease.held() and lease.state == "lost"
@@ -498,10 +511,30 @@ class LockMachine(RuleBasedStateMachine):
                 except LockError as exc:
                     errors.append(exc)
         for name in self.names:
+            # The library keeps reentrant leases per thread and name, across examples
+            # (the names are the test's): one the model forgot must not be re-entered
+            # by the next example, whose model never saw it.
+            let_go(self.alias, name)
             with contextlib.suppress(LockError):
                 if self.backend.inspect(name) is not None:
                     self.backend.force_release(name)
         assert not errors, errors
+
+
+def let_go(alias: str, name: str) -> None:
+    """Release every level of the reentrant lease the library keeps for this thread on
+    ``name``, if any, so that no later step or example re-enters it."""
+    lease = reentrancy.current(alias, name)
+    if lease is None:
+        return
+    for _ in range(1000):  # one level per release; a run re-enters far fewer times
+        try:
+            lease.release()  # the last level frees it or finds it lost: forgotten
+        except LockError:
+            break  # unreachable server: it ends by expiry
+        if reentrancy.current(alias, name) is not lease:
+            return
+    reentrancy.forget(lease)
 
 
 # -- forking ----------------------------------------------------------------------------
