@@ -314,14 +314,11 @@ class DistlocksEtcdBackend(BackendLevel):
     backend_alias = "etcd"
 
 
-def _etcd_only(impl: type[Implementation]) -> bool:
-    return impl.family == FAMILY
-
-
 @workload
 class EtcdCycle(Cycle):
     """The ``cycle`` workload on etcd."""
 
+    family = FAMILY
     name = "etcd-cycle"
     title = "Uncontended acquire + release cycle"
     description = (
@@ -329,15 +326,12 @@ class EtcdCycle(Cycle):
         "loop (try once, no wait). The time of each acquire+release pair is one sample."
     )
 
-    @classmethod
-    def supports(cls, impl: type[Implementation]) -> bool:
-        return _etcd_only(impl) and super().supports(impl)
-
 
 @workload
 class EtcdHandOff(HandOff):
     """The ``handoff`` workload on etcd."""
 
+    family = FAMILY
     name = "etcd-handoff"
     title = "Contended hand-off latency, 16 waiters"
     description = (
@@ -346,7 +340,3 @@ class EtcdHandOff(HandOff):
         "releases, and does not queue again until another thread has it. A sample is the "
         "time from the start of release() to the return of the next acquire."
     )
-
-    @classmethod
-    def supports(cls, impl: type[Implementation]) -> bool:
-        return _etcd_only(impl) and super().supports(impl)

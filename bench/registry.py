@@ -202,12 +202,17 @@ class Workload(ABC):
     #: One paragraph for the docs and the JSON.
     description: ClassVar[str] = ""
     rounds: int = 1
+    #: Only the implementations of this family run it (a workload of one server's own,
+    #: such as ``zk-cycle``); None: every implementation that does not opt out.
+    family: ClassVar[str | None] = None
 
     def __init__(self, options: RunOptions) -> None:
         self.options = options
 
     @classmethod
     def supports(cls, impl: type[Implementation]) -> bool:
+        if cls.family is not None and impl.family != cls.family:
+            return False
         return impl.workloads is None or cls.name in impl.workloads
 
     def params(self) -> dict[str, Any]:

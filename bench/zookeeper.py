@@ -250,14 +250,11 @@ class KazooLock(KazooImplementation):
             return None
 
 
-def _zookeeper_only(impl: type[Implementation]) -> bool:
-    return impl.family == FAMILY
-
-
 @workload
 class ZkCycle(Cycle):
     """The ``cycle`` workload on ZooKeeper."""
 
+    family = FAMILY
     name = "zk-cycle"
     title = "Uncontended acquire + release cycle"
     description = (
@@ -265,15 +262,12 @@ class ZkCycle(Cycle):
         "loop (try once, no wait). The time of each acquire+release pair is one sample."
     )
 
-    @classmethod
-    def supports(cls, impl: type[Implementation]) -> bool:
-        return _zookeeper_only(impl) and super().supports(impl)
-
 
 @workload
 class ZkHandOff(HandOff):
     """The ``handoff`` workload on ZooKeeper."""
 
+    family = FAMILY
     name = "zk-handoff"
     title = "Contended hand-off latency, 16 waiters"
     description = (
@@ -282,7 +276,3 @@ class ZkHandOff(HandOff):
         "releases, and does not queue again until another thread has it. A sample is the "
         "time from the start of release() to the return of the next acquire."
     )
-
-    @classmethod
-    def supports(cls, impl: type[Implementation]) -> bool:
-        return _zookeeper_only(impl) and super().supports(impl)
