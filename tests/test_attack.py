@@ -27,6 +27,7 @@ from distlocks.primitives import rwlock, semaphore
 from distlocks.validation import MAX_SEMAPHORE_LIMIT, MAX_TIMEOUT, MAX_TTL
 from tests.conftest import PERMIT_BACKENDS
 from tests.redis_contract import redis_alias
+from tests.test_hardening import _in_child
 from tests.test_hardening_postgres import own_pg
 from tests.test_redaction import (
     SECRET,
@@ -83,23 +84,7 @@ class _nothing:
 def in_child(action: Callable[[], object]) -> str:
     """Run ``action`` in a forked child; its result's repr (or the exception it
     raised, as ``raised Type: message``) comes back through a pipe."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        os.close(read)
-        try:
-            text = repr(action())
-        except BaseException as exc:
-            text = f"raised {type(exc).__name__}: {exc}"
-        os.write(write, text.encode())
-        os._exit(0)
-    os.close(write)
-    chunks = []
-    while chunk := os.read(read, 65536):
-        chunks.append(chunk)
-    os.close(read)
-    os.waitpid(pid, 0)
-    return b"".join(chunks).decode()
+    return _in_child(action)[1]
 
 
 # -- 4. fork ------------------------------------------------------------------------
