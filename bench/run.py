@@ -201,6 +201,9 @@ def _measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]
     def progress(message: str) -> None:
         print(f"  {message}", file=sys.stderr, flush=True)
 
+    def _quiet(message: str) -> None:
+        pass
+
     started = dt.datetime.now(dt.UTC)
     began = time.monotonic()
     run_servers: list[Any] = []
@@ -216,11 +219,11 @@ def _measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]
     try:
         impls = [cls(env) for cls in impl_classes]
         for wl_cls in selected:
-            wl = wl_cls(options)
-            taking_part = [impl for impl in impls if wl.supports(type(impl))]
-            print(f"{wl.name}: {len(taking_part)} implementations", file=sys.stderr, flush=True)
-            samples = wl.run(taking_part, progress if args.verbose else lambda message: None)
-            sections[wl.name] = workload_result(wl, samples)
+            workload = wl_cls(options)
+            running = [impl for impl in impls if workload.supports(type(impl))]
+            print(f"{workload.name}: {len(running)} implementations", file=sys.stderr, flush=True)
+            samples = workload.run(running, progress if args.verbose else _quiet)
+            sections[workload.name] = workload_result(workload, samples)
     finally:
         for impl in impls:
             impl.close()
