@@ -1,8 +1,10 @@
 """etcd backend: locks on leases, fenced by the revision of the grant.
 
-It speaks etcd's v3 JSON gateway (``/v3/kv/txn``, ``/v3/lease/*``, ``/v3/watch``) with
-the standard library's ``http.client``: no driver to install, one code path for every
-call (the asyncio API runs it in the backend's worker threads, as on ZooKeeper). See
+It speaks etcd's v3 JSON gateway (``/v3/kv/txn``, ``/v3/lease/*``, ``/v3/watch``): no
+driver to install. The protocol is written once, as generators that yield the requests
+to make (sans I/O); the blocking API carries them out with the standard library's
+``http.client``, the asyncio API with a small HTTP/1.1 client on asyncio streams
+(:mod:`distlocks.backends._etcd_http`), natively, without worker threads. See
 docs/backend-etcd.md for why, and for the measurements.
 
 Keys, under ``OPTIONS["prefix"]`` (default ``distlocks``), the name percent-encoded::
@@ -26,6 +28,7 @@ Keys, under ``OPTIONS["prefix"]`` (default ``distlocks``), the name percent-enco
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import dataclasses
@@ -35,16 +38,19 @@ import json
 import logging
 import math
 import os
+import secrets
 import socket
 import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, ClassVar, NoReturn
+import weakref
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
 
+from distlocks.backends import _etcd_http
 from distlocks.backends.base import (
     AcquireResult,
     BaseBackend,
@@ -52,10 +58,12 @@ from distlocks.backends.base import (
     LockInfo,
     holder_details,
 )
+from distlocks.backends.etcd_primitives import EtcdPermits
 from distlocks.exceptions import LockBackendUnavailable, LockError
 from distlocks.redaction import redact
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULTS: dict[str, Any] = {
     "prefix": "distlocks",
@@ -74,6 +82,14 @@ _NOT_FOUND = 5
 _UNAUTHENTICATED = 16
 #: Most operations etcd takes in one transaction (its --max-txn-ops default is 128).
 _TXN_BATCH = 100
+#: Errors of a kept-alive connection that the server closed while it was idle: the
+#: request never reached the server, so it is sent once more on a new connection.
+_IDLE_DEATHS = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
+
+
+def _new_lease_id() -> int:
+    """A lease id for a grant (etcd takes the client's): random, positive, 62 bits."""
+    return secrets.randbits(62) or 1
 
 
 class _LeaseGone(LockError):
@@ -103,6 +119,72 @@ class _Entry:
     wait_rev: int = 0
     #: The lock key's create_revision once held (0: not held).
     lock_rev: int = 0
+
+
+# -- transport steps: what the protocol generators yield to a driver -------------------
+
+
+@dataclasses.dataclass(slots=True)
+class _Post:
+    """POST ``payload`` to ``path``: on a kept-alive connection when ``index`` is None
+    (the driver answers None when it has none), else on a new connection to endpoint
+    ``index``. Answered with a :class:`_Reply`."""
+
+    path: str
+    payload: bytes
+    headers: dict[str, str]
+    index: int | None
+
+
+@dataclasses.dataclass(slots=True)
+class _Reply:
+    """The outcome of a :class:`_Post` or :class:`_OpenWatch`: an HTTP answer, or the
+    transport ``error`` met (nothing was answered)."""
+
+    status: int
+    data: bytes
+    #: The endpoint it went to, and whether the connection was a kept-alive one.
+    index: int
+    reused: bool
+    error: BaseException | None = None
+    #: The driver's connection, for a :class:`_Discard`.
+    conn: Any = None
+
+
+@dataclasses.dataclass(slots=True)
+class _Discard:
+    """Close the connection of a reply (its member cannot serve now)."""
+
+    conn: Any
+
+
+@dataclasses.dataclass(slots=True)
+class _OpenWatch:
+    """Open a streamed request on a connection of its own to endpoint ``index``
+    (closed when the protocol generator ends). Answered with a :class:`_Reply`."""
+
+    path: str
+    payload: bytes
+    headers: dict[str, str]
+    index: int
+
+
+@dataclasses.dataclass(slots=True)
+class _NextLine:
+    """The next line of the open stream within ``timeout`` seconds. Answered with
+    ``(line, error)``: ``(None, None)`` at the timeout, ``b""`` when it ended."""
+
+    timeout: float
+
+
+@dataclasses.dataclass
+class _LoopSide:
+    """One event loop's connections: those kept alive (most recently used last) and
+    the limits on requests in flight and on open watches."""
+
+    calls: asyncio.Semaphore
+    watches: asyncio.Semaphore
+    idle: list[_etcd_http.Connection] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +299,7 @@ def _credentials(location: Any) -> tuple[str, str] | None:
     return None
 
 
-class EtcdBackend(BaseBackend):
+class EtcdBackend(EtcdPermits, BaseBackend):
     """Locks on an etcd v3 cluster, through its JSON gateway.
 
     ``LOCATION``: an endpoint URL (``"http://etcd1:2379"``), several separated by commas,
@@ -254,6 +336,10 @@ class EtcdBackend(BaseBackend):
         self._local = threading.local()
         self._conns: set[http.client.HTTPConnection] = set()
         self._conns_lock = threading.Lock()
+        #: Each event loop's connections (asyncio connections belong to one loop).
+        self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopSide] = (
+            weakref.WeakKeyDictionary()
+        )
         self._entries: dict[tuple[str, str], _Entry] = {}
         #: The endpoint that answered last: tried first by the next connection.
         self._preferred = 0
@@ -299,7 +385,13 @@ class EtcdBackend(BaseBackend):
                 problems.append("OPTIONS['password'] needs OPTIONS['user']")
         return problems
 
-    # -- HTTP --------------------------------------------------------------------
+    # -- HTTP ----------------------------------------------------------------------
+    # The protocol (which member to ask, what to retry, what an answer means, every
+    # lock recipe) is written once, as generators that yield transport steps (_Post,
+    # _Discard, _OpenWatch, _NextLine) and get their outcomes back. Two drivers carry
+    # the steps out: _sync on http.client (a kept-alive connection per thread), _arun on
+    # asyncio streams (kept-alive connections per event loop). Every blocking method is
+    # `self._sync(self._<name>_g(...))`, every asyncio one `await self._arun(...)`.
 
     def _needs_tls(self, opts: Mapping[str, Any]) -> bool:
         return any(e.scheme == "https" for e in self.endpoints) or any(
@@ -345,12 +437,14 @@ class EtcdBackend(BaseBackend):
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
             # A forked child: the parent's connections and leases are not ours to use
-            # (the lease objects refuse too; this keeps the child off the parent's sockets).
+            # (the lease objects refuse too; this keeps the child off the parent's
+            # sockets, the asyncio ones included: they are left open, not closed).
             self._pid = os.getpid()
             self._local = threading.local()
             self._conns = set()
             self._conns_lock = threading.Lock()
             self._entries = {}
+            self._loops = weakref.WeakKeyDictionary()
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -358,69 +452,302 @@ class EtcdBackend(BaseBackend):
             headers["Authorization"] = self._auth_token
         return headers
 
+    # -- the blocking driver ---------------------------------------------------------
+
+    def _sync(self, steps: Generator[Any, Any, T]) -> T:
+        """Run a protocol generator on http.client: this thread's kept-alive connection
+        for requests, a connection of its own for a watch (closed at the end)."""
+        self._check_pid()
+        watch: tuple[http.client.HTTPConnection, http.client.HTTPResponse] | None = None
+        value: Any = None
+        try:
+            while True:
+                try:
+                    step = steps.send(value)
+                except StopIteration as stop:
+                    return stop.value
+                kind = type(step)
+                if kind is _Post:
+                    value = self._sync_post(step)
+                elif kind is _Discard:
+                    self._drop(step.conn)
+                    value = None
+                elif kind is _OpenWatch:
+                    if watch is not None:
+                        watch[0].close()
+                    value, watch = self._sync_open_watch(step)
+                else:
+                    assert kind is _NextLine
+                    assert watch is not None
+                    value = self._sync_next_line(watch, step.timeout)
+        finally:
+            steps.close()
+            if watch is not None:
+                watch[0].close()
+
+    def _sync_post(self, step: _Post) -> _Reply | None:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if step.index is None:
+            if conn is None:
+                return None
+            index, reused = getattr(self._local, "index", self._preferred), True
+        else:
+            if conn is not None:
+                self._drop(conn)
+            conn, index, reused = None, step.index, False
+        try:
+            if conn is None:
+                conn = self._open(self.endpoints[index])
+                self._local.conn, self._local.index = conn, index
+            conn.request("POST", step.path, step.payload, step.headers)
+            reply = conn.getresponse()
+            return _Reply(reply.status, reply.read(), index, reused, conn=conn)
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop(conn)
+            return _Reply(0, b"", index, reused, exc)
+
+    def _sync_open_watch(
+        self, step: _OpenWatch
+    ) -> tuple[_Reply, tuple[http.client.HTTPConnection, http.client.HTTPResponse] | None]:
+        conn: http.client.HTTPConnection | None = None
+        try:
+            conn = self._connect(self.endpoints[step.index], self.connect_timeout)
+            conn.request("POST", step.path, step.payload, step.headers)
+            assert conn.sock is not None
+            conn.sock.settimeout(self.socket_timeout)
+            reply = conn.getresponse()
+            if reply.status != 200:
+                data = reply.read()
+                conn.close()
+                return _Reply(reply.status, data, step.index, False), None
+            return _Reply(200, b"", step.index, False), (conn, reply)
+        except (OSError, http.client.HTTPException) as exc:
+            if conn is not None:
+                conn.close()
+            return _Reply(0, b"", step.index, False, exc), None
+
+    @staticmethod
+    def _sync_next_line(
+        watch: tuple[http.client.HTTPConnection, http.client.HTTPResponse], timeout: float
+    ) -> tuple[bytes | None, BaseException | None]:
+        conn, reply = watch
+        try:
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+            return reply.readline(), None
+        except TimeoutError:
+            return None, None
+        except (OSError, http.client.HTTPException) as exc:
+            return None, exc
+
+    # -- the asyncio driver ------------------------------------------------------------
+
+    #: Requests one event loop has in flight at most (each on a connection of its own);
+    #: more wait for one to finish, up to ASYNC_QUEUE_TIMEOUT.
+    ASYNC_CALLS = 64
+    #: Watches (waiting callers) one event loop has open at most; a waiter beyond them
+    #: waits for a free one within its own wait, then tries the lock again.
+    ASYNC_WATCHES = 256
+    ASYNC_QUEUE_TIMEOUT = 30.0
+
+    def _loop_side(self) -> _LoopSide:
+        """The running event loop's connections (a connection is bound to its loop)."""
+        loop = asyncio.get_running_loop()
+        side = self._loops.get(loop)
+        if side is None:
+            side = self._loops[loop] = _LoopSide(
+                asyncio.Semaphore(self.ASYNC_CALLS), asyncio.Semaphore(self.ASYNC_WATCHES)
+            )
+        return side
+
+    async def _arun(self, steps: Generator[Any, Any, T]) -> T:
+        """:meth:`_sync` on asyncio: kept-alive connections of the running loop for
+        requests, a connection of its own for a watch. Cancelled mid-request, the
+        connection is closed (its answer would be unread)."""
+        self._check_pid()
+        side = self._loop_side()
+        watch: _etcd_http.Connection | None = None
+        value: Any = None
+        try:
+            while True:
+                try:
+                    step = steps.send(value)
+                except StopIteration as stop:
+                    return stop.value
+                kind = type(step)
+                if kind is _Post:
+                    value = await self._apost(side, step)
+                elif kind is _Discard:
+                    step.conn.close()
+                    with contextlib.suppress(ValueError):
+                        side.idle.remove(step.conn)
+                    value = None
+                elif kind is _OpenWatch:
+                    if watch is not None:
+                        watch.close()
+                        watch = None
+                    value, watch = await self._aopen_watch(step)
+                else:
+                    assert kind is _NextLine
+                    assert watch is not None
+                    value = await self._anext_line(watch, step.timeout)
+        finally:
+            steps.close()
+            if watch is not None:
+                watch.close()
+
+    async def _aconnect(self, index: int) -> _etcd_http.Connection:
+        endpoint = self.endpoints[index]
+        context = self._ssl if endpoint.scheme == "https" else None
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                return await _etcd_http.connect(endpoint.host, endpoint.port, context, index)
+        except TimeoutError:
+            raise TimeoutError(f"no connection within {self.connect_timeout:g} s") from None
+
+    async def _apost(self, side: _LoopSide, step: _Post) -> _Reply | None:
+        if side.calls.locked():
+            try:
+                async with asyncio.timeout(self.ASYNC_QUEUE_TIMEOUT):
+                    await side.calls.acquire()
+            except TimeoutError:
+                raise LockBackendUnavailable(
+                    self.alias,
+                    f"no free connection within {self.ASYNC_QUEUE_TIMEOUT:g} s: "
+                    f"{self.ASYNC_CALLS} requests of this event loop were in flight the "
+                    f"whole time",
+                ) from None
+        else:
+            await side.calls.acquire()
+        conn: _etcd_http.Connection | None = None
+        try:
+            if step.index is None:
+                while side.idle and conn is None:
+                    conn = side.idle.pop()
+                    if not conn.idle_and_open():
+                        conn.close()
+                        conn = None
+                if conn is None:
+                    return None
+                index, reused = conn.index, True
+            else:
+                index, reused = step.index, False
+                conn = await self._aconnect(index)
+            try:
+                async with asyncio.timeout(self.socket_timeout):
+                    status, data = await conn.post(step.path, step.payload, step.headers)
+            except TimeoutError:
+                raise TimeoutError(f"no answer within {self.socket_timeout:g} s") from None
+        except (OSError, EOFError, http.client.HTTPException) as exc:
+            if conn is not None:
+                conn.close()
+            return _Reply(0, b"", index, reused, exc)
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        finally:
+            side.calls.release()
+        if conn.usable and len(side.idle) < self.ASYNC_CALLS:
+            side.idle.append(conn)
+        else:
+            conn.close()
+        return _Reply(status, data, index, reused, conn=conn)
+
+    async def _aopen_watch(self, step: _OpenWatch) -> tuple[_Reply, _etcd_http.Connection | None]:
+        conn: _etcd_http.Connection | None = None
+        try:
+            conn = await self._aconnect(step.index)
+            try:
+                async with asyncio.timeout(self.socket_timeout):
+                    status, data = await conn.open_stream(step.path, step.payload, step.headers)
+            except TimeoutError:
+                raise TimeoutError(f"no answer within {self.socket_timeout:g} s") from None
+        except (OSError, EOFError, http.client.HTTPException) as exc:
+            if conn is not None:
+                conn.close()
+            return _Reply(0, b"", step.index, False, exc), None
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
+        if status != 200:
+            conn.close()
+            return _Reply(status, data, step.index, False), None
+        return _Reply(200, b"", step.index, False), conn
+
+    @staticmethod
+    async def _anext_line(
+        conn: _etcd_http.Connection, timeout: float
+    ) -> tuple[bytes | None, BaseException | None]:
+        try:
+            async with asyncio.timeout(timeout):
+                return await conn.next_line(), None
+        except TimeoutError:
+            return None, None
+        except (OSError, EOFError, http.client.HTTPException) as exc:
+            return None, exc
+
+    # -- requests ------------------------------------------------------------------------
+
     def _call(self, path: str, body: Any, action: str, name: str, *, raw: bool = False) -> Any:
-        """POST ``body`` to the gateway; the decoded answer. A member that cannot be
+        """POST ``body`` to the gateway; the decoded answer (see :meth:`_call_g`)."""
+        return self._sync(self._call_g(path, body, action, name, raw=raw))
+
+    def _call_g(
+        self, path: str, body: Any, action: str, name: str, *, raw: bool = False
+    ) -> Generator[Any, Any, Any]:
+        """POST ``body`` to the gateway; the decoded answer. A kept-alive connection is
+        used first; one that the server closed while it was idle is replaced once,
+        transparently (the request never reached the server). A member that cannot be
         reached, or answers UNAVAILABLE (no leader, leader changed: an election in
         progress; a learner), is passed over for the next endpoint, each tried once;
         LockBackendUnavailable once none answers."""
-        self._check_pid()
         if self._creds and not self._auth_token and not path.startswith("/v3/auth/"):
-            self._authenticate(action, name)
-        payload = body if raw else json.dumps(body, separators=(",", ":"))
+            yield from self._authenticate_g(action, name)
+        text = body if raw else json.dumps(body, separators=(",", ":"))
+        payload = text.encode()
+        headers = self._headers()
         last: BaseException | None = None
         count = len(self.endpoints)
         tried: set[int] = set()
+        fresh = False
         while True:
-            conn = getattr(self._local, "conn", None)
-            reused = conn is not None
-            if reused:
-                index = getattr(self._local, "index", self._preferred)
-            else:
+            index: int | None = None
+            if fresh:
                 order = ((self._preferred + k) % count for k in range(count))
-                untried = next((i for i in order if i not in tried), None)
-                if untried is None:
+                index = next((i for i in order if i not in tried), None)
+                if index is None:
                     break
-                index = untried
-            try:
-                if conn is None:
-                    tried.add(index)
-                    conn = self._open(self.endpoints[index])
-                    self._local.conn, self._local.index = conn, index
-                    self._preferred = index
-                conn.request("POST", path, payload, self._headers())
-                reply = conn.getresponse()
-                data = reply.read()
-                status = reply.status
-            except (OSError, http.client.HTTPException) as exc:
-                self._drop(conn)
-                last = exc
-                if not (
-                    reused
-                    and isinstance(
-                        exc, http.client.RemoteDisconnected | BrokenPipeError | ConnectionResetError
-                    )
-                ):
-                    tried.add(index)
+                tried.add(index)
+            reply = yield _Post(path, payload, headers, index)
+            if reply is None:
+                fresh = True  # no kept-alive connection: a new one
+                continue
+            if reply.error is not None:
+                last, fresh = reply.error, True
+                if reply.reused and not isinstance(reply.error, _IDLE_DEATHS):
+                    tried.add(reply.index)
                 # else: a kept-alive connection the server had closed: once more
                 continue
+            if not reply.reused:
+                self._preferred = reply.index
+            status, data = reply.status, reply.data
             if status != 200:
                 refused = _unavailable_answer(status, data)
                 if refused is not None:
                     # This member cannot serve now: the next one may (the request was
                     # not applied, or is retry-safe like a timeout: see docs).
-                    self._drop(conn)
-                    tried.add(index)
-                    last = refused
+                    yield _Discard(reply.conn)
+                    tried.add(reply.index)
+                    last, fresh = refused, True
                     continue
-            if raw:
-                if status != 200:
-                    self._raise_answer(status, data, action, name, path, body)
-                return data
-            if status != 200:
                 try:
                     self._raise_answer(status, data, action, name, path, body)
                 except _ReAuth:
-                    return self._call(path, body, action, name)
+                    return (yield from self._call_g(path, body, action, name, raw=raw))
+            if raw:
+                return data
             try:
                 return json.loads(data)
             except ValueError as exc:
@@ -445,7 +772,6 @@ class EtcdBackend(BaseBackend):
             self._auth_token = ""
             raise _ReAuth(message)
         if code in _UNAVAILABLE_CODES or status in (502, 503, 504):
-            self._drop(getattr(self._local, "conn", None))
             exc = _ServerSaid(code, message)
             raise self._unavailable(action, name, exc) from exc
         raise LockError(
@@ -453,11 +779,11 @@ class EtcdBackend(BaseBackend):
             f"(HTTP {status}, code {code}): {redact(message)}"
         ) from _ServerSaid(code, message)
 
-    def _authenticate(self, action: str, name: str) -> None:
+    def _authenticate_g(self, action: str, name: str) -> Generator[Any, Any, None]:
         assert self._creds is not None
         user, password = self._creds
         try:
-            answer = self._call(
+            answer = yield from self._call_g(
                 "/v3/auth/authenticate", {"name": user, "password": password}, action, name
             )
         except LockBackendUnavailable:
@@ -486,6 +812,21 @@ class EtcdBackend(BaseBackend):
             with contextlib.suppress(Exception):
                 conn.close()
         self._local = threading.local()
+        loops, self._loops = list(self._loops.items()), weakref.WeakKeyDictionary()
+        for loop, side in loops:
+            idle, side.idle = side.idle, []
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            for aconn in idle:
+                # A transport is closed on its own loop's thread; a closed loop's
+                # sockets go with its transports.
+                if loop is running:
+                    aconn.close()
+                elif not loop.is_closed():
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(aconn.close)
 
     # -- keys and small requests ---------------------------------------------------
 
@@ -512,22 +853,60 @@ class EtcdBackend(BaseBackend):
         success: list[dict[str, Any]],
         failure: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
+        return self._sync(self._txn_g(action, name, compare, success, failure))
+
+    def _txn_g(
+        self,
+        action: str,
+        name: str,
+        compare: list[dict[str, Any]],
+        success: list[dict[str, Any]],
+        failure: list[dict[str, Any]] | None = None,
+    ) -> Generator[Any, Any, dict[str, Any]]:
         body: dict[str, Any] = {"compare": compare, "success": success}
         if failure:
             body["failure"] = failure
-        return dict(self._call("/v3/kv/txn", body, action, name))
+        return dict((yield from self._call_g("/v3/kv/txn", body, action, name)))
 
     def _grant(self, ttl: float, action: str, name: str) -> tuple[int, int]:
         """A new lease of at least ``ttl`` seconds: (id, seconds granted)."""
-        answer = self._call("/v3/lease/grant", {"TTL": lease_seconds(ttl)}, action, name)
+        return self._sync(self._grant_g(ttl, action, name))
+
+    def _grant_g(
+        self, ttl: float, action: str, name: str, lease: int = 0
+    ) -> Generator[Any, Any, tuple[int, int]]:
+        """:meth:`_grant` of the lease id ``lease`` (a new random one when 0). The id is
+        chosen here, not by the server, so that a caller interrupted before the answer
+        still knows which lease to revoke; a grant repeated after a lost answer finds
+        its own lease there."""
+        lease = lease or _new_lease_id()
+        try:
+            answer = yield from self._call_g(
+                "/v3/lease/grant", {"TTL": lease_seconds(ttl), "ID": str(lease)}, action, name
+            )
+        except LockError as exc:
+            said = exc.__cause__
+            if not (isinstance(said, _ServerSaid) and "lease already exists" in str(said)):
+                raise
+            # Ours, granted by an attempt whose answer was lost (or, once in 2**62, a
+            # lease of somebody else's id: its time to live says it is live either way).
+            left, granted = yield from self._time_to_live_g(lease, action, name)
+            if left <= 0:
+                raise
+            return lease, granted
         return _int(answer.get("ID")), _int(answer.get("TTL"))
 
     def _keepalive(self, leases: Sequence[int], action: str, name: str) -> list[int]:
         """Renew each lease (one request for all); the seconds each now has, 0 if gone."""
+        return self._sync(self._keepalive_g(leases, action, name))
+
+    def _keepalive_g(
+        self, leases: Sequence[int], action: str, name: str
+    ) -> Generator[Any, Any, list[int]]:
         if not leases:
             return []
         body = "\n".join(json.dumps({"ID": str(lease)}) for lease in leases)
-        data = self._call("/v3/lease/keepalive", body, action, name, raw=True)
+        data = yield from self._call_g("/v3/lease/keepalive", body, action, name, raw=True)
         ttls: dict[int, int] = {}
         for line in data.splitlines():
             if not line.strip():
@@ -539,16 +918,26 @@ class EtcdBackend(BaseBackend):
     def _revoke_quietly(self, lease: int) -> None:
         """Revoke a lease this process no longer needs: a failure is harmless (it
         expires by itself within its ttl)."""
+        self._sync(self._revoke_quietly_g(lease))
+
+    def _revoke_quietly_g(self, lease: int) -> Generator[Any, Any, None]:
         try:
-            self._call("/v3/lease/revoke", {"ID": str(lease)}, "revoke the lease of", "")
+            yield from self._call_g(
+                "/v3/lease/revoke", {"ID": str(lease)}, "revoke the lease of", ""
+            )
         except LockError:
             logger.debug("Could not revoke etcd lease %x", lease, exc_info=True)
 
     def _time_to_live(self, lease: int, action: str, name: str) -> tuple[int, int]:
         """(seconds left, seconds granted) of ``lease``; (-1, 0) if it is gone."""
+        return self._sync(self._time_to_live_g(lease, action, name))
+
+    def _time_to_live_g(
+        self, lease: int, action: str, name: str
+    ) -> Generator[Any, Any, tuple[int, int]]:
         if not lease:
             return -1, 0
-        answer = self._call("/v3/lease/timetolive", {"ID": str(lease)}, action, name)
+        answer = yield from self._call_g("/v3/lease/timetolive", {"ID": str(lease)}, action, name)
         return _int(answer.get("TTL")), _int(answer.get("grantedTTL"))
 
     def _clock_us(self) -> int:
@@ -621,21 +1010,62 @@ class EtcdBackend(BaseBackend):
         wait: float = 0.0,
         fair: bool = False,
     ) -> AcquireResult:
-        self._check_pid()
+        return self._sync(self._acquire_g(name, owner, ttl, holder, wait, fair))
+
+    async def aacquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        wait: float = 0.0,
+        fair: bool = False,
+    ) -> AcquireResult:
+        try:
+            return await self._arun(self._acquire_g(name, owner, ttl, holder, wait, fair))
+        except asyncio.CancelledError:
+            await self._abandon(name, owner)
+            raise
+
+    async def _abandon(self, name: str, owner: str) -> None:
+        """A cancelled acquire: revoke its lease, which takes with it the waiter key and
+        a lock key the interrupted transaction may have written. The lease id is known
+        before the grant is sent, so even a grant whose answer never came is revoked."""
+        entry = self._entries.pop((name, owner), None)
+        if entry is None:
+            return
+        try:
+            await self._arun(self._revoke_quietly_g(entry.lease))
+        except BaseException:
+            # Cancelled again (or the loop is going away): finish it off the loop.
+            threading.Thread(target=self._revoke_quietly, args=(entry.lease,), daemon=True).start()
+            raise
+
+    def _acquire_g(
+        self, name: str, owner: str, ttl: float, holder: Holder, wait: float, fair: bool
+    ) -> Generator[Any, Any, AcquireResult]:
         action = "acquire"
         entry = self._entries.get((name, owner))
-        if entry is not None:
+        if entry is not None and entry.lease_ttl:
             # Back from a wait (or a retry): renew the lease first and make sure it is
             # still alive, so the lease handed out is good for its whole ttl (a lock
             # granted on a lease that ran out while queued is the bug Jepsen found in
             # etcd 3.4.3's lock).
-            left = self._keepalive([entry.lease], action, name)[0]
+            left = (yield from self._keepalive_g([entry.lease], action, name))[0]
             if left <= 0:
                 entry = None  # expired while queued: its waiter key went with it
-        if entry is None:
-            lease, granted = self._grant(ttl, action, name)
-            entry = _Entry(lease, granted)
+        if entry is None or not entry.lease_ttl:
+            # Known (to a cancelled caller's clean-up) before the grant is sent.
+            entry = _Entry(_new_lease_id(), 0)
             self._entries[(name, owner)] = entry
+            try:
+                entry.lease, entry.lease_ttl = yield from self._grant_g(
+                    ttl, action, name, entry.lease
+                )
+            except LockError:
+                self._entries.pop((name, owner), None)
+                raise
         remaining = min(ttl, float(entry.lease_ttl))
         value = json.dumps(
             {
@@ -651,7 +1081,7 @@ class EtcdBackend(BaseBackend):
         )
         try:
             for _ in range(8):
-                outcome = self._attempt(name, owner, entry, value, wait > 0, fair)
+                outcome = yield from self._attempt_g(name, owner, entry, value, wait > 0, fair)
                 if outcome is None:
                     continue  # something was set up (fence, floor, queue place): again
                 if outcome.acquired:
@@ -660,7 +1090,7 @@ class EtcdBackend(BaseBackend):
                     return outcome
                 # Try once: nothing of this attempt stays on the server.
                 self._entries.pop((name, owner), None)
-                self._revoke_quietly(entry.lease)
+                yield from self._revoke_quietly_g(entry.lease)
                 return outcome
         except _LeaseGone:
             # The lease ran out between the renewal and the transaction (a long pause):
@@ -669,13 +1099,12 @@ class EtcdBackend(BaseBackend):
             return AcquireResult(False, 0, None)
         raise LockError(f"Could not take lock {name!r} on backend {self.alias!r}: no progress.")
 
-    def _attempt(
+    def _attempt_g(
         self, name: str, owner: str, entry: _Entry, value: str, queue: bool, fair: bool
-    ) -> AcquireResult | None:
+    ) -> Generator[Any, Any, AcquireResult | None]:
         """One transaction; None when the caller should try again at once."""
         lock, fence = _b64(self.lock_key(name)), _b64(self.fence_key(name))
         wait_key = _b64(self.wait_key(name, owner))
-        prefix = self.wait_prefix(name)
         put_lock = {"requestPut": {"key": lock, "value": _b64(value), "lease": str(entry.lease)}}
         taken = [put_lock, {"requestDeleteRange": {"key": wait_key}}]
         compare = [
@@ -691,17 +1120,9 @@ class EtcdBackend(BaseBackend):
             failure += [
                 # Queue (a put keeps the create_revision of a key that exists).
                 {"requestPut": {"key": wait_key, "value": _b64(value), "lease": str(entry.lease)}},
-                {
-                    "requestRange": {
-                        "key": _b64(prefix),
-                        "range_end": _prefix_end(prefix),
-                        "sort_order": "ASCEND",
-                        "sort_target": "CREATE",
-                        "keys_only": True,
-                    }
-                },
+                self._queue_range(self.wait_prefix(name)),
             ]
-        answer = self._txn(
+        answer = yield from self._txn_g(
             "acquire",
             name,
             compare,
@@ -733,14 +1154,16 @@ class EtcdBackend(BaseBackend):
             held = lock_kvs[0]
             if self._owner_of(held) == owner:
                 # A retried acquire whose first reply was lost: the lock is already ours.
-                return self._adopt(name, owner, entry, held, fence_kvs)
+                return (yield from self._adopt_g(name, owner, entry, held, fence_kvs))
             if not fence_kvs:
-                self._create_fence(name)
-            return AcquireResult(False, 0, None if queue else self._remaining_of(held, name))
+                yield from self._create_fence_g(name)
+            if queue:
+                return AcquireResult(False, 0, None)
+            return AcquireResult(False, 0, (yield from self._remaining_of_g(held, name)))
         if not fence_kvs:
-            return self._first_use(name, owner, entry, value, fair)
+            return (yield from self._first_use_g(name, owner, entry, value, fair))
         if self.token_floor and _base(fence_kvs[0]) < self.token_floor:
-            self._raise_floor(name, fence_kvs[0])
+            yield from self._raise_floor_g(name, fence_kvs[0])
             return None
         # Free, but others queue before this caller.
         if queue and first:
@@ -754,26 +1177,28 @@ class EtcdBackend(BaseBackend):
             return ""
         return str(data.get("owner", "")) if isinstance(data, dict) else ""
 
-    def _remaining_of(self, kv: Mapping[str, Any], name: str) -> float | None:
-        left, _ = self._time_to_live(_int(kv.get("lease")), "acquire", name)
+    def _remaining_of_g(
+        self, kv: Mapping[str, Any], name: str
+    ) -> Generator[Any, Any, float | None]:
+        left, _ = yield from self._time_to_live_g(_int(kv.get("lease")), "acquire", name)
         if left < 0:
             return 0.001  # going, or already gone
         return max(0.001, float(left))
 
-    def _adopt(
+    def _adopt_g(
         self,
         name: str,
         owner: str,
         entry: _Entry,
         held: Mapping[str, Any],
         fence_kvs: list[dict[str, Any]],
-    ) -> AcquireResult:
+    ) -> Generator[Any, Any, AcquireResult]:
         lease = _int(held.get("lease"))
         if lease != entry.lease:
-            self._revoke_quietly(entry.lease)
-            _, granted = self._time_to_live(lease, "acquire", name)
+            yield from self._revoke_quietly_g(entry.lease)
+            _, granted = yield from self._time_to_live_g(lease, "acquire", name)
             entry.lease, entry.lease_ttl = lease, granted
-            self._keepalive([lease], "acquire", name)
+            yield from self._keepalive_g([lease], "acquire", name)
         entry.wait_rev, entry.lock_rev = 0, _int(held.get("create_revision"))
         token = token_of(entry.lock_rev, fence_kvs[0]) if fence_kvs else 0
         return AcquireResult(True, token)
@@ -781,14 +1206,14 @@ class EtcdBackend(BaseBackend):
     def _new_base(self) -> int:
         return max(self._clock_us(), self.token_floor)
 
-    def _first_use(
+    def _first_use_g(
         self, name: str, owner: str, entry: _Entry, value: str, fair: bool
-    ) -> AcquireResult | None:
+    ) -> Generator[Any, Any, AcquireResult | None]:
         """The name's first lock: create the fence key with its base in the same
         transaction as the lock key."""
         lock, fence = _b64(self.lock_key(name)), _b64(self.fence_key(name))
         base = self._new_base()
-        answer = self._txn(
+        answer = yield from self._txn_g(
             "acquire",
             name,
             [
@@ -807,9 +1232,9 @@ class EtcdBackend(BaseBackend):
         entry.wait_rev, entry.lock_rev = 0, _int(answer["header"].get("revision"))
         return AcquireResult(True, base)
 
-    def _create_fence(self, name: str) -> None:
+    def _create_fence_g(self, name: str) -> Generator[Any, Any, None]:
         fence = _b64(self.fence_key(name))
-        self._txn(
+        yield from self._txn_g(
             "acquire",
             name,
             [{"target": "CREATE", "key": fence, "result": "EQUAL", "create_revision": "0"}],
@@ -823,11 +1248,11 @@ class EtcdBackend(BaseBackend):
             ],
         )
 
-    def _raise_floor(self, name: str, fence_kv: Mapping[str, Any]) -> None:
+    def _raise_floor_g(self, name: str, fence_kv: Mapping[str, Any]) -> Generator[Any, Any, None]:
         """Move the name's token base up to ``token_floor``: every later token is above
         it, and above every earlier token (the base only grows, and so does the revision)."""
         fence = _b64(self.fence_key(name))
-        self._txn(
+        yield from self._txn_g(
             "acquire",
             name,
             [
@@ -851,29 +1276,36 @@ class EtcdBackend(BaseBackend):
     # -- release, extend -----------------------------------------------------------
 
     def release(self, name: str, owner: str) -> bool:
+        return self._sync(self._release_g(name, owner))
+
+    async def arelease(self, name: str, owner: str) -> bool:
+        return await self._arun(self._release_g(name, owner))
+
+    def _release_g(self, name: str, owner: str) -> Generator[Any, Any, bool]:
         """Revoke the lease of ``owner``'s lock: etcd deletes the lock key with it, in
         one step, and nothing else (the lease is this acquisition's own). A lease that
         is gone (expired, or revoked by a force release) means the lock was not ours
         any more: False."""
-        self._check_pid()
         entry = self._entries.pop((name, owner), None)
         if entry is not None and entry.lock_rev:
             try:
-                self._call("/v3/lease/revoke", {"ID": str(entry.lease)}, "release", name)
+                yield from self._call_g(
+                    "/v3/lease/revoke", {"ID": str(entry.lease)}, "release", name
+                )
             except _LeaseGone:
                 return False
             return True
         if entry is not None:
-            self._revoke_quietly(entry.lease)
+            yield from self._revoke_quietly_g(entry.lease)
         # Not this process's (or forgotten): find the owner's lock on the server and
         # delete it only if it is still that incarnation on that lease.
         lock = _b64(self.lock_key(name))
-        answer = self._call("/v3/kv/range", {"key": lock}, "release", name)
+        answer = yield from self._call_g("/v3/kv/range", {"key": lock}, "release", name)
         held = answer.get("kvs") or []
         if not held or self._owner_of(held[0]) != owner:
             return False
         lease, created = _int(held[0].get("lease")), _int(held[0].get("create_revision"))
-        answer = self._txn(
+        answer = yield from self._txn_g(
             "release",
             name,
             [
@@ -888,41 +1320,47 @@ class EtcdBackend(BaseBackend):
             [{"requestDeleteRange": {"key": lock}}],
         )
         if answer.get("succeeded"):
-            self._revoke_quietly(lease)
+            yield from self._revoke_quietly_g(lease)
         return bool(answer.get("succeeded"))
 
     def leave_queue(self, name: str, owner: str) -> None:
-        self._check_pid()
+        self._sync(self._leave_queue_g(name, owner))
+
+    async def aleave_queue(self, name: str, owner: str) -> None:
+        await self._arun(self._leave_queue_g(name, owner))
+
+    def _leave_queue_g(self, name: str, owner: str) -> Generator[Any, Any, None]:
         entry = self._entries.pop((name, owner), None)
         if entry is not None:
             # Revoking the lease deletes the waiter key, and a lock key a lost reply
             # may have granted on it: nothing of this attempt stays.
             with contextlib.suppress(_LeaseGone):
-                self._call("/v3/lease/revoke", {"ID": str(entry.lease)}, "leave the queue of", name)
+                yield from self._call_g(
+                    "/v3/lease/revoke", {"ID": str(entry.lease)}, "leave the queue of", name
+                )
             return
-        self._call(
+        yield from self._call_g(
             "/v3/kv/deleterange",
             {"key": _b64(self.wait_key(name, owner))},
             "leave the queue of",
             name,
         )
 
-    def _entry_for(self, name: str, owner: str, action: str) -> _Entry | None:
+    def _entry_for_g(
+        self, name: str, owner: str, action: str
+    ) -> Generator[Any, Any, _Entry | None]:
         """This process's entry for a held lock, or one rebuilt from the server."""
         entry = self._entries.get((name, owner))
         if entry is not None and entry.lock_rev:
             return entry
-        held = _kvs(
-            {
-                "response_range": self._call(
-                    "/v3/kv/range", {"key": _b64(self.lock_key(name))}, action, name
-                )
-            }
+        answer = yield from self._call_g(
+            "/v3/kv/range", {"key": _b64(self.lock_key(name))}, action, name
         )
+        held = _kvs({"response_range": answer})
         if not held or self._owner_of(held[0]) != owner:
             return None
         lease = _int(held[0].get("lease"))
-        _, granted = self._time_to_live(lease, action, name)
+        _, granted = yield from self._time_to_live_g(lease, action, name)
         entry = _Entry(lease, granted, lock_rev=_int(held[0].get("create_revision")))
         self._entries[(name, owner)] = entry
         return entry
@@ -955,23 +1393,33 @@ class EtcdBackend(BaseBackend):
             raise result
         return result
 
+    async def aextend(self, name: str, owner: str, ttl: float) -> bool:
+        result = (await self._arun(self._extend_many_g([(name, owner, ttl)])))[0]
+        if isinstance(result, LockError):
+            raise result
+        return result
+
     def extend_many(self, leases: Sequence[tuple[str, str, float]]) -> list[bool | LockError]:
+        return self._sync(self._extend_many_g(leases))
+
+    def _extend_many_g(
+        self, leases: Sequence[tuple[str, str, float]]
+    ) -> Generator[Any, Any, list[bool | LockError]]:
         """Renew every lease with one keepalive request, then confirm each lock key is
         still on its lease with one transaction (a nested one per lock). Order matters:
         the check comes after the renewal, so a True means the lock was there, on a
         lease just renewed. A ttl that needs another lease length moves the lock."""
-        self._check_pid()
         results: list[bool | LockError] = [False] * len(leases)
         same: list[tuple[int, str, _Entry]] = []
         for index, (name, owner, ttl) in enumerate(leases):
             try:
-                entry = self._entry_for(name, owner, "extend")
+                entry = yield from self._entry_for_g(name, owner, "extend")
                 if entry is None:
                     results[index] = False
                 elif lease_seconds(ttl) != lease_seconds(entry.lease_ttl) and (
                     lease_seconds(ttl) > entry.lease_ttl
                 ):
-                    results[index] = self._move(name, owner, entry, ttl)
+                    results[index] = yield from self._move_g(name, owner, entry, ttl)
                 else:
                     same.append((index, name, entry))
             except LockError as exc:
@@ -979,40 +1427,46 @@ class EtcdBackend(BaseBackend):
         for start in range(0, len(same), _TXN_BATCH):
             batch = same[start : start + _TXN_BATCH]
             try:
-                self._renew(batch, results)
+                yield from self._renew_g(batch, results)
             except LockError as exc:
                 for index, _, _ in batch:
                     results[index] = exc
         return results
 
-    def _renew(self, batch: list[tuple[int, str, _Entry]], results: list[bool | LockError]) -> None:
+    def _renew_g(
+        self, batch: list[tuple[int, str, _Entry]], results: list[bool | LockError]
+    ) -> Generator[Any, Any, None]:
         what = batch[0][1] if len(batch) == 1 else f"{len(batch)} locks"
-        left = self._keepalive([entry.lease for _, _, entry in batch], "extend", what)
+        left = yield from self._keepalive_g([entry.lease for _, _, entry in batch], "extend", what)
         checks = [(i, n, e) for (i, n, e), secs in zip(batch, left, strict=True) if secs > 0]
         if checks:
-            answer = self._txn("extend", what, [], [self._still_mine(n, e) for _, n, e in checks])
+            answer = yield from self._txn_g(
+                "extend", what, [], [self._still_mine(n, e) for _, n, e in checks]
+            )
             for (index, _, _), response in zip(checks, answer.get("responses", []), strict=True):
                 results[index] = bool(response.get("response_txn", {}).get("succeeded"))
         for index, name, entry in batch:
             if results[index] is not True:
-                self._forget(name, entry)
+                yield from self._forget_g(name, entry)
 
-    def _forget(self, name: str, entry: _Entry) -> None:
+    def _forget_g(self, name: str, entry: _Entry) -> Generator[Any, Any, None]:
         for key, value in list(self._entries.items()):
             if value is entry:
                 self._entries.pop(key, None)
-        self._revoke_quietly(entry.lease)
+        yield from self._revoke_quietly_g(entry.lease)
 
-    def _move(self, name: str, owner: str, entry: _Entry, ttl: float) -> bool:
+    def _move_g(
+        self, name: str, owner: str, entry: _Entry, ttl: float
+    ) -> Generator[Any, Any, bool]:
         """A longer ttl than the lease's: etcd keeps a lease's length for good, so grant
         a lease of the new length and move the lock key onto it in one transaction that
         checks the key is still on the old lease; then revoke the old one. A shorter
         ttl keeps the longer lease (the local lease is what shortens; the server keeps
         the lock a little longer after a crash)."""
-        lease, granted = self._grant(ttl, "extend", name)
+        lease, granted = yield from self._grant_g(ttl, "extend", name)
         lock = _b64(self.lock_key(name))
         try:
-            answer = self._txn(
+            answer = yield from self._txn_g(
                 "extend",
                 name,
                 [
@@ -1027,61 +1481,80 @@ class EtcdBackend(BaseBackend):
                 [{"requestPut": {"key": lock, "ignore_value": True, "lease": str(lease)}}],
             )
         except LockError:
-            self._revoke_quietly(lease)
+            yield from self._revoke_quietly_g(lease)
             raise
         old = entry.lease
         if not answer.get("succeeded"):
-            self._revoke_quietly(lease)
-            self._forget(name, entry)
+            yield from self._revoke_quietly_g(lease)
+            yield from self._forget_g(name, entry)
             return False
         entry.lease, entry.lease_ttl = lease, granted
         self._entries[(name, owner)] = entry
-        self._revoke_quietly(old)
+        yield from self._revoke_quietly_g(old)
         return True
 
     # -- waiting -----------------------------------------------------------------
 
     def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
-        """Block until the key just before ``owner``'s waiter key is deleted (the lock
-        key, for the first waiter or a caller not queued), or ``timeout``: a watch from
-        the revision of the queue that was read, so no deletion in between is missed.
-        The waiter's lease is renewed every third of its length meanwhile."""
+        self._sync(self._wait_g(name, timeout, owner))
+
+    async def await_release(
+        self, name: str, timeout: float, *, owner: str = "", fair: bool = False
+    ) -> None:
+        if timeout <= 0:
+            return
         self._check_pid()
+        watches = self._loop_side().watches
+        if watches.locked():
+            # Every watch of this loop is taken: wait for one within this wait (the
+            # caller tries the lock again after it either way).
+            try:
+                async with asyncio.timeout(timeout):
+                    await watches.acquire()
+            except TimeoutError:
+                return
+        else:
+            await watches.acquire()
+        try:
+            await self._arun(self._wait_g(name, timeout, owner))
+        finally:
+            watches.release()
+
+    def _wait_g(self, name: str, timeout: float, owner: str) -> Generator[Any, Any, None]:
+        """Until the key just before ``owner``'s waiter key is deleted (the lock key, for
+        the first waiter or a caller not queued), or ``timeout``: a watch from the
+        revision of the queue that was read, so no deletion in between is missed. The
+        waiter's lease is renewed every third of its length meanwhile."""
         deadline = time.monotonic() + max(0.0, timeout)
         entry = self._entries.get((name, owner)) if owner else None
         while True:
-            watched, revision = self._ahead(name, owner, entry)
+            watched, revision = yield from self._ahead_g(name, owner, entry)
             if not watched:
                 return
             slice_end = deadline
             if entry is not None:
                 slice_end = min(deadline, time.monotonic() + max(0.5, entry.lease_ttl / 3))
-            if self._watch_delete(watched, revision + 1, slice_end, name):
+            if (yield from self._watch_delete_g(watched, revision + 1, slice_end, name)):
                 return
             if time.monotonic() >= deadline:
                 return
-            if entry is not None and self._keepalive([entry.lease], "wait for", name)[0] <= 0:
-                return  # the waiter's lease ran out: acquire queues it again
+            if entry is not None:
+                left = yield from self._keepalive_g([entry.lease], "wait for", name)
+                if left[0] <= 0:
+                    return  # the waiter's lease ran out: acquire queues it again
 
-    def _ahead(self, name: str, owner: str, entry: _Entry | None) -> tuple[str, int]:
+    def _ahead_g(
+        self, name: str, owner: str, entry: _Entry | None
+    ) -> Generator[Any, Any, tuple[str, int]]:
         """The key to watch ("" to try again at once) and the revision it was read at."""
         lock = self.lock_key(name)
-        prefix = self.wait_prefix(name)
-        answer = self._txn(
+        answer = yield from self._txn_g(
             "wait for",
             name,
             [],
             [
                 {"requestRange": {"key": _b64(lock), "keys_only": True}},
-                {
-                    "requestRange": {
-                        "key": _b64(prefix),
-                        "range_end": _prefix_end(prefix),
-                        "sort_order": "ASCEND",
-                        "sort_target": "CREATE",
-                        "keys_only": True,
-                    }
-                },
+                self._queue_range(self.wait_prefix(name)),
             ],
         )
         revision = _int(answer["header"].get("revision"))
@@ -1099,7 +1572,12 @@ class EtcdBackend(BaseBackend):
     def _watch_delete(self, key: str, start_revision: int, until: float, name: str) -> bool:
         """True when ``key`` is deleted at ``start_revision`` or later, before ``until``
         (monotonic); False at ``until``. A connection of its own, closed after."""
-        body = json.dumps(
+        return self._sync(self._watch_delete_g(key, start_revision, until, name))
+
+    def _watch_delete_g(
+        self, key: str, start_revision: int, until: float, name: str
+    ) -> Generator[Any, Any, bool]:
+        payload = json.dumps(
             {
                 "create_request": {
                     "key": _b64(key),
@@ -1107,60 +1585,46 @@ class EtcdBackend(BaseBackend):
                     "filters": ["NOPUT"],
                 }
             }
-        )
-        conn: http.client.HTTPConnection | None = None
+        ).encode()
         last: BaseException | None = None
-        try:
-            for offset in range(len(self.endpoints)):
-                endpoint = self.endpoints[(self._preferred + offset) % len(self.endpoints)]
-                try:
-                    conn = self._connect(endpoint, self.connect_timeout)
-                    conn.request("POST", "/v3/watch", body, self._headers())
-                    assert conn.sock is not None
-                    conn.sock.settimeout(self.socket_timeout)
-                    reply = conn.getresponse()
-                    if reply.status != 200:
-                        data = reply.read()
-                        refused = _unavailable_answer(reply.status, data)
-                        if refused is None:
-                            self._raise_answer(reply.status, data, "wait for", name, "", None)
-                        raise refused  # this member cannot serve now: the next one
-                    break
-                except (OSError, http.client.HTTPException, _ServerSaid) as exc:
-                    last = exc
-                    if conn is not None:
-                        conn.close()
-                    conn = None
-            if conn is None:
-                assert last is not None
-                raise self._unavailable("wait for", name, last) from last
-            while True:
-                left = until - time.monotonic()
-                if left <= 0:
-                    return False
-                assert conn.sock is not None
-                conn.sock.settimeout(left)
-                try:
-                    line = reply.readline()
-                except TimeoutError:
-                    return False
-                except (ConnectionError, http.client.IncompleteRead):
+        count = len(self.endpoints)
+        for offset in range(count):
+            index = (self._preferred + offset) % count
+            reply = yield _OpenWatch("/v3/watch", payload, self._headers(), index)
+            if reply.error is not None:
+                last = reply.error
+                continue
+            if reply.status != 200:
+                refused = _unavailable_answer(reply.status, reply.data)
+                if refused is None:
+                    self._raise_answer(reply.status, reply.data, "wait for", name, "", None)
+                last = refused  # this member cannot serve now: the next one
+                continue
+            break
+        else:
+            assert last is not None
+            raise self._unavailable("wait for", name, last) from last
+        while True:
+            left = until - time.monotonic()
+            if left <= 0:
+                return False
+            line, error = yield _NextLine(left)
+            if error is not None:
+                if isinstance(error, ConnectionError | http.client.IncompleteRead):
                     # The member went away mid-stream (killed: a reset): look again,
                     # through a member that answers.
                     return True
-                except (OSError, http.client.HTTPException) as exc:
-                    raise self._unavailable("wait for", name, exc) from exc
-                if not line:
-                    # The stream ended (the member went away): let the caller look again.
-                    return True
-                result = json.loads(line).get("result") or {}
-                if result.get("canceled") or result.get("compact_revision"):
-                    return True  # compacted past our revision: look again
-                if result.get("events"):
-                    return True
-        finally:
-            if conn is not None:
-                conn.close()
+                raise self._unavailable("wait for", name, error) from error
+            if line is None:
+                return False  # the deadline
+            if not line:
+                # The stream ended (the member went away): let the caller look again.
+                return True
+            result = json.loads(line).get("result") or {}
+            if result.get("canceled") or result.get("compact_revision"):
+                return True  # compacted past our revision: look again
+            if result.get("events"):
+                return True
 
     # -- force release, counters ---------------------------------------------------
 

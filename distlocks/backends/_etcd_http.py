@@ -1,0 +1,188 @@
+"""A small HTTP/1.1 client on asyncio streams: the transport of the etcd backend's
+asyncio path (:mod:`distlocks.backends.etcd` holds everything the requests mean).
+
+Only what etcd's JSON gateway needs: POST with a JSON body, answers framed by
+Content-Length or chunked, kept-alive connections, and one streamed answer per
+connection for a watch (chunked JSON objects, one per line). Errors are those of
+``http.client`` (``RemoteDisconnected``, ``IncompleteRead``, ``BadStatusLine``) or
+``OSError``, so the protocol code treats both transports alike. Nothing here bounds
+time: the caller wraps each exchange in its own deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import ssl
+from collections.abc import Mapping
+
+#: Longest status line, header line or chunk-size line accepted.
+_MAX_LINE = 16 * 1024
+_MAX_HEADERS = 100
+
+
+async def connect(host: str, port: int, context: ssl.SSLContext | None, index: int) -> Connection:
+    """A new connection to ``host:port`` (TLS with ``context`` when given)."""
+    if context is None:
+        reader, writer = await asyncio.open_connection(host, port, limit=_MAX_LINE)
+    else:
+        reader, writer = await asyncio.open_connection(
+            host, port, ssl=context, server_hostname=host, limit=_MAX_LINE
+        )
+    default = 443 if context is not None else 80
+    return Connection(reader, writer, index, host if port == default else f"{host}:{port}")
+
+
+class Connection:
+    """One HTTP/1.1 connection: requests one after another (no pipelining)."""
+
+    __slots__ = ("_chunk_left", "_ended", "_stream", "host", "index", "reader", "usable", "writer")
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int, host: str
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        #: The endpoint it goes to (the backend's index).
+        self.index = index
+        self.host = host
+        #: False once it cannot carry another request (closed, streamed, or told so).
+        self.usable = True
+        self._stream = b""
+        self._chunk_left = 0
+        self._ended = False
+
+    def idle_and_open(self) -> bool:
+        """Still open as far as can be told without I/O (the server may have closed it
+        since: the first request then fails with RemoteDisconnected)."""
+        return self.usable and not self.reader.at_eof() and not self.writer.is_closing()
+
+    def close(self) -> None:
+        self.usable = False
+        with contextlib.suppress(Exception):  # a loop already closed, a transport gone
+            self.writer.close()
+
+    def _send(self, path: str, payload: bytes, headers: Mapping[str, str]) -> None:
+        head = [f"POST {path} HTTP/1.1", f"Host: {self.host}", f"Content-Length: {len(payload)}"]
+        head += [f"{key}: {value}" for key, value in headers.items()]
+        self.writer.write("\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + payload)
+
+    async def post(
+        self, path: str, payload: bytes, headers: Mapping[str, str]
+    ) -> tuple[int, bytes]:
+        """Send one request and read its whole answer: (status, body)."""
+        self.usable = False  # until the answer has been read to its end
+        self._send(path, payload, headers)
+        await self.writer.drain()
+        status, fields = await self._head()
+        body = await self._body(status, fields)
+        if fields.get("connection", "").lower() != "close" and not self.writer.is_closing():
+            self.usable = True
+        return status, body
+
+    async def open_stream(
+        self, path: str, payload: bytes, headers: Mapping[str, str]
+    ) -> tuple[int, bytes]:
+        """Send a request whose answer is a stream: (status, b"") once a 200's head is
+        read (then :meth:`next_line` reads it), or (status, body) for any other status."""
+        self.usable = False  # a streamed connection is never reused
+        self._send(path, payload, headers)
+        await self.writer.drain()
+        status, fields = await self._head()
+        if status != 200:
+            return status, await self._body(status, fields)
+        if fields.get("transfer-encoding", "").lower() != "chunked":
+            raise http.client.HTTPException("a streamed answer that is not chunked")
+        return status, b""
+
+    async def next_line(self) -> bytes:
+        """The next line of a streamed answer (with its newline); b"" when it ended."""
+        while b"\n" not in self._stream:
+            if self._ended:
+                line, self._stream = self._stream, b""
+                return line
+            size = await self._chunk_size()
+            if size == 0:
+                await self._trailers()
+                self._ended = True
+                continue
+            self._stream += await self._exactly(size)
+            await self._exactly(2)
+        line, _, self._stream = self._stream.partition(b"\n")
+        return line + b"\n"
+
+    # -- reading -------------------------------------------------------------------
+
+    async def _line(self) -> bytes:
+        try:
+            line = await self.reader.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:
+            if not exc.partial:
+                raise http.client.RemoteDisconnected(
+                    "Remote end closed connection without response"
+                ) from None
+            raise http.client.IncompleteRead(exc.partial) from None
+        except asyncio.LimitOverrunError:
+            raise http.client.LineTooLong("header line") from None
+        return line
+
+    async def _exactly(self, size: int) -> bytes:
+        try:
+            return await self.reader.readexactly(size)
+        except asyncio.IncompleteReadError as exc:
+            raise http.client.IncompleteRead(exc.partial, size - len(exc.partial)) from None
+
+    async def _head(self) -> tuple[int, dict[str, str]]:
+        while True:
+            line = await self._line()
+            parts = line.decode("latin-1").split(None, 2)
+            if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+                raise http.client.BadStatusLine(line[:100].decode("latin-1"))
+            status = int(parts[1])
+            fields: dict[str, str] = {}
+            for _ in range(_MAX_HEADERS):
+                line = await self._line()
+                if line in (b"\r\n", b"\n"):
+                    break
+                key, sep, value = line.decode("latin-1").partition(":")
+                if not sep:
+                    raise http.client.HTTPException(f"bad header line {line[:100]!r}")
+                fields[key.strip().lower()] = value.strip()
+            else:
+                raise http.client.HTTPException("too many headers")
+            if status != 100:
+                return status, fields
+
+    async def _body(self, status: int, fields: Mapping[str, str]) -> bytes:
+        if fields.get("transfer-encoding", "").lower() == "chunked":
+            parts = []
+            while size := await self._chunk_size():
+                parts.append(await self._exactly(size))
+                await self._exactly(2)
+            await self._trailers()
+            return b"".join(parts)
+        length = fields.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise http.client.HTTPException(f"bad Content-Length {length[:40]!r}")
+            return await self._exactly(int(length))
+        if status in (204, 304) or 100 <= status < 200:
+            return b""
+        # Framed by the end of the connection: read it all, then it is done.
+        body = await self.reader.read()
+        self.writer.close()
+        return body
+
+    async def _chunk_size(self) -> int:
+        line = await self._line()
+        try:
+            return int(line.split(b";", 1)[0].strip(), 16)
+        except ValueError:
+            raise http.client.HTTPException(f"bad chunk size {line[:40]!r}") from None
+
+    async def _trailers(self) -> None:
+        for _ in range(_MAX_HEADERS):
+            if await self._line() in (b"\r\n", b"\n"):
+                return
+        raise http.client.HTTPException("too many trailer lines")
