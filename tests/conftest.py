@@ -21,7 +21,7 @@ CONTRACT_BACKENDS = ["locmem", "redis", "pg", "redlock", "zk", "etcd"]
 #: Backends whose locks are shared between OS processes.
 CROSS_PROCESS_BACKENDS = ["redis", "pg", "redlock", "zk", "etcd"]
 #: Backends with semaphores and read-write locks (Redlock has none).
-PERMIT_BACKENDS = ["locmem", "redis", "pg", "zk"]
+PERMIT_BACKENDS = ["locmem", "redis", "pg", "zk", "etcd"]
 
 
 @pytest.fixture(scope="session")
