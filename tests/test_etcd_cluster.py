@@ -472,6 +472,12 @@ def cannot_serve(backend: EtcdBackend, name: str) -> bool:
     return False
 
 
+def knows_no_leader(member: EtcdMember) -> bool:
+    """The member answers, and names no leader (a leader that lost its quorum steps
+    down; a follower that hears no leader stops following it)."""
+    return member.member_id() != 0 and member.leader_id() == 0
+
+
 def serializable_revision(member: EtcdMember) -> int:
     """The revision of the member's own copy of the data (a serializable read, which
     a member answers alone, partitioned or not)."""
@@ -511,7 +517,7 @@ def test_a_partitioned_member_serves_nothing_and_catches_up_when_healed(
         pass  # the member serves before the partition
     before = serializable_revision(isolated)
     assert cluster.partition(isolated) > 0  # it had open peer connections, now reset
-    wait_for(lambda: isolated.leader_id() == 0, 10, "the isolated member without a leader")
+    wait_for(lambda: knows_no_leader(isolated), 10, "the isolated member without a leader")
     assert cannot_serve(on_isolated, name)
     assert cluster.wait_for_quorum(among=majority) is leader  # the majority is unmoved
     with lock(name, backend="etcd_majority", ttl=2, timeout=5) as lease:
@@ -641,7 +647,7 @@ def test_fenced_rounds_when_the_leader_is_partitioned_away(
         cut = time.monotonic()
         new = cluster.wait_for_quorum(among=majority)
         assert new is not old
-        wait_for(lambda: old.leader_id() == 0, 10, "the old leader stepped down")
+        wait_for(lambda: knows_no_leader(old), 10, "the old leader stepped down")
         assert cannot_serve(on_old, s.lock)
         s.wait_event(renewed_or_lost(token, after=cut + 2.5), "w1 renewed or lost")
         s.go("w1", "inside")
