@@ -20,6 +20,24 @@ from collections.abc import Mapping
 #: Longest status line, header line or chunk-size line accepted.
 _MAX_LINE = 16 * 1024
 _MAX_HEADERS = 100
+# Where the reading of an answer stands.
+_IDLE, _STATUS, _HEADERS, _BODY, _CHUNK_SIZE, _CHUNK, _CHUNK_END, _TRAILERS, _TO_EOF, _DONE = range(
+    10
+)
+
+
+def _status_of(line: bytes) -> int:
+    parts = line.decode("latin-1").split(None, 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        raise http.client.BadStatusLine(line[:100].decode("latin-1"))
+    return int(parts[1])
+
+
+def _field(line: bytes) -> tuple[str, str]:
+    key, sep, value = line.decode("latin-1").partition(":")
+    if not sep:
+        raise http.client.HTTPException(f"bad header line {line[:100]!r}")
+    return key.strip().lower(), value.strip()
 
 
 async def connect(host: str, port: int, context: ssl.SSLContext | None, index: int) -> Connection:
@@ -35,9 +53,27 @@ async def connect(host: str, port: int, context: ssl.SSLContext | None, index: i
 
 
 class Connection:
-    """One HTTP/1.1 connection: requests one after another (no pipelining)."""
+    """One HTTP/1.1 connection: requests one after another (no pipelining).
 
-    __slots__ = ("_chunk_left", "_ended", "_stream", "host", "index", "reader", "usable", "writer")
+    Reading an answer can be resumed: every read consumes the stream only when it
+    completes, and the progress is kept here, so an exchange interrupted by a
+    cancellation can be finished later (:meth:`finish`), on the same connection."""
+
+    __slots__ = (
+        "_chunk_left",
+        "_ended",
+        "_fields",
+        "_parts",
+        "_phase",
+        "_size",
+        "_status",
+        "_stream",
+        "host",
+        "index",
+        "reader",
+        "usable",
+        "writer",
+    )
 
     def __init__(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int, host: str
@@ -52,6 +88,16 @@ class Connection:
         self._stream = b""
         self._chunk_left = 0
         self._ended = False
+        self._phase = _IDLE
+        self._status = 0
+        self._fields: dict[str, str] = {}
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    @property
+    def pending(self) -> bool:
+        """A request was sent whose answer is not read yet."""
+        return self._phase != _IDLE
 
     def idle_and_open(self) -> bool:
         """Still open as far as can be told without I/O (the server may have closed it
@@ -74,12 +120,73 @@ class Connection:
         """Send one request and read its whole answer: (status, body)."""
         self.usable = False  # until the answer has been read to its end
         self._send(path, payload, headers)
+        self._phase = _STATUS
         await self.writer.drain()
-        status, fields = await self._head()
-        body = await self._body(status, fields)
-        if fields.get("connection", "").lower() != "close" and not self.writer.is_closing():
-            self.usable = True
-        return status, body
+        return await self.finish()
+
+    async def finish(self) -> tuple[int, bytes]:
+        """Read the answer of the request sent last, from where reading it stopped."""
+        while True:
+            phase = self._phase
+            if phase == _STATUS:
+                self._status = _status_of(await self._line())
+                self._fields = {}
+                self._phase = _HEADERS
+            elif phase == _HEADERS:
+                line = await self._line()
+                if line not in (b"\r\n", b"\n"):
+                    if len(self._fields) >= _MAX_HEADERS:
+                        raise http.client.HTTPException("too many headers")
+                    key, value = _field(line)
+                    self._fields[key] = value
+                    continue
+                self._parts = []
+                self._phase = self._body_phase()
+            elif phase == _BODY:
+                self._parts.append(await self._exactly(self._size))
+                self._phase = _DONE
+            elif phase == _CHUNK_SIZE:
+                self._size = await self._chunk_size()
+                self._phase = _CHUNK if self._size else _TRAILERS
+            elif phase == _CHUNK:
+                self._parts.append(await self._exactly(self._size))
+                self._phase = _CHUNK_END
+            elif phase == _CHUNK_END:
+                await self._exactly(2)
+                self._phase = _CHUNK_SIZE
+            elif phase == _TRAILERS:
+                if await self._line() in (b"\r\n", b"\n"):
+                    self._phase = _DONE
+            elif phase == _TO_EOF:
+                # Framed by the end of the connection: read it all, then it is done.
+                self._parts.append(await self.reader.read())
+                self.writer.close()
+                self._phase = _DONE
+            else:
+                assert phase == _DONE, phase
+                self._phase = _IDLE
+                if (
+                    self._fields.get("connection", "").lower() != "close"
+                    and not self.writer.is_closing()
+                ):
+                    self.usable = True
+                return self._status, b"".join(self._parts)
+
+    def _body_phase(self) -> int:
+        status, fields = self._status, self._fields
+        if 100 <= status < 200:
+            return _STATUS  # an interim answer: the real one follows
+        if fields.get("transfer-encoding", "").lower() == "chunked":
+            return _CHUNK_SIZE
+        length = fields.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise http.client.HTTPException(f"bad Content-Length {length[:40]!r}")
+            self._size = int(length)
+            return _BODY
+        if status in (204, 304):
+            return _DONE
+        return _TO_EOF
 
     async def open_stream(
         self, path: str, payload: bytes, headers: Mapping[str, str]
@@ -89,9 +196,20 @@ class Connection:
         self.usable = False  # a streamed connection is never reused
         self._send(path, payload, headers)
         await self.writer.drain()
-        status, fields = await self._head()
+        while True:
+            status = _status_of(await self._line())
+            fields: dict[str, str] = {}
+            while (line := await self._line()) not in (b"\r\n", b"\n"):
+                if len(fields) >= _MAX_HEADERS:
+                    raise http.client.HTTPException("too many headers")
+                key, value = _field(line)
+                fields[key] = value
+            if not 100 <= status < 200:
+                break
         if status != 200:
-            return status, await self._body(status, fields)
+            self._status, self._fields, self._parts = status, fields, []
+            self._phase = self._body_phase()
+            return await self.finish()
         if fields.get("transfer-encoding", "").lower() != "chunked":
             raise http.client.HTTPException("a streamed answer that is not chunked")
         return status, b""
@@ -132,47 +250,6 @@ class Connection:
             return await self.reader.readexactly(size)
         except asyncio.IncompleteReadError as exc:
             raise http.client.IncompleteRead(exc.partial, size - len(exc.partial)) from None
-
-    async def _head(self) -> tuple[int, dict[str, str]]:
-        while True:
-            line = await self._line()
-            parts = line.decode("latin-1").split(None, 2)
-            if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-                raise http.client.BadStatusLine(line[:100].decode("latin-1"))
-            status = int(parts[1])
-            fields: dict[str, str] = {}
-            for _ in range(_MAX_HEADERS):
-                line = await self._line()
-                if line in (b"\r\n", b"\n"):
-                    break
-                key, sep, value = line.decode("latin-1").partition(":")
-                if not sep:
-                    raise http.client.HTTPException(f"bad header line {line[:100]!r}")
-                fields[key.strip().lower()] = value.strip()
-            else:
-                raise http.client.HTTPException("too many headers")
-            if status != 100:
-                return status, fields
-
-    async def _body(self, status: int, fields: Mapping[str, str]) -> bytes:
-        if fields.get("transfer-encoding", "").lower() == "chunked":
-            parts = []
-            while size := await self._chunk_size():
-                parts.append(await self._exactly(size))
-                await self._exactly(2)
-            await self._trailers()
-            return b"".join(parts)
-        length = fields.get("content-length")
-        if length is not None:
-            if not length.isdigit():
-                raise http.client.HTTPException(f"bad Content-Length {length[:40]!r}")
-            return await self._exactly(int(length))
-        if status in (204, 304) or 100 <= status < 200:
-            return b""
-        # Framed by the end of the connection: read it all, then it is done.
-        body = await self.reader.read()
-        self.writer.close()
-        return body
 
     async def _chunk_size(self) -> int:
         line = await self._line()

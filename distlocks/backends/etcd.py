@@ -560,10 +560,15 @@ class EtcdBackend(EtcdPermits, BaseBackend):
             )
         return side
 
-    async def _arun(self, steps: Generator[Any, Any, T]) -> T:
+    async def _arun(
+        self,
+        steps: Generator[Any, Any, T],
+        unanswered: list[_etcd_http.Connection] | None = None,
+    ) -> T:
         """:meth:`_sync` on asyncio: kept-alive connections of the running loop for
         requests, a connection of its own for a watch. Cancelled mid-request, the
-        connection is closed (its answer would be unread)."""
+        connection is closed (its answer would be unread), or, given ``unanswered``,
+        added to it, for the caller to read that answer before it cleans up."""
         self._check_pid()
         side = self._loop_side()
         watch: _etcd_http.Connection | None = None
@@ -576,7 +581,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                     return stop.value
                 kind = type(step)
                 if kind is _Post:
-                    value = await self._apost(side, step)
+                    value = await self._apost(side, step, unanswered)
                 elif kind is _Discard:
                     step.conn.close()
                     with contextlib.suppress(ValueError):
@@ -605,7 +610,12 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         except TimeoutError:
             raise TimeoutError(f"no connection within {self.connect_timeout:g} s") from None
 
-    async def _apost(self, side: _LoopSide, step: _Post) -> _Reply | None:
+    async def _apost(
+        self,
+        side: _LoopSide,
+        step: _Post,
+        unanswered: list[_etcd_http.Connection] | None = None,
+    ) -> _Reply | None:
         if side.calls.locked():
             try:
                 async with asyncio.timeout(self.ASYNC_QUEUE_TIMEOUT):
@@ -644,7 +654,10 @@ class EtcdBackend(EtcdPermits, BaseBackend):
             return _Reply(0, b"", index, reused, exc)
         except BaseException:
             if conn is not None:
-                conn.close()
+                if unanswered is not None and conn.pending:
+                    unanswered.append(conn)
+                else:
+                    conn.close()
             raise
         finally:
             side.calls.release()
@@ -822,7 +835,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
             for aconn in idle:
                 # A transport is closed on its own loop's thread; a closed loop's
                 # sockets go with its transports.
-                if loop is running:
+                if loop is running or not (loop.is_running() or loop.is_closed()):
                     aconn.close()
                 elif not loop.is_closed():
                     with contextlib.suppress(RuntimeError):
@@ -1022,24 +1035,43 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         wait: float = 0.0,
         fair: bool = False,
     ) -> AcquireResult:
+        unanswered: list[_etcd_http.Connection] = []
         try:
-            return await self._arun(self._acquire_g(name, owner, ttl, holder, wait, fair))
+            return await self._arun(
+                self._acquire_g(name, owner, ttl, holder, wait, fair), unanswered
+            )
         except asyncio.CancelledError:
-            await self._abandon(name, owner)
+            await self._abandon(name, owner, unanswered)
             raise
 
-    async def _abandon(self, name: str, owner: str) -> None:
+    async def _abandon(
+        self, name: str, owner: str, unanswered: list[_etcd_http.Connection]
+    ) -> None:
         """A cancelled acquire: revoke its lease, which takes with it the waiter key and
         a lock key the interrupted transaction may have written. The lease id is known
-        before the grant is sent, so even a grant whose answer never came is revoked."""
+        before the grant is sent, so even a grant whose answer never came is revoked;
+        the answer of the interrupted request is read first (on its connection, within
+        the socket timeout), so that its grant cannot land after the revocation."""
         entry = self._entries.pop((name, owner), None)
-        if entry is None:
-            return
         try:
-            await self._arun(self._revoke_quietly_g(entry.lease))
+            for conn in unanswered:
+                try:
+                    async with asyncio.timeout(self.socket_timeout):
+                        await conn.finish()
+                except (OSError, EOFError, http.client.HTTPException):
+                    pass  # not answered: the lease runs out by itself if it was granted
+                finally:
+                    conn.close()
+            if entry is not None:
+                await self._arun(self._revoke_quietly_g(entry.lease))
         except BaseException:
             # Cancelled again (or the loop is going away): finish it off the loop.
-            threading.Thread(target=self._revoke_quietly, args=(entry.lease,), daemon=True).start()
+            for conn in unanswered:
+                conn.close()
+            if entry is not None:
+                threading.Thread(
+                    target=self._revoke_quietly, args=(entry.lease,), daemon=True
+                ).start()
             raise
 
     def _acquire_g(
