@@ -275,6 +275,8 @@ TRY_XACT = "SELECT pg_try_advisory_xact_lock(%(key)s) AS ok"
 _REGISTER_XACT = _ACQUIRE.format(lock="SELECT true AS ok").replace(
     "pg_backend_pid()", "%(backend_pid)s"
 )
+# The uncontended acquire, built once (it runs on every try).
+_ACQUIRE_TRY = _ACQUIRE.format(lock=TRY)
 WAIT_XACT = "SELECT true AS ok FROM (SELECT pg_advisory_xact_lock(%(key)s)) AS waited"
 
 # Transaction mode: the holder's lock lives in its transaction, which gives it back at
@@ -298,8 +300,10 @@ SELECT coalesce(bool_or(ok), false) FROM killed
 """
 
 
+@functools.lru_cache(maxsize=4096)
 def lock_key(prefix: str, name: str) -> int:
-    """The signed 64-bit advisory-lock key of ``name`` under ``prefix`` (SHA-256)."""
+    """The signed 64-bit advisory-lock key of ``name`` under ``prefix`` (SHA-256;
+    cached: a name is usually locked again, and each acquire needs two keys)."""
     digest = hashlib.sha256(f"{prefix}\x00{name}".encode()).digest()
     return int(struct.unpack(">q", digest[:8])[0])
 
@@ -338,12 +342,20 @@ class _Watchdog:
         self._wake = threading.Event()
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        # True while the thread sleeps with no timeout (nothing watched for a tick):
+        # only then does a new request wake it. While it ticks, it finds the request
+        # at its next tick, within TICK of any deadline, and a busy client does not
+        # pay a thread wake-up (two switches of the interpreter lock) per statement.
+        self._asleep = True
+        # Requests registered since the thread last looked: a quiet tick first.
+        self._requests = 0
 
     def watch(self, conn: _Connection, deadline: float) -> None:
         self._watched[id(conn)] = (deadline, conn)
+        self._requests += 1
         if self._thread is None:
             self._start()
-        if not self._wake.is_set():
+        if self._asleep:
             self._wake.set()
 
     def unwatch(self, conn: _Connection) -> None:
@@ -358,25 +370,33 @@ class _Watchdog:
                 self._thread = thread
 
     def _run(self) -> None:
+        seen = -1
         while True:
-            # Cleared before looking, so that a request registered meanwhile wakes us.
-            self._wake.clear()
-            if not self._watched:
-                self._wake.wait()
-                continue
+            if not self._watched and self._requests == seen:
+                # A whole tick without a request: sleep until the next one. Cleared
+                # and marked before looking again, so that a request registered in
+                # between either is seen here or sets the event.
+                self._wake.clear()
+                self._asleep = True
+                if not self._watched:
+                    self._wake.wait()
+                self._asleep = False
+            seen = self._requests
             now = time.monotonic()
             for key, entry in list(self._watched.items()):
                 # The same registration still (not the connection's next request).
                 if entry[0] <= now and self._watched.get(key) is entry:
                     self._watched.pop(key, None)
                     entry[1].cut()
-            self._wake.wait(self.TICK)
+            time.sleep(self.TICK)
 
     def after_fork(self) -> None:
         self._watched = {}
         self._wake = threading.Event()
         self._start_lock = threading.Lock()
         self._thread = None
+        self._asleep = True
+        self._requests = 0
 
 
 _watchdog = _Watchdog()
@@ -894,7 +914,7 @@ class PostgresBackend(BaseBackend):
             left = deadline - time.monotonic()
             if left > 0:
                 return self._acquire_blocking(conn, params, left)
-        row = conn.execute(_ACQUIRE.format(lock=TRY), params).fetchone()
+        row = conn.execute(_ACQUIRE_TRY, params).fetchone()
         return None if row is None else int(row[0])
 
     def _acquire_blocking(

@@ -1,0 +1,129 @@
+"""PostgreSQL tokens across a server crash, on a server with production settings.
+
+distlocks' lock connections commit the registry write (the fencing counter) with
+``synchronous_commit=off``: a crash of the server can lose the last counter updates.
+Tokens must still go on increasing, because the next token is floored by the server
+clock. This starts its own PostgreSQL (``PostgresServer(durable=True)``: ``fsync=on``,
+``full_page_writes=on``), crashes it with an immediate shutdown (SIGQUIT to the
+postmaster: no checkpoint, WAL not yet written is lost, crash recovery at the next
+start) and checks both that updates really were lost and that the next token is
+above every token issued before the crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from django.core.management import call_command
+from django.db import connections
+
+from distlocks.backends.base import Holder
+from distlocks.backends.postgres import TABLE, PostgresBackend
+from distlocks.testing.servers import RUN_DIR_PREFIX, PostgresServer, ServerError
+
+ALIAS = "pg_crash"
+
+
+def _settings(server: PostgresServer) -> dict[str, Any]:
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": "postgres",
+        "USER": "postgres",
+        "HOST": "127.0.0.1",
+        "PORT": server.port,
+    }
+
+
+@pytest.fixture
+def durable(django_db_blocker: Any) -> Iterator[PostgresServer]:
+    """A migrated PostgreSQL with production settings, as the ``pg_crash`` alias."""
+    base = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}crash-"))
+    (base / "owner.pid").write_text(str(os.getpid()))
+    server = PostgresServer(base, durable=True)
+    try:
+        server.start()
+    except ServerError as exc:
+        pytest.skip(str(exc))
+    # The WAL writer flushes asynchronous commits at its own pace (at most 10 s here):
+    # the updates made just before the crash are then surely not on disk yet.
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
+        conn.execute("SELECT pg_reload_conf()")
+    configured = connections.configure_settings({"default": {}, ALIAS: _settings(server)})
+    connections.settings[ALIAS] = configured[ALIAS]
+    try:
+        with django_db_blocker.unblock():
+            call_command("migrate", "distlocks", database=ALIAS, verbosity=0)
+            connections[ALIAS].close()
+        yield server
+    finally:
+        with contextlib.suppress(Exception):
+            connections[ALIAS].close()
+        del connections[ALIAS]
+        del connections.settings[ALIAS]
+        server.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _stored_counter(server: PostgresServer, key: int) -> int:
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        row = conn.execute(f"SELECT fencing_token FROM {TABLE} WHERE key = %s", (key,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_tokens_keep_increasing_across_a_crash_that_lost_counter_updates(
+    durable: PostgresServer, django_db_blocker: Any
+) -> None:
+    holder = Holder(host="test", pid=1, thread="main")
+    name = "crash:tokens"
+    with django_db_blocker.unblock():
+        backend = PostgresBackend("pg_crash", {"DATABASE": ALIAS})
+        try:
+            first = backend.acquire(name, "owner-0", 30.0, holder)
+            assert first.acquired
+            assert backend.release(name, "owner-0")
+            key = backend.key(name)
+            # The row, with the first token, is on disk; what follows is not yet.
+            with psycopg.connect(durable.url, autocommit=True) as conn:
+                conn.execute("CHECKPOINT")
+            tokens = [first.fencing_token]
+            for i in range(1, 6):
+                result = backend.acquire(name, f"owner-{i}", 30.0, holder)
+                assert result.acquired
+                tokens.append(result.fencing_token)
+                assert backend.release(name, f"owner-{i}")
+            # A held lock too: the crash ends its session, and it must be free after.
+            held = backend.acquire(name, "owner-held", 30.0, holder)
+            assert held.acquired
+            tokens.append(held.fencing_token)
+            assert tokens == sorted(set(tokens))
+        finally:
+            backend.close()
+
+        # Immediate shutdown: a crash, as far as the data is concerned.
+        assert durable.process is not None
+        durable.process.send_signal(signal.SIGQUIT)
+        durable.process.wait(30)
+        durable.start(port=durable.port)
+
+        # The counter went back: the updates after the checkpoint were lost...
+        assert _stored_counter(durable, key) < tokens[-1]
+        backend = PostgresBackend("pg_crash", {"DATABASE": ALIAS})
+        try:
+            after = backend.acquire(name, "owner-after", 30.0, holder)
+            assert after.acquired, "the crash ended the holder's session and its lock"
+            # ...and the next token is still above every token issued before the crash.
+            assert after.fencing_token > max(tokens)
+            assert backend.release(name, "owner-after")
+        finally:
+            backend.close()
