@@ -82,6 +82,8 @@ class _Permit:
     #: The request key's create_revision (0: not put yet, or not known).
     created: int = 0
     granted: bool = False
+    #: A revision at which a try-once semaphore request found room (0: none yet).
+    counted: int = 0
 
 
 def _range(key: str, end: str, **more: Any) -> dict[str, Any]:
@@ -302,9 +304,15 @@ class EtcdPermits:
         if entry is not None and self._keepalive([entry.lease], "acquire", name)[0] <= 0:
             table.pop(slot, None)
             entry = None
+        counted = 0
+        if entry is None and kind == SEMAPHORE and wait <= 0:
+            # Tried once: count first, so a full semaphore costs one read, no lease.
+            counted = self._count_room(name, limit)
+            if not counted:
+                return AcquireResult(False, 0, None)
         if entry is None:
             lease, granted = self._grant(ttl, "acquire", name)
-            entry = _Permit(lease, granted)
+            entry = _Permit(lease, granted, counted=counted)
             table[slot] = entry
         value = json.dumps(
             {
@@ -383,12 +391,10 @@ class EtcdPermits:
             return self._queued(entry, answer, 1)
         if kind == SEMAPHORE:
             # Room: fewer than ``limit`` requests, none created since they were counted.
-            ahead = self._txn(
-                "acquire", name, [], [_range(family, _end_of(family), keys_only=True, limit=limit)]
-            )
-            if len(_etcd._kvs(ahead["responses"][0])) >= limit:
+            counted = entry.counted or self._count_room(name, limit)
+            entry.counted = 0
+            if not counted:
                 return AcquireResult(False, 0, None)
-            counted = _etcd._int(ahead["header"].get("revision"))
             answer = self._txn(
                 "acquire",
                 name,
@@ -402,11 +408,15 @@ class EtcdPermits:
                     }
                 ],
                 [put],
+                [self._room_range(name, limit)],
             )
-            if not answer.get("succeeded"):
-                return None
-            entry.created = _etcd._int(answer["header"].get("revision"))
-            return AcquireResult(True, 0)
+            if answer.get("succeeded"):
+                entry.created = _etcd._int(answer["header"].get("revision"))
+                return AcquireResult(True, 0)
+            if len(_etcd._kvs(answer["responses"][0])) >= limit:
+                return AcquireResult(False, 0, None)
+            entry.counted = _etcd._int(answer["header"].get("revision"))
+            return None  # one came and went meanwhile: again, counted afresh
         # A reader: no write request at all; a writer: no request at all.
         blockers = self._writes_prefix(name) if kind == READ else family
         empty = {
@@ -449,6 +459,18 @@ class EtcdPermits:
             self._fence_stale(name, fences)
             return None
         return AcquireResult(False, 0, None)
+
+    def _room_range(self, name: str, limit: int) -> dict[str, Any]:
+        family = self.family_prefix(SEMAPHORE, name)
+        return _range(family, _end_of(family), keys_only=True, limit=limit)
+
+    def _count_room(self, name: str, limit: int) -> int:
+        """The revision at which fewer than ``limit`` requests of the semaphore ``name``
+        were counted; 0 when there were ``limit`` or more."""
+        answer = self._txn("acquire", name, [], [self._room_range(name, limit)])
+        if len(_etcd._kvs(answer["responses"][0])) >= limit:
+            return 0
+        return _etcd._int(answer["header"].get("revision"))
 
     def _queued(
         self, entry: _Permit, answer: Mapping[str, Any], index: int
