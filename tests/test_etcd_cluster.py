@@ -459,6 +459,32 @@ def splittable(split_cluster: EtcdCluster) -> Iterator[EtcdCluster]:
     split_cluster.heal()
 
 
+def test_the_peer_proxies_find_who_holds_the_far_end_of_a_connection() -> None:
+    """Both ways of finding the socket at the other end of an accepted connection
+    (sock_diag, and /proc/net/tcp where it is not allowed) name the client's socket,
+    and the process holding it; a connection that does not exist has none."""
+    import socket
+
+    from distlocks.testing import peer_proxy
+
+    if partition_missing():
+        pytest.skip(partition_missing())
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, (_, far_port) = server.accept()
+        inode = os.fstat(client.fileno()).st_ino
+        assert peer_proxy._diag_inode(far_port, port) == inode
+        assert peer_proxy._table_inode(far_port, port) == inode
+        assert peer_proxy._holder(inode, {os.getpid(): "me"}) == "me"
+        assert peer_proxy._socket_inode(port, far_port) != inode  # the near end
+        # Closed by the client first: its end waits in TIME_WAIT, held by no process.
+        client.close()
+        accepted.close()
+    assert peer_proxy._diag_inode(far_port, port) is None
+    assert peer_proxy._table_inode(far_port, port) is None
+
+
 def member_config(*members: EtcdMember, **options: Any) -> dict[str, Any]:
     return config(",".join(m.location for m in members), **options)
 
