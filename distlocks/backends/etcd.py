@@ -1823,6 +1823,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                     yield self._info(
                         name, held[0], fences[0] if fences else None, queues.get(name, []), "list"
                     )
+        yield from self.iter_permits()
 
     # -- for tests and operations -------------------------------------------------
 

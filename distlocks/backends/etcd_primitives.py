@@ -152,12 +152,8 @@ def _judge(seen: list[_Seen]) -> None:
 
 class EtcdPermits:
     """Semaphores and read-write locks for :class:`~distlocks.backends.etcd.EtcdBackend`,
-    on its connections, leases and error mapping.
-
-    ``iter_locks()`` of the backend lists the permits after the plain locks: a subclass
-    that defines ``iter_locks`` gets it followed by :meth:`iter_permits` (see
-    :meth:`__init_subclass__`), unless it sets ``iter_locks_lists_permits = True``
-    because it lists them itself.
+    on its connections, leases and error mapping. The backend's ``iter_locks()`` lists
+    the permits (:meth:`iter_permits`) after the plain locks, as on the other backends.
     """
 
     if TYPE_CHECKING:
@@ -212,25 +208,6 @@ class EtcdPermits:
 
     permit_kinds = frozenset({SEMAPHORE, READ, WRITE})
     #: Set by a subclass whose ``iter_locks`` yields the permits itself.
-    iter_locks_lists_permits = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        # The backend's listing (admin page, command, metrics) is iter_locks(); the
-        # backend class defines its own, which a mixin cannot extend by inheritance.
-        super().__init_subclass__(**kwargs)
-        own = cls.__dict__.get("iter_locks")
-        if own is None or getattr(cls, "iter_locks_lists_permits", False):
-            return  # none of its own, or it (or a base it extends) lists them already
-
-        def iter_locks(self: EtcdPermits) -> Iterator[LockInfo]:
-            yield from own(self)
-            yield from self.iter_permits()
-
-        iter_locks.__doc__ = (own.__doc__ or "") + " Then every semaphore and read-write permit."
-        iter_locks.__wrapped__ = own  # type: ignore[attr-defined]
-        cls.iter_locks = iter_locks  # type: ignore[attr-defined]
-        cls.iter_locks_lists_permits = True
-
     # -- keys and bookkeeping -------------------------------------------------------
 
     def family_prefix(self, kind: str, name: str) -> str:
