@@ -31,6 +31,7 @@ import concurrent.futures
 import dataclasses
 import datetime as dt
 import functools
+import itertools
 import logging
 import operator
 import os
@@ -42,7 +43,14 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 from distlocks import signals
-from distlocks.backends.base import READ, SEMAPHORE, WRITE, BaseBackend, LockInfo
+from distlocks.backends.base import (
+    READ,
+    SEMAPHORE,
+    WRITE,
+    BaseBackend,
+    LockInfo,
+    holder_details,
+)
 from distlocks.conf import conf
 from distlocks.handler import backend_configs, backends
 from distlocks.redaction import escape_control, redact
@@ -275,11 +283,24 @@ def format_seconds(seconds: float | None) -> str:
 
 
 # A listed lock is kept as one flat tuple of plain values (strings, numbers,
-# datetimes): the fields of its LockInfo but the extra details, its status, reason,
-# other aliases (joined by NUL) and Celery task id, then the extra details as key,
-# value, key, value... The garbage collector stops tracking such a tuple the first time
-# it sees it, where objects per lock would stay tracked: with 10,000 locks, every full
+# datetimes): the garbage collector stops tracking such a tuple the first time it sees
+# it, where objects per lock would stay tracked: with 10,000 locks, every full
 # collection of the process would then walk them, which cost more than reading them.
+#
+# Its first fields are what the listing itself needs of every lock (the search, the
+# status filter and counts, every sort): the LockInfo fields but the extra details,
+# with the times as sort keys (microseconds since the epoch), then its status, other
+# aliases (joined by NUL) and Celery task id. The rest is what makes its LockInfo when
+# a page shows the row, in one of two forms:
+#
+# * from a backend's lock summaries (see _listing()): the reason is None, worked out
+#   with the LockInfo on demand, and the last field is the holder's extra details as
+#   the JSON text stored, parsed on demand;
+# * from a LockInfo: the reason, None, the two datetimes as the backend gave them, then
+#   the extra details as key, value, key, value...
+#
+# So a listing of 100,000 Redis locks builds no datetime, parses no JSON and formats
+# no reason for them: only for the rows of the page shown.
 Row = tuple[Any, ...]
 _INFO_FIELDS = tuple(f.name for f in dataclasses.fields(LockInfo))
 (_NAME, _BACKEND, _OWNER, _TOKEN, _HOST, _PID, _THREAD, _ACQUIRED, _EXPIRES, _TTL, _RENEWALS,
@@ -288,16 +309,30 @@ assert _INFO_FIELDS == (
     "name", "backend", "owner", "fencing_token", "host", "pid", "thread", "acquired_at",
     "expires_at", "ttl", "renewals", "waiters", "extra",
 )  # fmt: skip
-_STATUS, _REASON, _ALSO, _TASK, _EXTRA = 12, 13, 14, 15, 16
+_STATUS, _ALSO, _TASK, _REASON, _RAW, _ACQUIRED_AT, _EXPIRES_AT, _EXTRA = range(12, 20)
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_MICROSECOND = dt.timedelta(microseconds=1)
+
+
+def _micros(moment: dt.datetime | None) -> int | float | None:
+    """The sort key of a time: microseconds since the epoch."""
+    if moment is None:
+        return None
+    if moment.tzinfo is None:
+        return moment.timestamp() * 1e6  # local time, as datetime reads a naive one
+    return (moment - _EPOCH) // _MICROSECOND
 
 
 def _row(info: LockInfo, status: str, reason: str, also: str) -> Row:
+    """The row of a lock read as a LockInfo."""
     extra = info.extra
     row = (
         info.name, info.backend, info.owner, info.fencing_token, info.host, info.pid,
-        info.thread, info.acquired_at, info.expires_at, info.ttl, info.renewals,
-        info.waiters, status, reason, also,
-        str(extra.get("celery_task_id") or "") if extra else "",
+        info.thread, _micros(info.acquired_at), _micros(info.expires_at), info.ttl,
+        info.renewals, info.waiters, status, also,
+        str(extra.get("celery_task_id") or "") if extra else "", reason, None,
+        info.acquired_at, info.expires_at,
     )  # fmt: skip
     if not extra:
         return row
@@ -307,15 +342,126 @@ def _row(info: LockInfo, status: str, reason: str, also: str) -> Row:
     return tuple(flat)
 
 
+#: A backend's optional lock summaries: the positions in each tuple (see _listing()).
+(_S_NAME, _S_OWNER, _S_TOKEN, _S_HOST, _S_PID, _S_THREAD, _S_ACQUIRED, _S_EXPIRES, _S_TTL,
+ _S_RENEWALS, _S_WAITERS, _S_EXTRA) = range(12)  # fmt: skip
+
+
+def _listing(backend: BaseBackend) -> Iterator[LockInfo | tuple[Any, ...]]:
+    """What a backend lists: its lock summaries where it has them, else its LockInfos.
+
+    A backend may have an ``iter_lock_summaries()`` method (RedisBackend does): the
+    same locks as ``iter_locks()``, each as a tuple of plain values, cheaper to make
+    and to keep when there are many::
+
+        (name, owner, fencing_token, host, pid, thread, acquired_ms, expires_ms, ttl,
+         renewals, waiters, extra)
+
+    with the times as integer milliseconds since the epoch (or None), ``extra`` the
+    holder's details as JSON text (see :func:`~distlocks.backends.base.holder_details`)
+    and the rest as the :class:`LockInfo` fields of the same names; it may also yield
+    LockInfo objects (its permits, say). A backend without the method is listed
+    through ``iter_locks()``; so are the command's and the page's detail views, which
+    read one lock with ``inspect()``.
+    """
+    summaries = getattr(backend, "iter_lock_summaries", None)
+    return summaries() if summaries is not None else backend.iter_locks()
+
+
+def _summary_info(summary: Sequence[Any], backend: str) -> LockInfo:
+    """The LockInfo a lock summary stands for (what iter_locks() would have yielded)."""
+    acquired, expires = summary[_S_ACQUIRED], summary[_S_EXPIRES]
+    return LockInfo(
+        name=summary[_S_NAME], backend=backend, owner=summary[_S_OWNER],
+        fencing_token=summary[_S_TOKEN], host=summary[_S_HOST], pid=summary[_S_PID],
+        thread=summary[_S_THREAD],
+        acquired_at=None if acquired is None else _EPOCH + dt.timedelta(milliseconds=acquired),
+        expires_at=None if expires is None else _EPOCH + dt.timedelta(milliseconds=expires),
+        ttl=summary[_S_TTL], renewals=summary[_S_RENEWALS], waiters=summary[_S_WAITERS],
+        extra=holder_details(summary[_S_EXTRA]),
+    )  # fmt: skip
+
+
+def _needs_details(extra: str) -> bool:
+    """Whether a summary's extra details (JSON text) may hold something the listing
+    reads (a Celery task id, a PostgreSQL session), or hide it in an escape."""
+    return (
+        bool(extra)
+        and extra != "{}"
+        and ("celery_task_id" in extra or "backend_pid" in extra or "\\" in extra)
+    )
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What the statuses of a listing were worked out with: the same again for a row
+    made into a LiveLock later gives it the same status, and its reason."""
+
+    now: dt.datetime
+    stuck_after: float
+    pid_gone: Callable[[int], bool]
+
+
+def _summary_row(
+    summary: Sequence[Any], backend: str, also: str, now_us: int, context: _Context
+) -> Row:
+    """The row of a lock summary: its status worked out as :func:`classify` works it out
+    from the LockInfo, on numbers (no datetime, no JSON, no reason text)."""
+    (name, owner, token, host, pid, thread, acquired, expires, ttl, renewals, waiters,
+     extra) = summary  # fmt: skip
+    if _needs_details(extra):
+        info = _summary_info(summary, backend)
+        status, reason = classify(
+            info, now=context.now, stuck_after=context.stuck_after, pid_gone=context.pid_gone
+        )
+        return _row(info, status, reason, also)
+    if acquired is not None:
+        acquired *= 1000
+    if expires is not None:
+        expires *= 1000
+    status = OK
+    if host == _HOSTNAME and pid is not None and context.pid_gone(pid):
+        status = ORPHANED
+    elif expires is not None and ttl and (expires - now_us) / 1_000_000 < ttl * EXPIRING_FRACTION:
+        status = ORPHANED if renewals > 0 else EXPIRING
+        if (
+            status == EXPIRING
+            and acquired is not None
+            and (now_us - acquired) / 1_000_000 > context.stuck_after
+        ):
+            status = STUCK
+    elif acquired is not None and (now_us - acquired) / 1_000_000 > context.stuck_after:
+        status = STUCK
+    return (
+        name, backend, owner, token, host, pid, thread, acquired, expires, ttl, renewals,
+        waiters, status, also, "", None, extra,
+    )  # fmt: skip
+
+
 def _also(row: Row) -> tuple[str, ...]:
     return tuple(row[_ALSO].split("\x00")) if row[_ALSO] else ()
 
 
-def _live(row: Row) -> LiveLock:
+def _live(row: Row, context: _Context | None = None) -> LiveLock:
+    if row[_REASON] is None:  # from a summary: its LockInfo and reason made now
+        assert context is not None, "a summary's row is made into a LiveLock by its listing"
+        summary = (
+            row[_NAME], row[_OWNER], row[_TOKEN], row[_HOST], row[_PID], row[_THREAD],
+            None if row[_ACQUIRED] is None else row[_ACQUIRED] // 1000,
+            None if row[_EXPIRES] is None else row[_EXPIRES] // 1000,
+            row[_TTL], row[_RENEWALS], row[_WAITERS], row[_RAW],
+        )  # fmt: skip
+        info = _summary_info(summary, row[_BACKEND])
+        reason = ""
+        if row[_STATUS] != OK:
+            reason = classify(
+                info, now=context.now, stuck_after=context.stuck_after, pid_gone=context.pid_gone
+            )[1]
+        return LiveLock(info, row[_STATUS], reason, _also(row))
     info = LockInfo(
         name=row[_NAME], backend=row[_BACKEND], owner=row[_OWNER], fencing_token=row[_TOKEN],
-        host=row[_HOST], pid=row[_PID], thread=row[_THREAD], acquired_at=row[_ACQUIRED],
-        expires_at=row[_EXPIRES], ttl=row[_TTL], renewals=row[_RENEWALS],
+        host=row[_HOST], pid=row[_PID], thread=row[_THREAD], acquired_at=row[_ACQUIRED_AT],
+        expires_at=row[_EXPIRES_AT], ttl=row[_TTL], renewals=row[_RENEWALS],
         waiters=row[_WAITERS], extra=dict(zip(row[_EXTRA::2], row[_EXTRA + 1 :: 2], strict=True)),
     )  # fmt: skip
     return LiveLock(info, row[_STATUS], row[_REASON], _also(row))
@@ -325,14 +471,16 @@ class Rows(Sequence[LiveLock]):
     """Listed rows, seen as :class:`LiveLock` objects made when asked for: a page of a
     listing makes a page of them."""
 
-    def __init__(self, rows: list[Row]) -> None:
+    def __init__(self, rows: list[Row], context: _Context | None = None) -> None:
         self.rows = rows
+        self.context = context
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __iter__(self) -> Iterator[LiveLock]:
-        return (_live(row) for row in self.rows)
+        context = self.context
+        return (_live(row, context) for row in self.rows)
 
     @overload
     def __getitem__(self, index: int) -> LiveLock: ...
@@ -342,8 +490,8 @@ class Rows(Sequence[LiveLock]):
 
     def __getitem__(self, index: int | slice) -> LiveLock | list[LiveLock]:
         if isinstance(index, slice):
-            return [_live(row) for row in self.rows[index]]
-        return _live(self.rows[index])
+            return [_live(row, self.context) for row in self.rows[index]]
+        return _live(self.rows[index], self.context)
 
 
 @dataclass(frozen=True)
@@ -371,6 +519,9 @@ class Snapshot:
     truncated: list[str] = field(default_factory=list)
     #: Every alias asked for, in settings order.
     aliases: list[str] = field(default_factory=list)
+    #: The moment, threshold and process checks the statuses were worked out with (the
+    #: rows of lock summaries need them again to be shown; see Row).
+    context: _Context | None = field(default=None, repr=False, compare=False)
     #: Views already worked out: (query, status, backend, order) -> Selection.
     _views: dict[tuple[str, str, str, str], Selection] = field(
         default_factory=dict, repr=False, compare=False
@@ -379,7 +530,8 @@ class Snapshot:
     @functools.cached_property
     def locks(self) -> list[LiveLock]:
         """Every lock, as :class:`LiveLock` objects (made on first use)."""
-        return [_live(row) for row in self.rows]
+        context = self.context
+        return [_live(row, context) for row in self.rows]
 
     def counts(self) -> dict[str, dict[str, int]]:
         """alias -> status -> number of locks."""
@@ -399,12 +551,12 @@ class Snapshot:
             searched = self._views.get((query, "", backend, order))
             if searched is None:
                 rows = _select_rows(self.rows, query=query, backend=backend, order=order)
-                searched = Selection(Rows(rows), _count_rows(rows), len(rows))
+                searched = Selection(Rows(rows, self.context), _count_rows(rows), len(rows))
                 self._remember((query, "", backend, order), searched)
             found = searched
             if status:
                 rows = [row for row in searched.rows.rows if row[_STATUS] == status]
-                found = Selection(Rows(rows), searched.counts, searched.searched)
+                found = Selection(Rows(rows, self.context), searched.counts, searched.searched)
                 self._remember(key, found)
         return found
 
@@ -451,8 +603,9 @@ def collect(
     once. With many locks this is the whole cost of a listing, so each lock is kept as
     one :data:`Row`.
     """
-    snapshot = Snapshot(aliases=list(configured_aliases() if aliases is None else aliases))
     now = now or dt.datetime.now(dt.UTC)
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=dt.UTC)  # the servers' times are in UTC
     stuck_after = conf.STUCK_AFTER
     gone: dict[int, bool] = {}
 
@@ -460,6 +613,12 @@ def collect(
         if pid not in gone:
             gone[pid] = _pid_gone(pid)
         return gone[pid]
+
+    context = _Context(now, stuck_after, pid_gone)
+    now_us = (now - _EPOCH) // _MICROSECOND
+    snapshot = Snapshot(
+        aliases=list(configured_aliases() if aliases is None else aliases), context=context
+    )
 
     sources = {alias: _source(alias) for alias in snapshot.aliases}
     first: dict[Any, str] = {}  # where -> the alias it is read through
@@ -484,11 +643,15 @@ def collect(
         found: list[Row] = []
         append = found.append
         try:
-            for info in get(alias).iter_locks():
+            for item in _listing(get(alias)):
                 if len(found) >= limit:
                     return found, True, ""
-                status, reason = classify(info, now=now, stuck_after=stuck_after, pid_gone=pid_gone)
-                append(_row(info, status, reason, also))
+                if type(item) is tuple:
+                    append(_summary_row(item, alias, also, now_us, context))
+                    continue
+                assert isinstance(item, LockInfo)
+                status, reason = classify(item, now=now, stuck_after=stuck_after, pid_gone=pid_gone)
+                append(_row(item, status, reason, also))
         except Exception as exc:
             # The page and the command must still answer: report this backend, go on.
             logger.warning("Could not list the locks of backend %r", alias, exc_info=True)
@@ -843,6 +1006,15 @@ SORTS: dict[str, tuple[Callable[[Row], Any], bool]] = {
 _BASE_ORDER = operator.itemgetter(_NAME, _BACKEND, _OWNER)
 
 
+def _base_sort(rows: list[Row]) -> None:
+    """Sort ``rows`` in :data:`_BASE_ORDER`: by name alone (a sort on one text, several
+    times faster than on tuples) unless names repeat, as permits' do."""
+    rows.sort(key=operator.itemgetter(_NAME))
+    names = [row[_NAME] for row in rows]
+    if any(map(operator.eq, names, itertools.islice(names, 1, None))):
+        rows.sort(key=_BASE_ORDER)
+
+
 def matches(item: LiveLock, query: str) -> bool:
     """Case-insensitive search in the name, the holder's host and its Celery task id."""
     return _matches(_row(item.info, item.status, item.reason, ""), query.casefold())
@@ -866,7 +1038,7 @@ def _select_rows(
     name, flip = order.lstrip("-"), order.startswith("-")
     if name not in SORTS:
         name, flip = "name", False
-    chosen.sort(key=_BASE_ORDER)
+    _base_sort(chosen)
     if name == "name":
         if flip:
             chosen.reverse()

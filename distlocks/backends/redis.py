@@ -646,6 +646,10 @@ def _evalsha(client: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
 
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_MILLISECOND = dt.timedelta(milliseconds=1)
+#: Milliseconds since the epoch that make a date (years 1 to 9999).
+_MIN_MS = (dt.datetime.min.replace(tzinfo=dt.UTC) - _EPOCH) // _MILLISECOND
+_MAX_MS = (dt.datetime.max.replace(tzinfo=dt.UTC) - _EPOCH) // _MILLISECOND
 
 
 def _decoded(values: list[Any]) -> list[Any]:
@@ -657,6 +661,36 @@ def _decode(value: bytes | str | None) -> str:
     if value is None:
         return ""
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _summaries(values: list[Any], now_ms: int, texts: dict[Any, Any]) -> Iterator[tuple[Any, ...]]:
+    """The tuples of :meth:`RedisBackend.iter_lock_summaries` for ``values`` (the LIST
+    script's reply, not decoded), read at ``now_ms``: the values
+    :meth:`RedisBackend._info` makes of them, without datetimes or parsed JSON. The
+    texts most locks share (host, thread, details, ttl) are decoded once, through
+    ``texts``."""
+    for at in range(0, len(values), _WIDTH):
+        owner, name, token, host, pid, thread, acquired, ttl, renewals, extra, pttl, waiters = (
+            values[at : at + _WIDTH]
+        )
+        shared = texts.get((host, thread, extra, ttl))
+        if shared is None:
+            shared = texts[host, thread, extra, ttl] = (
+                _decode(host), _decode(thread), _decode(extra), int(ttl or 0) / 1000 or None
+            )  # fmt: skip
+        acquired = int(acquired) if acquired else None
+        if acquired is not None and not _MIN_MS <= acquired <= _MAX_MS:
+            acquired = None  # no date (see moment())
+        expires = now_ms + pttl if pttl >= 0 else None
+        if expires is not None and not _MIN_MS <= expires <= _MAX_MS:
+            expires = None
+        yield (
+            name.decode() if type(name) is bytes else name or "",
+            owner.decode() if type(owner) is bytes else owner,
+            int(token or 0), shared[0], int(pid) if pid and pid.isdigit() else None,
+            shared[1], acquired, expires, shared[3], int(renewals or 0), int(waiters),
+            shared[2],
+        )  # fmt: skip
 
 
 def _positive(options: Mapping[str, Any], key: str, problems: list[str]) -> None:
@@ -1565,6 +1599,46 @@ class RedisBackend(RedisPermits, BaseBackend):
     def iter_locks(self) -> Iterator[LockInfo]:
         """Every lock, then every semaphore permit and read-write lease, found by one
         walk over this backend's hashes (one per lock, semaphore or read-write lock)."""
+        for locks, permits in self._walk():
+            for start in range(0, len(locks), self.LIST_BATCH):
+                yield from self._describe(locks[start : start + self.LIST_BATCH])
+            if permits is not None:
+                yield from self.permits_at(permits)
+
+    def iter_lock_summaries(self) -> Iterator[tuple[Any, ...] | LockInfo]:
+        """What :meth:`iter_locks` lists, in the cheaper form a listing of many locks
+        reads (:func:`distlocks.livelocks.collect` uses this method when a backend has
+        it): the same walk and the same server reads, but each lock as one tuple of
+        plain values, without the datetimes and the parsed holder details of a
+        :class:`LockInfo`, which a page of live locks needs for its shown rows only::
+
+            (name, owner, fencing_token, host, pid, thread, acquired_ms, expires_ms,
+             ttl, renewals, waiters, extra)
+
+        ``acquired_ms`` and ``expires_ms`` are milliseconds since the epoch (None where
+        :meth:`iter_locks` has no date), ``extra`` the holder's details as the JSON text
+        stored (:func:`~distlocks.backends.base.holder_details` reads it); the other
+        values are those of the :class:`LockInfo` fields of the same names. Repeated
+        texts (host, thread, details) are shared between tuples. Permits come after the
+        locks as :class:`LockInfo` objects, as :meth:`iter_locks` yields them.
+
+        A subclass that overrides :meth:`iter_locks` is listed through it instead."""
+        if type(self).iter_locks is not RedisBackend.iter_locks:
+            yield from self.iter_locks()
+            return
+        texts: dict[Any, Any] = {}  # (host, thread, details, ttl) as stored -> as listed
+        for locks, permits in self._walk():
+            for start in range(0, len(locks), self.LIST_BATCH):
+                values, now = self._list_values(locks[start : start + self.LIST_BATCH], False)
+                yield from _summaries(values, (now - _EPOCH) // _MILLISECOND, texts)
+            if len(texts) > 10_000:
+                texts.clear()  # many different holders: start again
+            if permits is not None:
+                yield from self.permits_at(permits)
+
+    def _walk(self) -> Iterator[tuple[list[str], dict[str, list[str]] | None]]:
+        """The lock hashes of this backend, a SCAN batch at a time, then (with the last,
+        empty batch) the bases of its semaphores and read-write locks."""
         permits: dict[str, list[str]] = {SEMAPHORE: [], RWLOCK: []}
         for batch in self._scan_batches(self._hash_pattern(), kind="hash"):
             locks = []
@@ -1575,9 +1649,8 @@ class RedisBackend(RedisPermits, BaseBackend):
                     permits[SEMAPHORE].append(key.removesuffix(":sem:info"))
                 elif key.endswith(":rw:info"):
                     permits[RWLOCK].append(key.removesuffix(":rw:info"))
-            for start in range(0, len(locks), self.LIST_BATCH):
-                yield from self._describe(locks[start : start + self.LIST_BATCH])
-        yield from self.permits_at(permits)
+            yield locks, None
+        yield [], permits
 
     def _hash_pattern(self) -> str:
         """A SCAN pattern for this backend's keys, and no other prefix's."""
@@ -1587,6 +1660,14 @@ class RedisBackend(RedisPermits, BaseBackend):
 
     def _describe(self, locks: list[str]) -> Iterator[LockInfo]:
         """The live ones of the lock hashes ``locks``, read in one round trip."""
+        values, now = self._list_values(locks)
+        for at in range(0, len(values), _WIDTH):
+            yield self._info(values, at, now)
+
+    def _list_values(self, locks: list[str], decode: bool = True) -> tuple[list[Any], dt.datetime]:
+        """What INSPECT reads of each live one of the lock hashes ``locks``, one after
+        the other (strings decoded, unless ``decode`` is false), read in one round trip;
+        and when they were read."""
         with self._errors("list", self.key_prefix):
             if self.mode == "cluster":
                 # Keys of many slots: a pipeline, which sends each node the keys it serves.
@@ -1605,10 +1686,7 @@ class RedisBackend(RedisPermits, BaseBackend):
                 for key in locks:
                     keys += (key, key.removesuffix(":lock") + ":waiters")
                 values = self._run("list", keys, [])
-        values = _decoded(values)
-        now = dt.datetime.now(dt.UTC)
-        for at in range(0, len(values), _WIDTH):
-            yield self._info(values, at, now)
+        return _decoded(values) if decode else values, dt.datetime.now(dt.UTC)
 
     def _scan_batches(self, pattern: str, *, kind: str | None = None) -> Iterator[list[str]]:
         """The keys matching ``pattern`` (of the type ``kind``, if given), in batches:
