@@ -961,7 +961,11 @@ class EtcdBackend(EtcdPermits, BaseBackend):
 
     def _fence_ready(self, name: str) -> dict[str, Any]:
         """The comparison that the fence key exists with a base at least the floor."""
-        fence = _b64(self.fence_key(name))
+        return self._fence_at_floor(_b64(self.fence_key(name)))
+
+    def _fence_at_floor(self, fence: str) -> dict[str, Any]:
+        """The comparison that the fence key ``fence`` (base64) exists with a base at
+        least the floor (a lock's, or a read-write lock's write fence)."""
         fence_cmp: dict[str, Any] = {
             "target": "VERSION",
             "key": fence,

@@ -190,6 +190,8 @@ class EtcdPermits:
 
         def _clock_us(self) -> int: ...
 
+        def _fence_at_floor(self, fence: str) -> dict[str, Any]: ...
+
         def _quoted(self, name: str) -> str: ...
 
         def _connect(self, endpoint: _Endpoint, timeout: float) -> http.client.HTTPConnection: ...
@@ -207,7 +209,7 @@ class EtcdPermits:
         def check_permit_kind(self, kind: str) -> None: ...
 
     permit_kinds = frozenset({SEMAPHORE, READ, WRITE})
-    #: Set by a subclass whose ``iter_locks`` yields the permits itself.
+
     # -- keys and bookkeeping -------------------------------------------------------
 
     def family_prefix(self, kind: str, name: str) -> str:
@@ -560,21 +562,7 @@ class EtcdPermits:
                 }
             )
             return first, {"requestPut": {"key": fence, "value": _etcd._b64(value)}}
-        compare: dict[str, Any] = {
-            "target": "VERSION",
-            "key": fence,
-            "result": "GREATER",
-            "version": "0",
-        }
-        if self.token_floor > 0:
-            # Fixed-width digits compare as numbers, byte by byte.
-            compare = {
-                "target": "VALUE",
-                "key": fence,
-                "result": "GREATER",
-                "value": _etcd._b64(str(self.token_floor - 1).zfill(_etcd._BASE_DIGITS)),
-            }
-        return compare, {"requestPut": {"key": fence, "ignore_value": True}}
+        return self._fence_at_floor(fence), {"requestPut": {"key": fence, "ignore_value": True}}
 
     def _fence_written(self, name: str) -> None:
         self.__dict__.get("_fence_new", {}).pop(name, None)
