@@ -15,7 +15,9 @@ servers in one workload:
   writes nothing and so never waits for a flush), ``durable-distlocks-pg`` (the default,
   lock connections with ``synchronous_commit=off``), ``durable-distlocks-pg-sync``
   (``OPTIONS["synchronous_commit"] = "on"``: every acquire waits for its WAL flush) and
-  ``durable-django-pglock``.
+  ``durable-django-pglock``; and ``durable-distlocks-pg-backend``
+  (``PostgresBackend.acquire`` / ``release`` directly, default settings), which splits
+  the default row into the backend (statements, pool) and the ``Lock``/``Lease`` layer.
 
 Each row is compared with the floor of its own server.
 """
@@ -28,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.postgres import DistlocksPg, DjangoPglock, PgFloor
+from bench.postgres import DistlocksPg, DistlocksPgBackend, DjangoPglock, PgFloor
 from bench.registry import (
     DURABLE_DATABASE_ENV,
     Env,
@@ -152,6 +154,19 @@ class DurableDistlocksPgSync(DistlocksPg):
     workloads = frozenset({NAME})
     reference = False
     alias = "pg-durable-sync"
+
+
+@implementation
+class DurableDistlocksPgBackend(DistlocksPgBackend):
+    """distlocks one layer down on the durable server: ``PostgresBackend.acquire`` /
+    ``release`` (default settings), without ``Lock``, ``Lease``, renewal or signals."""
+
+    name = "durable-distlocks-pg-backend"
+    label = "distlocks PostgresBackend.acquire/release (durable server)"
+    family = FAMILY
+    servers = SERVERS
+    workloads = frozenset({NAME})
+    backend_alias = "pg-durable"
 
 
 @implementation

@@ -237,7 +237,9 @@ class DistlocksPgBackend(BackendLevel):
     family = "postgres"
     servers = frozenset({"postgres"})
     distribution = "distlocks"
-    workloads = frozenset({"cycle", "throughput-threads", "throughput-processes"})
+    workloads = frozenset(
+        {"cycle", "throughput-threads", "throughput-processes", "pg-cycle-durable"}
+    )
 
     backend_alias = "pg"
 
