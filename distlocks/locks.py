@@ -163,9 +163,8 @@ class _Attempt:
         thread)."""
         if due is None and not self.backend.expires_on_server:
             weakref.finalize(
-                lease, _in_thread, release_dropped,
-                self.backend, self.name, self.owner, lease._ended,
-            )  # fmt: skip
+                lease, _when_dropped, self.backend, self.name, self.owner, lease._ended
+            )
 
 
 #: Names that passed validate_name() (a pure function of the string): a lock object is
@@ -182,6 +181,14 @@ def _checked_name(name: Any) -> str:
             _valid_names.clear()
         _valid_names[name] = None
     return name
+
+
+def _when_dropped(backend: LeaseServer, name: str, owner: str, ended: dict[str, Any]) -> None:
+    """The finalizer of a guarded lease: a lease that ended (released, lost) or that a
+    forked child inherited needs nothing, and most leases are collected after they
+    ended, so only a lease really dropped while held costs a clean-up thread."""
+    if not ended["ended"] and ended["pid"] == os.getpid():
+        _in_thread(release_dropped, backend, name, owner, ended)
 
 
 def _in_thread(func: Callable[..., object], *args: Any) -> None:

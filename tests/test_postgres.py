@@ -331,6 +331,29 @@ def test_a_dropped_unrenewed_lease_is_released(name: str) -> None:
     wait_for(lambda: pg().inspect(name) is None, what="released after the drop")
 
 
+def test_only_a_lease_dropped_while_held_costs_a_clean_up_thread(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+
+    from distlocks import locks
+
+    started: list[str] = []
+    real = locks._in_thread
+    monkeypatch.setattr(
+        locks, "_in_thread", lambda func, *args: (started.append(args[1]), real(func, *args))
+    )
+    for _ in range(20):  # released, then collected: nothing left to free
+        with lock(name, backend="pg", auto_renew=False):
+            pass
+    gc.collect()
+    assert started == []
+    lock(name, backend="pg", auto_renew=False).acquire()  # dropped while held
+    gc.collect()
+    assert started == [name]
+    wait_for(lambda: pg().inspect(name) is None, what="released after the drop")
+
+
 class TestSynchronousCommit:
     """Lock connections do not wait for the WAL flush of the registry write (a token
     cannot go back after a crash: see DEFAULT_SYNCHRONOUS_COMMIT)."""
