@@ -29,6 +29,7 @@ from distlocks.livelocks import (
     STUCK,
     classify,
 )
+from tests.conftest import alias_fixture
 from tests.waiting import wait_for
 
 LIST_URL = "/admin/distlocks/livelock/"
@@ -661,7 +662,11 @@ def _permit_rows(rows: list[dict[str, str]], name: str) -> dict[str, dict[str, s
     return {r["owner"]: r for r in rows if r["name"] == name}
 
 
-@pytest.mark.parametrize("permit_alias", ["redis", "pg"])
+permit_alias = alias_fixture(
+    "permit_alias", ["redis", "pg", "zk", "etcd"], "Each backend with semaphores and rwlocks."
+)
+
+
 def test_permits_listed_inspected_and_evicted_one_at_a_time(
     releaser: Client, name: str, permit_alias: str, child_permits: Any
 ) -> None:
@@ -676,7 +681,7 @@ def test_permits_listed_inspected_and_evicted_one_at_a_time(
     child = child_permits(permit_alias, sem_name, rw_name)
     mine = semaphore(sem_name, limit=3, backend=permit_alias, ttl=30).acquire()
     my_read = rwlock(rw_name, backend=permit_alias).read(ttl=30).acquire()
-    listed_as = "default" if permit_alias == "redis" else "pg"
+    listed_as = "default" if permit_alias == "redis" else permit_alias
     seen: list[dict[str, Any]] = []
 
     def receiver(sender: Any, **kwargs: Any) -> None:

@@ -1055,11 +1055,26 @@ class EtcdPermits:
                         {"target": "VERSION", "key": fence_key, "result": "GREATER", "version": "0"}
                     )
                     success.append({"requestPut": {"key": fence_key, "ignore_value": True}})
+                elif permit_family(kind) != SEMAPHORE:
+                    # No write grant yet: the eviction creates the fence, so the write
+                    # counter moves past 0 as on every backend.
+                    base = str(max(self._clock_us(), self.token_floor)).zfill(_etcd._BASE_DIGITS)
+                    compare.append(
+                        {
+                            "target": "CREATE",
+                            "key": fence_key,
+                            "result": "EQUAL",
+                            "create_revision": "0",
+                        }
+                    )
+                    success.append({"requestPut": {"key": fence_key, "value": _etcd._b64(base)}})
                 answer = self._txn("force-release", name, compare, success)
                 if not answer.get("succeeded"):
                     retry = True  # one went meanwhile: look again
                     break
                 evicted += len(chunk)
+                if fence is None and permit_family(kind) != SEMAPHORE:
+                    fence = {}  # created now: the next chunk rewrites it
                 for node in chunk:
                     self._revoke_quietly(_etcd._int(node.kv.get("lease")))
             if not retry:
