@@ -184,7 +184,8 @@ def test_force_release_never_ends_a_session_it_was_not_asked_to(
     attempts = 0
     deadline = time.monotonic() + 45
     try:
-        while attempts < 300 and time.monotonic() < deadline:
+        # Without the guard most force releases end the other lease: 100 tries find it.
+        while attempts < 100 and time.monotonic() < deadline:
             info = backend.inspect(name)
             if info is None:
                 continue
