@@ -66,7 +66,7 @@ class _Contended(Workload):
 
     def __init__(self, options: RunOptions) -> None:
         super().__init__(options)
-        self.duration = 0.3 if options.quick else 3.0
+        self.duration = 0.15 if options.quick else 3.0
         self.rounds = 1 if options.quick else 3
         self.details: dict[str, dict[str, Any]] = {}
 

@@ -41,7 +41,7 @@ class Renewal(Workload):
 
     def __init__(self, options: RunOptions) -> None:
         super().__init__(options)
-        self.hold = 3.0 if options.quick else 30.0
+        self.hold = 1.5 if options.quick else 30.0  # quick: still two renewal turns (ttl/3)
         self.scale = 0.02 if options.quick else 1.0
         self.details: dict[str, dict[str, Any]] = {}
 
