@@ -25,6 +25,7 @@ import argparse
 import cProfile
 import functools
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -122,8 +123,10 @@ def _explain(sql: str, params: Any, runs: int) -> list[str]:
 
 
 def _normalized(sql: str) -> tuple[str, frozenset[str]]:
-    """An UPDATE as (everything before WHERE, its AND-ed conditions in any order)."""
+    """An UPDATE as (everything before WHERE, its AND-ed conditions in any order),
+    columns with or without their table's name before them."""
     head, _, where = sql.partition(" WHERE ")
+    where = re.sub(r'"[^"]+"\.(?=")', "", where)
     return head, frozenset(c.strip("() ") for c in where.split(" AND "))
 
 

@@ -102,11 +102,17 @@ def _missing_servers(impl_classes: list[type[Implementation]]) -> dict[str, str]
     return missing
 
 
-def _start(impl_classes: list[type[Implementation]], started: list[Any]) -> Env:
+def _start(impl_classes: list[type[Implementation]], started: list[Any] | None = None) -> Env:
     """Start the servers the implementations need, then configure Django.
 
-    Servers started for this run only (ZooKeeper, etcd) are appended to ``started``.
+    Servers started for this run only (ZooKeeper, etcd) are appended to ``started``
+    (the caller stops them), or stopped at exit when no list is given.
     """
+    if started is None:
+        import atexit
+
+        started = []
+        atexit.register(lambda: [server.close() for server in started])
     from distlocks.testing.servers import ensure_test_servers
 
     needed = set().union(*(cls.servers for cls in impl_classes))
