@@ -81,7 +81,7 @@ class AdminListing(Implementation):
 
     workloads = frozenset({NAME})
     distribution = "distlocks"
-    key_patterns = (f"distlocks-bench:{{{NAME_PREFIX}*",)
+    key_patterns = (f"distlocks-bench:{{{NAME_PREFIX}*", "distlocks-bench:listing*")
 
     def __init__(self, env: Env) -> None:
         super().__init__(env)

@@ -8,6 +8,9 @@ viewer after a refresh interval gets it):
 
 * ``admin100k-redis-raw``: the floor, redis-py reading every lock once (``SCAN`` +
   ``HGETALL``, pipelined), as in ``admin-list``;
+* ``admin100k-index-raw``: the floor of the listing index, redis-py reading the one
+  hash that the Redis backend keeps of its held locks (``HSCAN`` in chunks of 10,000
+  fields) and splitting each entry into its fields;
 * ``admin100k-cold``: the first page, default order (by name);
 * ``admin100k-cold-search``: the same with a search (``?q=``) that matches 10 locks;
 * ``admin100k-cold-status``: the same filtered by a status (``?status=ok``).
@@ -45,6 +48,9 @@ from bench.registry import (
 
 NAME = "admin-list-100k"
 NAME_PREFIX = "bench:admin100k:"
+#: The keys of the bench backend's listing index (see RedisBackend.rebuild_listing_index):
+#: removed with the locks, so no entry outlives them.
+INDEX_PATTERN = "distlocks-bench:listing*"
 TTL = 3600.0
 #: Matches 10 of the 100,000 names (``...:0123x``), 1 of the 2,000 of a quick run.
 SEARCH = "0123"
@@ -67,7 +73,30 @@ class Admin100kRaw(RedisRaw):
 
     name = "admin100k-redis-raw"
     workloads = frozenset({NAME})
-    key_patterns = (f"distlocks-bench:{{{NAME_PREFIX}*",)
+    key_patterns = (f"distlocks-bench:{{{NAME_PREFIX}*", INDEX_PATTERN)
+
+
+@implementation
+class Admin100kIndexRaw(RedisRaw):
+    """redis-py: HSCAN of the listing index, each entry split into its fields (the
+    floor of a listing read from the index)."""
+
+    name = "admin100k-index-raw"
+    label = "redis-py HSCAN of the listing index (one hash)"
+    family = "redis-index"
+    workloads = frozenset({NAME})
+    key_patterns = (f"distlocks-bench:{{{NAME_PREFIX}*", INDEX_PATTERN)
+
+    def view(self, page: int) -> None:
+        found = 0
+        cursor = 0
+        while True:
+            cursor, entries = self.client.hscan("distlocks-bench:listing", cursor, count=10_000)
+            found += sum(1 for value in entries.values() if len(value.split(b"\0", 9)) == 10)
+            if not cursor:
+                break
+        if not found:
+            raise BenchError(f"{self.name}: no entry found")
 
 
 class _ColdPage(AdminListing):
@@ -77,7 +106,7 @@ class _ColdPage(AdminListing):
     family = "redis"
     servers = frozenset({"redis"})
     workloads = frozenset({NAME})
-    key_patterns = (f"distlocks-bench:{{{NAME_PREFIX}*",)
+    key_patterns = (f"distlocks-bench:{{{NAME_PREFIX}*", INDEX_PATTERN)
     #: Query parameters beyond ``backend`` and ``fresh``.
     extra: ClassVar[dict[str, str]] = {}
 

@@ -823,11 +823,20 @@ def inspect(alias: str, name: str, kind: str = LOCK, owner: str = "") -> LiveLoc
 
 def complete(items: Sequence[LiveLock]) -> list[LiveLock]:
     """Fill in what a backend's listing leaves out (e.g. waiters on Redlock) for a few
-    rows, one ``inspect()`` each: for one page of a listing, never the whole of it."""
+    rows, one ``inspect()`` each: for one page of a listing, never the whole of it. A
+    backend that counts the waiters of many locks at once (``count_waiters(names)``,
+    as a Redis backend listed from its index does) is asked once for its locks."""
+    counted = _count_waiters(items)
     done = []
     for item in items:
         if item.info.waiters is not None:
             done.append(item)
+            continue
+        count = counted.get((item.backend, item.name))
+        if count is not None and not item.is_permit:
+            done.append(
+                dataclasses.replace(item, info=dataclasses.replace(item.info, waiters=count))
+            )
             continue
         try:
             owner = item.info.owner if item.is_permit else ""
@@ -840,6 +849,24 @@ def complete(items: Sequence[LiveLock]) -> list[LiveLock]:
             item = dataclasses.replace(fresh, also=item.also)
         done.append(item)
     return done
+
+
+def _count_waiters(items: Sequence[LiveLock]) -> dict[tuple[str, str], int]:
+    """(alias, name) -> waiters, for the locks of ``items`` without a count whose backend
+    counts many at once; a backend that fails is left to ``inspect()``."""
+    names: dict[str, list[str]] = {}
+    for item in items:
+        if item.info.waiters is None and not item.is_permit:
+            names.setdefault(item.backend, []).append(item.name)
+    counted: dict[tuple[str, str], int] = {}
+    for alias, wanted in names.items():
+        try:
+            count = getattr(get(alias), "count_waiters", None)
+            if count is not None:
+                counted.update(zip(((alias, name) for name in wanted), count(wanted), strict=True))
+        except Exception:
+            logger.debug("Could not count the waiters on %r", alias, exc_info=True)
+    return counted
 
 
 @dataclass(frozen=True)

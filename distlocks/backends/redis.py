@@ -133,18 +133,48 @@ end
 """
 )
 
-# KEYS: lock hash, fence counter, waiters, queue.
+# The listing index (see RedisBackend.rebuild_listing_index): one hash per key prefix,
+# field = lock name, value = what a listing shows of the lock, its fields joined by NUL:
+# owner, token, host, pid, thread, acquired_at (server ms), expiry (server ms, '' for
+# none), ttl (ms), renewals, extra (JSON, last: the only field that may hold a NUL). A
+# lock whose other fields hold a NUL gets '' instead: the listing reads its hash.
+_ENTRY = """
+local function entry(t)
+  for i = 1, 9 do
+    if string.find(t[i], '\\0', 1, true) then return '' end
+  end
+  return table.concat(t, '\\0')
+end
+-- The index entry of a held lock rewritten from its hash, with the expiry given.
+local function reindex(index, lock, name, expires)
+  local f = redis.call('HMGET', lock, 'owner', 'token', 'host', 'pid', 'thread',
+    'acquired_at', 'ttl', 'renewals', 'extra')
+  redis.call('HSET', index, name, entry({f[1] or '', f[2] or '', f[3] or '', f[4] or '',
+    f[5] or '', f[6] or '', expires, f[7] or '', f[8] or '', f[9] or ''}))
+end
+local function ms_now()
+  local t = redis.call('TIME')
+  return t[1] * 1000 + math.floor(t[2] / 1000)
+end
+"""
+
+# KEYS: lock hash, fence counter, waiters, queue[, listing index].
 # ARGV: owner, ttl ms, name, host, pid, thread, extra (JSON), wait ms, fair (0/1).
+# ARGV[3] (the name) is also the index field.
 # Returns {1, token, ttl ms} when granted; {0, 0, holder's pttl or -3} when not.
 ACQUIRE = (
     _NOW
     + _NEXT_TOKEN
     + _PRUNE
+    + _ENTRY
     + """
 local holder = redis.call('HGET', KEYS[1], 'owner')
 if holder == ARGV[1] then
   -- Same owner: a retried request whose first reply was lost. It is ours.
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if KEYS[5] then
+    reindex(KEYS[5], KEYS[1], ARGV[3], string.format('%d', now_ms + tonumber(ARGV[2])))
+  end
   return {1, tonumber(redis.call('HGET', KEYS[1], 'token')), tonumber(ARGV[2])}
 end
 local fair = ARGV[9] == '1'
@@ -176,17 +206,30 @@ redis.call('HSET', KEYS[1],
   'thread', ARGV[6], 'extra', ARGV[7], 'ttl', ARGV[2], 'renewals', 0,
   'acquired_at', now_ms)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if KEYS[5] then
+  -- entry() written out: the texts given are the only fields that may hold a NUL.
+  local value = ''
+  if not string.find(ARGV[1] .. ARGV[4] .. ARGV[5] .. ARGV[6], '\\0', 1, true) then
+    value = ARGV[1] .. '\\0' .. string.format('%d', token) .. '\\0' .. ARGV[4] .. '\\0'
+      .. ARGV[5] .. '\\0' .. ARGV[6] .. '\\0' .. string.format('%d', now_ms) .. '\\0'
+      .. string.format('%d', now_ms + tonumber(ARGV[2])) .. '\\0' .. ARGV[2] .. '\\0' .. '0\\0'
+      .. ARGV[7]
+  end
+  redis.call('HSET', KEYS[5], ARGV[3], value)
+end
 return {1, token, tonumber(ARGV[2])}
 """
 )
 
-# KEYS: lock hash, waiters, queue, signal. ARGV: owner, wake key prefix.
+# KEYS: lock hash, waiters, queue, signal[, listing index]. ARGV: owner, wake key
+# prefix[, name: the index field, with the index].
 # Compare-and-delete, then wake one waiter.
 RELEASE = (
     _WAKE
     + """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
+if KEYS[5] then redis.call('HDEL', KEYS[5], ARGV[3]) end
 if redis.call('EXISTS', KEYS[2]) == 1 then
 """
     + _NOW
@@ -197,28 +240,43 @@ return 1
 """
 )
 
-# KEYS: lock hash. ARGV: owner, ttl ms. Compare-and-expire.
-EXTEND = """
+# KEYS: lock hash[, listing index]. ARGV: owner, ttl ms[, name]. Compare-and-expire.
+EXTEND = (
+    _ENTRY
+    + """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   redis.call('HSET', KEYS[1], 'ttl', ARGV[2])
   redis.call('HINCRBY', KEYS[1], 'renewals', 1)
+  if KEYS[2] then
+    reindex(KEYS[2], KEYS[1], ARGV[3], string.format('%d', ms_now() + tonumber(ARGV[2])))
+  end
   return 1
 end
 return 0
 """
+)
 
-# KEYS: lock hashes. ARGV: owner, ttl ms, owner, ttl ms, ... (one pair per key).
+# KEYS: lock hashes[, listing index]. ARGV: owner, ttl ms, name, owner, ttl ms, name,
+# ... (one triple per lock hash).
 # EXTEND for many leases at once (the renewer's batch): one round trip; each lease is
-# still compare-and-expire on its own. Returns 1 or 0 per key, in order.
-EXTEND_MANY = """
+# still compare-and-expire on its own. Returns 1 or 0 per lease, in order.
+EXTEND_MANY = (
+    _ENTRY
+    + """
 local out = {}
-for i = 1, #KEYS do
-  local owner, ttl = ARGV[2 * i - 1], ARGV[2 * i]
+local n = #ARGV / 3
+local index = KEYS[n + 1]
+local now_ms = index and ms_now()
+for i = 1, n do
+  local owner, ttl = ARGV[3 * i - 2], ARGV[3 * i - 1]
   if redis.call('HGET', KEYS[i], 'owner') == owner then
     redis.call('PEXPIRE', KEYS[i], ttl)
     redis.call('HSET', KEYS[i], 'ttl', ttl)
     redis.call('HINCRBY', KEYS[i], 'renewals', 1)
+    if index then
+      reindex(index, KEYS[i], ARGV[3 * i], string.format('%d', now_ms + tonumber(ttl)))
+    end
     out[i] = 1
   else
     out[i] = 0
@@ -226,10 +284,12 @@ for i = 1, #KEYS do
 end
 return out
 """
+)
 
-# KEYS: lock hash, fence counter, waiters, queue, signal. ARGV: wake key prefix, the
-# holder's fencing token ('' for whoever holds it). Compare-and-delete by token: a
-# lock that changed hands, or is free, is left as it is and nothing is written.
+# KEYS: lock hash, fence counter, waiters, queue, signal[, listing index]. ARGV: wake
+# key prefix, the holder's fencing token ('' for whoever holds it)[, name].
+# Compare-and-delete by token: a lock that changed hands, or is free, is left as it
+# is and nothing is written.
 # Otherwise the counter moves on, so that the evicted holder's token is already
 # outdated, and a waiter is woken.
 FORCE_RELEASE = (
@@ -241,6 +301,7 @@ local token = redis.call('HGET', KEYS[1], 'token')
 if not token then return 0 end
 if ARGV[2] ~= '' and tonumber(token) ~= tonumber(ARGV[2]) then return 0 end
 redis.call('DEL', KEYS[1])
+if KEYS[6] then redis.call('HDEL', KEYS[6], ARGV[3]) end
 next_token(KEYS[2], now)
 wake(KEYS[3], KEYS[4], KEYS[5], ARGV[1], now_ms)
 return 1
@@ -303,6 +364,34 @@ return out
 """
 )
 
+# KEYS: listing index, then lock hash, waiters of each lock. ARGV: the names of the
+# locks (the index fields), or none: each lock's name is then read from its hash.
+# Each index entry made true: rewritten from the lock's hash if held, dropped if the
+# lock is free (with its name given). Returns what LIST returns for the held ones.
+# Keeps the index of a listing (an entry whose expiry is past, or that is due now) and
+# builds it (a first listing, from a SCAN of the lock hashes).
+INDEX = (
+    _DESCRIBE
+    + _ENTRY
+    + """
+local now_ms = ms_now()
+local out = {}
+for i = 2, #KEYS, 2 do
+  local at = #out
+  describe(KEYS[i], KEYS[i + 1], out)
+  local name = ARGV[i / 2] or out[at + 2]
+  if #out == at then
+    if ARGV[i / 2] then redis.call('HDEL', KEYS[1], name) end
+  elseif name then
+    local expires = ''
+    if out[at + 11] >= 0 then expires = string.format('%d', now_ms + out[at + 11]) end
+    reindex(KEYS[1], KEYS[i], name, expires)
+  end
+end
+return out
+"""
+)
+
 SCRIPTS = {
     "acquire": ACQUIRE,
     "release": RELEASE,
@@ -312,6 +401,7 @@ SCRIPTS = {
     "leave": LEAVE,
     "inspect": INSPECT,
     "list": LIST,
+    "index": INDEX,
 }
 
 
@@ -735,6 +825,22 @@ class RedisBackend(RedisPermits, BaseBackend):
         self._direct = self.mode == "server"
         self._local = threading.local()
         self._pinned_count = 0
+        #: The listing index (see :meth:`rebuild_listing_index`): on by default, off on
+        #: a cluster (a script cannot touch the index and a lock's slot together) or
+        #: with ``OPTIONS["listing_index"] = False``.
+        self.listing_index: bool = self.mode != "cluster" and self.options.get(
+            "listing_index", True
+        )
+        base = f"{self.key_prefix}:listing"
+        #: The index hash (lock name -> entry), the set of the permits' info hashes,
+        #: and the marker that the index was built. No lock key can be one of them:
+        #: those all have a brace right after the prefix.
+        self.index_key, self.index_permits_key, self.index_marker_key = (
+            base,
+            f"{base}:permits",
+            f"{base}:built",
+        )
+        self._index: list[str] = [base] if self.listing_index else []
 
     # -- configuration ----------------------------------------------------------
 
@@ -774,6 +880,12 @@ class RedisBackend(RedisPermits, BaseBackend):
                 problems.append(
                     f"OPTIONS['async_pool_size'] must be an int from 2 to 100,000 (connections "
                     f"per event loop), not {size!r}"
+                )
+            index = options.get("listing_index", True)
+            if not isinstance(index, bool):
+                problems.append(
+                    f"OPTIONS['listing_index'] must be True or False (keep an index the "
+                    f"live-locks listing reads instead of every lock), not {index!r}"
                 )
             # The global DISTLOCKS_KEY_PREFIX has a check of its own (E007).
             prefix = options.get("key_prefix", "default")
@@ -1243,6 +1355,15 @@ class RedisBackend(RedisPermits, BaseBackend):
         ]  # fmt: skip
         return [keys.lock, keys.fence, keys.waiters, keys.queue], args
 
+    # The calls of the acquire and release scripts without the listing index (as Redlock
+    # runs them on its masters) and with it (this backend's own calls).
+
+    def _indexed_acquire_call(
+        self, name: str, owner: str, ttl: float, holder: Holder, wait: float, fair: bool
+    ) -> tuple[list[str], list[Any]]:
+        keys, args = self._acquire_call(name, owner, ttl, holder, wait, fair)
+        return keys + self._index, args
+
     @staticmethod
     def _acquire_result(reply: list[int]) -> AcquireResult:
         granted, token, remaining_ms = reply
@@ -1259,7 +1380,7 @@ class RedisBackend(RedisPermits, BaseBackend):
         wait: float = 0.0,
         fair: bool = False,
     ) -> AcquireResult:
-        keys, args = self._acquire_call(name, owner, ttl, holder, wait, fair)
+        keys, args = self._indexed_acquire_call(name, owner, ttl, holder, wait, fair)
         try:
             reply = self._run("acquire", keys, args)
         except _DRIVER_ERRORS as exc:
@@ -1276,7 +1397,7 @@ class RedisBackend(RedisPermits, BaseBackend):
         wait: float = 0.0,
         fair: bool = False,
     ) -> AcquireResult:
-        keys, args = self._acquire_call(name, owner, ttl, holder, wait, fair)
+        keys, args = self._indexed_acquire_call(name, owner, ttl, holder, wait, fair)
         with self._acquiring(name, owner):
             return self._acquire_result(await self._arun("acquire", keys, args))
 
@@ -1284,8 +1405,14 @@ class RedisBackend(RedisPermits, BaseBackend):
         k = self.all_keys(name)
         return [k.lock, k.waiters, k.queue, k.signal], [owner, k.wake_prefix]
 
-    def release(self, name: str, owner: str) -> bool:
+    def _indexed_release_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
         keys, args = self._release_call(name, owner)
+        if self._index:
+            return keys + self._index, [*args, name]
+        return keys, args
+
+    def release(self, name: str, owner: str) -> bool:
+        keys, args = self._indexed_release_call(name, owner)
         try:
             return bool(self._run("release", keys, args))
         except _DRIVER_ERRORS as exc:
@@ -1293,12 +1420,17 @@ class RedisBackend(RedisPermits, BaseBackend):
 
     async def arelease(self, name: str, owner: str) -> bool:
         with self._errors("release", name):
-            return bool(await self._arun("release", *self._release_call(name, owner)))
+            return bool(await self._arun("release", *self._indexed_release_call(name, owner)))
+
+    def _extend_call(self, name: str, owner: str, ttl: float) -> tuple[list[str], list[Any]]:
+        ttl_ms = max(1, round(ttl * 1000))
+        if self._index:
+            return [self.all_keys(name).lock, *self._index], [owner, ttl_ms, name]
+        return [self.all_keys(name).lock], [owner, ttl_ms]
 
     def extend(self, name: str, owner: str, ttl: float) -> bool:
-        ttl_ms = max(1, round(ttl * 1000))
         try:
-            return bool(self._run("extend", [self.all_keys(name).lock], [owner, ttl_ms]))
+            return bool(self._run("extend", *self._extend_call(name, owner, ttl)))
         except _DRIVER_ERRORS as exc:
             raise self._error("extend", name, exc) from exc
 
@@ -1312,10 +1444,10 @@ class RedisBackend(RedisPermits, BaseBackend):
         results: list[bool | LockError] = []
         for start in range(0, len(leases), self.EXTEND_BATCH):
             chunk = leases[start : start + self.EXTEND_BATCH]
-            keys = [self.all_keys(name).lock for name, _, _ in chunk]
+            keys = [self.all_keys(name).lock for name, _, _ in chunk] + self._index
             args: list[Any] = []
-            for _, owner, ttl in chunk:
-                args += (owner, max(1, round(ttl * 1000)))
+            for name, owner, ttl in chunk:
+                args += (owner, max(1, round(ttl * 1000)), name)
             try:
                 replies = self._run("extend_many", keys, args)
             except _DRIVER_ERRORS as exc:
@@ -1378,9 +1510,8 @@ class RedisBackend(RedisPermits, BaseBackend):
         return list(pipe.execute(raise_on_error=False))
 
     async def aextend(self, name: str, owner: str, ttl: float) -> bool:
-        ttl_ms = max(1, round(ttl * 1000))
         with self._errors("extend", name):
-            return bool(await self._arun("extend", [self.all_keys(name).lock], [owner, ttl_ms]))
+            return bool(await self._arun("extend", *self._extend_call(name, owner, ttl)))
 
     def force_release(self, name: str, token: int | None = None) -> bool:
         k = self.all_keys(name)
@@ -1388,8 +1519,8 @@ class RedisBackend(RedisPermits, BaseBackend):
             return bool(
                 self._run(
                     "force_release",
-                    [k.lock, k.fence, k.waiters, k.queue, k.signal],
-                    [k.wake_prefix, "" if token is None else str(int(token))],
+                    [k.lock, k.fence, k.waiters, k.queue, k.signal, *self._index],
+                    [k.wake_prefix, "" if token is None else str(int(token)), name],
                 )
             )
 
@@ -1431,7 +1562,7 @@ class RedisBackend(RedisPermits, BaseBackend):
         conn = self._pinned() if seconds > 0.001 else None
         if conn is None:
             return None
-        keys, args = self._acquire_call(name, owner, ttl, holder, wait, fair)
+        keys, args = self._indexed_acquire_call(name, owner, ttl, holder, wait, fair)
         registered = self._scripts["acquire"]
         pop = ("BLPOP", self._wait_key(name, owner, fair), f"{seconds:.3f}")
         run = ("EVALSHA", registered.sha, len(keys), *keys, *args)
@@ -1490,7 +1621,7 @@ class RedisBackend(RedisPermits, BaseBackend):
         conn = side.idle.pop() if side.idle else side.client.connection_pool.make_connection()
         try:
             left = max(0.01, seconds - (time.monotonic() - started))
-            keys, args = self._acquire_call(name, owner, ttl, holder, wait, fair)
+            keys, args = self._indexed_acquire_call(name, owner, ttl, holder, wait, fair)
             registered = side.scripts["acquire"]
             await _asend(
                 conn,
@@ -1622,9 +1753,16 @@ class RedisBackend(RedisPermits, BaseBackend):
         texts (host, thread, details) are shared between tuples. Permits come after the
         locks as :class:`LockInfo` objects, as :meth:`iter_locks` yields them.
 
+        With the listing index (:attr:`listing_index`, see :meth:`rebuild_listing_index`)
+        the locks are read from it, and their ``waiters`` are None (a page's shown rows
+        read theirs in full).
+
         A subclass that overrides :meth:`iter_locks` is listed through it instead."""
         if type(self).iter_locks is not RedisBackend.iter_locks:
             yield from self.iter_locks()
+            return
+        if self.listing_index:
+            yield from self._indexed_summaries()
             return
         texts: dict[Any, Any] = {}  # (host, thread, details, ttl) as stored -> as listed
         for locks, permits in self._walk():
@@ -1635,6 +1773,171 @@ class RedisBackend(RedisPermits, BaseBackend):
                 texts.clear()  # many different holders: start again
             if permits is not None:
                 yield from self.permits_at(permits)
+
+    # -- the listing index -------------------------------------------------------
+
+    #: Entries whose expiry is within this many milliseconds of the server's clock
+    #: (either way) when the index was read are checked against their lock's hash.
+    INDEX_MARGIN_MS = 1000
+    #: Entries whose expiry is past checked (and dropped, or corrected) per listing; any
+    #: more are left out of it as expired and checked by the next listings.
+    INDEX_SETTLE_LIMIT = 10_000
+
+    def rebuild_listing_index(self) -> None:
+        """Build the listing index from a walk over the lock hashes (``SCAN``).
+
+        The index is one hash per key prefix, ``{prefix}:listing``: a field per held
+        lock (its name), whose value holds what a listing shows of it. The acquire,
+        extend, release and force release scripts write it in the same step as the
+        lock, so a listing reads that one key (``HSCAN``) instead of every lock. An
+        entry stays after its lock expired: a listing leaves out the entries whose
+        expiry is past, and drops them after checking (in a script) that the lock is
+        gone, correcting those whose lock is still held. The semaphores and read-write
+        locks with permits are in a set, ``{prefix}:listing:permits`` (their info
+        hashes), each read in full by a listing.
+
+        The first listing of a prefix without ``{prefix}:listing:built`` (a new server,
+        an upgrade from a version without the index, the marker deleted) calls this:
+        it indexes every lock and permit found, corrects or drops the entries not found,
+        then sets the marker. Locks taken or released by a process that does not write
+        the index (an older version, ``listing_index`` off) are not in it, or shown
+        until their expiry: once every process writes it, delete the marker to have
+        the next listing build it again."""
+        if not self.listing_index:
+            raise LockError(f"backend {self.alias!r} keeps no listing index")
+        seen: set[Any] = set()
+        for locks, permits in self._walk():
+            for start in range(0, len(locks), self.LIST_BATCH):
+                batch = locks[start : start + self.LIST_BATCH]
+                values = self._index_run(batch, [])
+                seen.update(values[1::_WIDTH])
+            if permits:
+                members = [f"{base}:sem:info" for base in permits[SEMAPHORE]]
+                members += [f"{base}:rw:info" for base in permits[RWLOCK]]
+                with self._errors("list", self.key_prefix):
+                    for start in range(0, len(members), self.LIST_BATCH):
+                        self.client.sadd(
+                            self.index_permits_key, *members[start : start + self.LIST_BATCH]
+                        )
+        unseen = [name for name in self._index_entries() if name not in seen]
+        for start in range(0, len(unseen), self.LIST_BATCH):
+            self._settle(unseen[start : start + self.LIST_BATCH])
+        with self._errors("list", self.key_prefix):
+            self.client.set(self.index_marker_key, "1")
+
+    def _index_entries(self) -> dict[Any, Any]:
+        """The listing index: lock name -> entry, as stored (``HSCAN``, in chunks)."""
+        entries: dict[Any, Any] = {}
+        cursor = 0
+        with self._errors("list", self.key_prefix):
+            while True:
+                cursor, found = self.client.hscan(self.index_key, cursor, count=self.SCAN_COUNT)
+                entries.update(found)
+                if not cursor:
+                    return entries
+
+    def _index_run(self, locks: list[str], names: list[Any]) -> list[Any]:
+        """The INDEX script on the lock hashes ``locks`` (with their ``names``, or
+        none): what LIST returns of the held ones, not decoded."""
+        keys = [self.index_key]
+        for key in locks:
+            keys += (key, key.removesuffix(":lock") + ":waiters")
+        with self._errors("list", self.key_prefix):
+            return list(self._run("index", keys, names))
+
+    def _settle(self, names: list[Any]) -> list[Any]:
+        """Check the index entries of ``names`` against their locks (one script): drop
+        those of free locks, rewrite the others. What LIST returns of the held ones."""
+        decoded = [_decode(name) for name in names]
+        return self._index_run([self.all_keys(name).lock for name in decoded], decoded)
+
+    def _indexed_summaries(self) -> Iterator[tuple[Any, ...] | LockInfo]:
+        """:meth:`iter_lock_summaries` from the listing index, a chunk (``HSCAN``) at a
+        time: each read with the server's clock just after it (one round trip), which
+        tells the entries of held locks (expiry after that moment) from those to check."""
+        with self._errors("list", self.key_prefix):
+            if not self.client.exists(self.index_marker_key):
+                self.rebuild_listing_index()
+        doubtful: list[Any] = []
+        expired: list[Any] = []
+        texts: dict[Any, Any] = {}
+        seen: set[str] = set()  # HSCAN may return a field twice
+        cursor = 0
+        while True:
+            with self._errors("list", self.key_prefix):
+                pipe = self.client.pipeline(transaction=False)
+                pipe.hscan(self.index_key, cursor, count=self.SCAN_COUNT)
+                pipe.time()
+                (cursor, entries), (seconds, micros) = pipe.execute()
+            now = dt.datetime.now(dt.UTC)
+            server_ms = int(seconds) * 1000 + int(micros) // 1000
+            shift = (now - _EPOCH) // _MILLISECOND - server_ms  # server clock -> ours
+            due, past = server_ms + self.INDEX_MARGIN_MS, server_ms - self.INDEX_MARGIN_MS
+            for raw_name, value in entries.items():
+                name = raw_name.decode() if type(raw_name) is bytes else raw_name
+                if name in seen:
+                    continue
+                seen.add(name)
+                parts = value.split(b"\0" if type(value) is bytes else "\0", 9)
+                if len(parts) != 10:
+                    doubtful.append(name)  # '': fields holding a NUL; or not an entry
+                    continue
+                owner, token, host, pid, thread, acquired, expires, ttl, renewals, extra = parts
+                try:
+                    if expires:
+                        expires = int(expires)
+                        if expires <= due:
+                            if expires < past:
+                                expired.append(name)
+                            else:
+                                doubtful.append(name)
+                            continue
+                        expires += shift
+                        if not _MIN_MS <= expires <= _MAX_MS:
+                            expires = None
+                    else:
+                        expires = None
+                    shared = texts.get((host, thread, extra, ttl))
+                    if shared is None:
+                        if len(texts) > 10_000:
+                            texts.clear()  # many different holders: start again
+                        shared = texts[host, thread, extra, ttl] = (
+                            _decode(host), _decode(thread), _decode(extra),
+                            int(ttl or 0) / 1000 or None,
+                        )  # fmt: skip
+                    acquired = int(acquired) if acquired else None
+                    if acquired is not None and not _MIN_MS <= acquired <= _MAX_MS:
+                        acquired = None
+                    summary = (
+                        name,
+                        owner.decode() if type(owner) is bytes else owner,
+                        int(token or 0), shared[0],
+                        int(pid) if pid and pid.isdigit() else None, shared[1], acquired,
+                        expires, shared[3], int(renewals or 0), None, shared[2],
+                    )  # fmt: skip
+                except ValueError:  # not numbers where numbers belong: the lock says
+                    doubtful.append(name)
+                    continue
+                yield summary
+            if not cursor:
+                break
+        # Entries due now are checked; so are those whose expiry is past, up to a limit
+        # (those left are of locks that expired: the next listings drop them).
+        check = doubtful + expired[: self.INDEX_SETTLE_LIMIT]
+        for start in range(0, len(check), self.LIST_BATCH):
+            values = self._settle(check[start : start + self.LIST_BATCH])
+            now = dt.datetime.now(dt.UTC)
+            yield from _summaries(values, (now - _EPOCH) // _MILLISECOND, texts)
+        yield from self.indexed_permits()
+
+    def count_waiters(self, names: Sequence[str]) -> list[int]:
+        """How many waiters are registered on each lock of ``names`` (in one round
+        trip): what a listing read from the index leaves out, for the rows shown."""
+        with self._errors("list", self.key_prefix):
+            pipe = self.client.pipeline(transaction=False)
+            for name in names:
+                pipe.zcard(self.all_keys(name).waiters)
+            return [int(count) for count in pipe.execute()]
 
     def _walk(self) -> Iterator[tuple[list[str], dict[str, list[str]] | None]]:
         """The lock hashes of this backend, a SCAN batch at a time, then (with the last,

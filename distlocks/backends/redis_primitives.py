@@ -23,6 +23,10 @@ the server's clock, so every script first drops the permits that ran out: a
 crashed holder's permit comes back when its lease ends, without anyone's help.
 The keys expire with the last permit. A release pushes a wake-up for the waiters
 that may now go in (BLPOP), as a lock's release does.
+
+With the backend's listing index, a grant also adds the info hash to the set
+``{prefix}:listing:permits``, which a listing reads instead of walking every key; a
+listing drops the members whose keys are gone (see :meth:`RedisPermits.indexed_permits`).
 """
 
 from __future__ import annotations
@@ -145,6 +149,7 @@ if redis.call('ZSCORE', KEYS[1], owner) then
   -- A retried request whose first reply was lost: it is ours.
   redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
   tidy(KEYS[1], KEYS[2])
+  if KEYS[5] then redis.call('SADD', KEYS[5], KEYS[2]) end
   return {1, 0, ttl}
 end
 if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3]) then
@@ -152,6 +157,7 @@ if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3]) then
   redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], 'semaphore', 0, ttl))
   redis.call('ZREM', KEYS[3], owner)
   tidy(KEYS[1], KEYS[2])
+  if KEYS[5] then redis.call('SADD', KEYS[5], KEYS[2]) end
   return {1, 0, ttl}
 end
 if tonumber(ARGV[5]) > 0 then register(KEYS[3], owner, tonumber(ARGV[5])) end
@@ -284,6 +290,7 @@ if redis.call('ZSCORE', KEYS[1], owner) then
   -- A retried request whose first reply was lost: it is ours.
   redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
   tidy(KEYS[1], KEYS[2], KEYS[3])
+  if KEYS[9] then redis.call('SADD', KEYS[9], KEYS[2]) end
   local token = 0
   if writer == owner then
     token = tonumber(cjson.decode(redis.call('HGET', KEYS[2], owner)).token)
@@ -323,6 +330,7 @@ end
 redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
 redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], kind, token, ttl))
 tidy(KEYS[1], KEYS[2], KEYS[3])
+if KEYS[9] then redis.call('SADD', KEYS[9], KEYS[2]) end
 return {1, token, ttl}
 """
 )
@@ -403,6 +411,19 @@ return listing(KEYS[1], KEYS[2], redis.call('ZCARD', KEYS[4]) + redis.call('ZCAR
 """
 )
 
+# KEYS: the listing index's set of permit info hashes. ARGV: some of its members.
+# Drops those whose semaphore or read-write lock has no permit left (keys gone).
+PERMITS_TIDY = """
+local dropped = 0
+for _, info in ipairs(ARGV) do
+  local holders = string.sub(info, 1, -6)
+  if redis.call('EXISTS', info) == 0 and redis.call('EXISTS', holders) == 0 then
+    dropped = dropped + redis.call('SREM', KEYS[1], info)
+  end
+end
+return dropped
+"""
+
 
 class _Script:
     """A Lua script run by its SHA1, sent in full only when the server lacks it, on
@@ -433,6 +454,8 @@ _SCRIPTS = {
     (RWLOCK, "force"): _Script(RW_FORCE),
     (RWLOCK, "list"): _Script(RW_LIST),
 }
+_PERMITS_TIDY = _Script(PERMITS_TIDY)
+_INFO_SUFFIXES = {":sem:info": SEMAPHORE, ":rw:info": RWLOCK}
 _SUFFIXES = {
     SEMAPHORE: ("sem", "sem:info", "sem:waiters", "sem:signal"),
     RWLOCK: ("rw", "rw:info", "rw:writer", "rw:wwait", "rw:rwait", "rw:wsig", "rw:rsig",
@@ -461,6 +484,8 @@ class RedisPermits:
         alias: str
         key_prefix: str
         mode: str
+        listing_index: bool
+        index_permits_key: str
 
         @property
         def client(self) -> Any: ...
@@ -520,6 +545,8 @@ class RedisPermits:
         }
         ttl_ms = max(1, round(ttl * 1000))
         keys = self._permit_keys(kind, name)
+        if self.listing_index:
+            keys.append(self.index_permits_key)
         if kind == SEMAPHORE:
             about["limit"] = limit
             op_args: list[Any] = [owner, ttl_ms, limit, json.dumps(about), self._register_ms(wait)]
@@ -653,13 +680,35 @@ class RedisPermits:
                     found[RWLOCK].append(key.removesuffix(":rw:info"))
         yield from self.permits_at(found)
 
+    def indexed_permits(self) -> Iterator[LockInfo]:
+        """The live permits of the semaphores and read-write locks in the listing
+        index's set; the members found without any are dropped from it (a script checks
+        that their keys are gone: a grant meanwhile keeps them)."""
+        with self._errors("list", self.key_prefix):
+            members = self.client.smembers(self.index_permits_key)
+        bases: dict[str, list[str]] = {SEMAPHORE: [], RWLOCK: []}
+        for member in map(_text, members):
+            for suffix, family in _INFO_SUFFIXES.items():
+                if member.endswith(suffix):
+                    bases[family].append(member.removesuffix(suffix))
+        empty: list[str] = []
+        yield from self.permits_at(bases, empty)
+        for start in range(0, len(empty), self.PERMIT_BATCH):
+            with self._errors("list", self.key_prefix):
+                _PERMITS_TIDY(
+                    self.client, [self.index_permits_key], empty[start : start + self.PERMIT_BATCH]
+                )
+
     #: Semaphores or read-write locks read by one pipeline of listing scripts.
     PERMIT_BATCH = 500
 
-    def permits_at(self, bases: Mapping[str, list[str]]) -> Iterator[LockInfo]:
+    def permits_at(
+        self, bases: Mapping[str, list[str]], empty: list[str] | None = None
+    ) -> Iterator[LockInfo]:
         """The live permits of the semaphores (``bases[SEMAPHORE]``) and read-write
         locks (``bases[RWLOCK]``) whose keys start with the given bases; each is read
-        by its own script (which drops its ended permits first), pipelined."""
+        by its own script (which drops its ended permits first), pipelined. The info
+        hashes of those without a permit are added to ``empty``, if given."""
         for family, found in bases.items():
             script = _SCRIPTS[family, "list"]
             for start in range(0, len(found), self.PERMIT_BATCH):
@@ -681,5 +730,7 @@ class RedisPermits:
                             replies[index] = script(self.client, batch[index], [])
                         elif isinstance(reply, Exception):
                             raise reply
-                for reply in replies:
+                for keys, reply in zip(batch, replies, strict=True):
+                    if empty is not None and len(reply) <= 2:
+                        empty.append(keys[1])
                     yield from self._holders(family, reply)
