@@ -121,6 +121,21 @@ def test_quorum_is_a_strict_majority() -> None:
     assert [quorum(n) for n in (3, 4, 5, 6, 7)] == [2, 3, 3, 4, 4]
 
 
+def test_masters_keep_no_listing_index(name: str) -> None:
+    """Redlock lists each master by SCAN: nothing it does writes a Redis listing index."""
+    from distlocks import get_backend, lock
+
+    backend = get_backend("redlock")
+    assert isinstance(backend, RedlockBackend)
+    with lock(name, backend="redlock", ttl=5) as lease:
+        lease.extend()
+    held = lock(name, backend="redlock", ttl=5).acquire()
+    assert backend.force_release(name, held.fencing_token)
+    for master in backend.masters:
+        assert master.listing_index is False
+        assert not master.client.keys(f"{master.key_prefix}:listing*")
+
+
 # -- failures of masters ------------------------------------------------------------
 
 

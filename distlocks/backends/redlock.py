@@ -274,7 +274,8 @@ class RedlockBackend(BaseBackend):
                 {
                     "BACKEND": "distlocks.backends.redis.RedisBackend",
                     "LOCATION": url,
-                    "OPTIONS": redis_options,
+                    # Redlock lists each master by SCAN: its scripts keep no listing index.
+                    "OPTIONS": {**redis_options, "listing_index": False},
                 },
             )
             for index, url in enumerate(self.urls)
