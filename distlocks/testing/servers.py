@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import concurrent.futures
 import contextlib
 import ctypes
 import importlib.util
 import logging
 import os
 import pwd
+import queue
 import shutil
 import signal
 import socket
@@ -55,7 +57,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ RUN_DIR_PREFIX = "distlocks-servers-"
 START_TIMEOUT = 30.0
 
 _PR_SET_PDEATHSIG = 1
+
+T = TypeVar("T")
 
 
 class ServerError(RuntimeError):
@@ -86,6 +90,48 @@ def _parent_death_signal(signum: int) -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+
+class _Spawner:
+    """Starts server processes from one thread that lives as long as the process.
+
+    The kernel's parent-death signal fires when the *thread* that forked the child
+    exits, not the process: a server started from a short-lived thread (a worker of
+    ``asyncio.to_thread``, a thread pool) would be killed with that thread. So servers
+    are started from the main thread, or else handed to this daemon thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
+
+    def run(self, start: Callable[[], T]) -> T:
+        if threading.current_thread() is threading.main_thread():
+            return start()
+        with self._lock:
+            if self._pid != os.getpid():  # first use, or a forked child: no thread yet
+                self._jobs = queue.SimpleQueue()
+                threading.Thread(
+                    target=self._serve, args=(self._jobs,), name="distlocks-spawner", daemon=True
+                ).start()
+                self._pid = os.getpid()
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((start, done))
+        return done.result()
+
+    @staticmethod
+    def _serve(
+        jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]],
+    ) -> None:
+        while True:
+            start, done = jobs.get()
+            try:
+                done.set_result(start())
+            except BaseException as exc:  # handed back to the caller
+                done.set_exception(exc)
+
+
+_spawner = _Spawner()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -142,18 +188,20 @@ class _Server:
     def _spawn(self, args: list[str], *, user: str | None = None, death_signal: int) -> None:
         log = open(self._log_file, "ab")  # noqa: SIM115 - the child keeps it open
         try:
-            self.process = subprocess.Popen(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # Runs after the uid switch in the child, so the kernel keeps it.
-                preexec_fn=lambda: _parent_death_signal(death_signal),
-                # Drop root's groups too, or directory checks match group "root".
-                user=user,
-                group=pwd.getpwnam(user).pw_gid if user else None,
-                extra_groups=[] if user else None,
-                start_new_session=True,
+            self.process = _spawner.run(
+                lambda: subprocess.Popen(
+                    args,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    # Runs after the uid switch in the child, so the kernel keeps it.
+                    preexec_fn=lambda: _parent_death_signal(death_signal),
+                    # Drop root's groups too, or directory checks match group "root".
+                    user=user,
+                    group=pwd.getpwnam(user).pw_gid if user else None,
+                    extra_groups=[] if user else None,
+                    start_new_session=True,
+                )
             )
         finally:
             log.close()
