@@ -697,15 +697,6 @@ def test_iter_permits_pages_list_every_permit_once(
     backend.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="etcd permits have no native asyncio path: apermit_acquire runs permit_acquire "
-    "in a worker thread (BaseBackend._in_thread). Cancelling the caller cancels only the "
-    "await; the thread goes on and takes the permit, aacquire_lease's clean-up "
-    "(aleave_queue) runs before or beside it, and nothing gives the permit back: it is "
-    "held by nobody until its ttl runs out (seen in a storm of 60 cancelled asemaphore() "
-    "callers too: one permit key left, lease not renewed)",
-)
 def test_a_cancelled_asemaphore_acquire_does_not_leak_the_permit(attack: EtcdBackend) -> None:
     """The cancel lands while the worker thread is inside permit_acquire (it is held
     at its start until the cancel is done): the permit it then takes must not stay."""

@@ -337,6 +337,77 @@ class BaseBackend(ABC):
             self._executor(waiting), functools.partial(func, *args, **kw)
         )
 
+    async def _take_in_thread(
+        self,
+        waiting: bool,
+        give_back: Callable[[AcquireResult | None], None],
+        func: Callable[..., AcquireResult],
+        *args: Any,
+        **kw: Any,
+    ) -> AcquireResult:
+        """:meth:`_in_thread` for a call that may take something on the server (a lock,
+        a permit, a wait-queue registration). Cancelling the caller does not stop the
+        worker thread: if it is already running, ``give_back`` is called with what it
+        returned (None if it raised) once it has finished, in a worker thread, so that
+        nothing stays held or registered for an owner nobody will renew or release.
+        The cancellation itself propagates at once."""
+        if not self.calls_block:
+            return func(*args, **kw)
+        future = self._executor(waiting).submit(func, *args, **kw)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # Not started yet: cancel() stops it and there is nothing to give back.
+            if not future.cancel():
+                future.add_done_callback(functools.partial(self._abandoned, give_back))
+            raise
+
+    def _abandoned(
+        self,
+        give_back: Callable[[AcquireResult | None], None],
+        future: concurrent.futures.Future[AcquireResult],
+    ) -> None:
+        """Done-callback of a cancelled :meth:`_take_in_thread` call: runs
+        ``give_back`` quietly. It usually runs in the worker thread that just finished;
+        when the call had finished already, it runs in the event loop's thread, so the
+        (blocking) give-back goes to the quick pool instead."""
+        if future.cancelled():
+            return
+        result = None if future.exception() is not None else future.result()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # a worker thread: no loop to block here
+            self._give_back_quietly(give_back, result)
+            return
+        try:
+            self._executor(False).submit(self._give_back_quietly, give_back, result)
+        except RuntimeError:  # the pool is shut down (backend closed, interpreter exiting)
+            logger.warning("Could not give back what a cancelled acquisition took on "
+                           "backend %r; it lapses with its ttl", self.alias)  # fmt: skip
+
+    def _give_back_quietly(
+        self, give_back: Callable[[AcquireResult | None], None], result: AcquireResult | None
+    ) -> None:
+        try:
+            give_back(result)
+        except Exception:
+            logger.warning("Could not give back what a cancelled acquisition took on "
+                           "backend %r; it lapses with its ttl", self.alias,
+                           exc_info=True)  # fmt: skip
+
+    def _give_back_lock(
+        self, name: str, owner: str, wait: float, result: AcquireResult | None
+    ) -> None:
+        """Undo a cancelled :meth:`aacquire` whose thread went on: release the lock
+        it took, then leave the wait queue it may have joined (after the acquisition
+        has finished, so the registration cannot come back behind the leave)."""
+        if result is not None and result.acquired:
+            logger.debug("Releasing lock %r of owner %r on backend %r: its acquirer "
+                         "was cancelled", name, owner, self.alias)  # fmt: skip
+            self.release_quietly(name, owner)
+        if wait > 0:
+            self.leave_queue(name, owner)
+
     async def aacquire(
         self,
         name: str,
@@ -347,9 +418,11 @@ class BaseBackend(ABC):
         wait: float = 0.0,
         fair: bool = False,
     ) -> AcquireResult:
-        """Async :meth:`acquire`."""
-        return await self._in_thread(
-            wait > 0, self.acquire, name, owner, ttl, holder, wait=wait, fair=fair
+        """Async :meth:`acquire`. If the caller is cancelled while a worker thread is
+        acquiring, what the thread takes is given back when it finishes."""
+        give_back = functools.partial(self._give_back_lock, name, owner, wait)
+        return await self._take_in_thread(
+            wait > 0, give_back, self.acquire, name, owner, ttl, holder, wait=wait, fair=fair
         )
 
     async def arelease(self, name: str, owner: str) -> bool:
@@ -501,10 +574,37 @@ class BaseBackend(ABC):
         limit: int = 1,
         wait: float = 0.0,
     ) -> AcquireResult:
-        """Async :meth:`permit_acquire`."""
-        return await self._in_thread(
-            wait > 0, self.permit_acquire, kind, name, owner, ttl, holder, limit=limit, wait=wait
+        """Async :meth:`permit_acquire`. If the caller is cancelled while a worker
+        thread is acquiring, the permit it takes is given back when it finishes."""
+        give_back = functools.partial(self._give_back_permit, kind, name, owner, wait)
+        return await self._take_in_thread(
+            wait > 0,
+            give_back,
+            self.permit_acquire,
+            kind,
+            name,
+            owner,
+            ttl,
+            holder,
+            limit=limit,
+            wait=wait,
         )
+
+    def _give_back_permit(
+        self, kind: str, name: str, owner: str, wait: float, result: AcquireResult | None
+    ) -> None:
+        """Undo a cancelled :meth:`apermit_acquire` whose thread went on (as
+        :meth:`_give_back_lock` does for a lock)."""
+        if result is not None and result.acquired:
+            logger.debug("Giving back a %s permit of %r (owner %r) on backend %r: its "
+                         "acquirer was cancelled", kind, name, owner, self.alias)  # fmt: skip
+            try:
+                self.permit_release(kind, name, owner)
+            except Exception:
+                logger.warning("Could not give back a %s permit of %r on backend %r",
+                               kind, name, self.alias, exc_info=True)  # fmt: skip
+        if wait > 0:
+            self.permit_leave(kind, name, owner)
 
     async def apermit_release(self, kind: str, name: str, owner: str) -> bool:
         """Async :meth:`permit_release`."""
