@@ -134,44 +134,13 @@ BODY_GARBAGE = {
     "error-list": b"HTTP/1.1 500 Oops\r\nContent-Length: 2\r\n\r\n[]",
     "empty-object": b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
 }
-# Defects found, by (driver, case): the reason says what escapes instead of a LockError.
-_NOT_AN_OBJECT = (
-    "a 200 answer whose JSON is not an object: answer.get(...) raises AttributeError "
-    "(etcd.py _grant_g, _authenticate_g, ...) instead of a LockError"
-)
-_NO_HEADER = (
-    "a 200 answer '{}' (JSON object without 'header'): answer['header'] raises KeyError "
-    "(etcd.py _acquire_g and etcd_primitives.py) instead of a LockError"
-)
-KNOWN = {
-    ("async", "superscript-status"): "asyncio driver: _etcd_http._status_of accepts "
-    "'\\xb200' (str.isdigit() is true for '\u00b2') then int() raises ValueError, which "
-    "EtcdBackend._apost does not catch: ValueError escapes, not LockBackendUnavailable",
-    ("async", "superscript-length"): "asyncio driver: Connection._body_phase checks "
-    "Content-Length with str.isdigit() ('\u00b2' passes) then int() raises ValueError, "
-    "uncaught by _apost",
-    ("sync", "superscript-length"): "http.client ignores the bad Content-Length and reads "
-    "'{}' to EOF: " + _NO_HEADER,
-    ("async", "negative-chunk"): "asyncio driver: Connection._chunk_size returns -5 and "
-    "readexactly(-5) raises ValueError, uncaught by _apost",
-    ("sync", "negative-chunk"): "sync driver: http.client reads a chunk size of -5 and "
-    "raises ValueError ('read length must be non-negative'), which _sync_post does not "
-    "catch (it catches OSError and HTTPException only)",
-    **{(d, "json-list"): _NOT_AN_OBJECT for d in ("sync", "async")},
-    **{(d, "json-null"): _NOT_AN_OBJECT for d in ("sync", "async")},
-    **{(d, "empty-object"): _NO_HEADER for d in ("sync", "async")},
-}
 
 
 def _cases() -> Iterator[Any]:
     for creds in (False, True):
         for driver in ("sync", "async"):
             for label, answer in {**GARBAGE, **BODY_GARBAGE}.items():
-                reason = KNOWN.get((driver, label))
-                marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-                yield pytest.param(
-                    creds, driver, label, answer, marks=marks, id=f"{driver}-{label}-{creds}"
-                )
+                yield pytest.param(creds, driver, label, answer, id=f"{driver}-{label}-{creds}")
 
 
 @pytest.mark.parametrize(("creds", "driver", "label", "answer"), list(_cases()))
@@ -579,29 +548,12 @@ WATCH_GARBAGE = {
     "negative-chunk": _chunked() + b"-5\r\nabcde\r\n",
     "result-not-object": _chunked(b'{"result": [1]}\n'),
 }
-WATCH_KNOWN = {
-    "not-json-line": "EtcdBackend._watch_delete_g: json.loads(line) of a watch line that "
-    "is not JSON raises ValueError (JSONDecodeError), which escapes the wait instead of a "
-    "LockError",
-    "list-line": "EtcdBackend._watch_delete_g: a watch line that is JSON but not an "
-    "object: json.loads(line).get raises AttributeError",
-    "negative-chunk": "a watch stream with a chunk size of -5: readexactly(-5) "
-    "(asyncio, _etcd_http.Connection.next_line) / http.client (sync) raise ValueError, "
-    "which _anext_line / _sync_next_line do not catch",
-    "result-not-object": "EtcdBackend._watch_delete_g: {'result': [1]} makes "
-    "result.get(...) raise AttributeError",
-}
 
 
 @pytest.mark.parametrize("driver", ["sync", "async"])
 @pytest.mark.parametrize(
     "label",
-    [
-        pytest.param(label, marks=pytest.mark.xfail(strict=True, reason=WATCH_KNOWN[label]))
-        if label in WATCH_KNOWN
-        else label
-        for label in WATCH_GARBAGE
-    ],
+    list(WATCH_GARBAGE),
 )
 def test_a_garbled_watch_stream_fails_as_a_lock_error(
     own_etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch, driver: str, label: str
@@ -630,13 +582,6 @@ def test_a_garbled_watch_stream_fails_as_a_lock_error(
         backends.reset()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="EtcdBackend._watch_delete_g returns True as soon as a watch stream ends "
-    "('if not line: return True'), _wait_g returns, the lock layer tries again and a new "
-    "watch is opened at once, with no pause: ~120 watches and ~500 requests a second per "
-    "waiter for its whole timeout",
-)
 @pytest.mark.parametrize("driver", ["sync", "async"])
 def test_a_watch_stream_that_ends_at_once_is_not_a_busy_loop(
     own_etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch, driver: str

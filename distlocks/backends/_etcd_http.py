@@ -26,9 +26,14 @@ _IDLE, _STATUS, _HEADERS, _BODY, _CHUNK_SIZE, _CHUNK, _CHUNK_END, _TRAILERS, _TO
 )
 
 
+def _is_digits(text: str) -> bool:
+    """ASCII digits only (str.isdigit also accepts '²' and other digits int() refuses)."""
+    return text.isascii() and text.isdigit()
+
+
 def _status_of(line: bytes) -> int:
     parts = line.decode("latin-1").split(None, 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not _is_digits(parts[1]):
         raise http.client.BadStatusLine(line[:100].decode("latin-1"))
     return int(parts[1])
 
@@ -180,7 +185,7 @@ class Connection:
             return _CHUNK_SIZE
         length = fields.get("content-length")
         if length is not None:
-            if not length.isdigit():
+            if not _is_digits(length):
                 raise http.client.HTTPException(f"bad Content-Length {length[:40]!r}")
             self._size = int(length)
             return _BODY
@@ -253,8 +258,11 @@ class Connection:
 
     async def _chunk_size(self) -> int:
         line = await self._line()
+        text = line.split(b";", 1)[0].strip()
         try:
-            return int(line.split(b";", 1)[0].strip(), 16)
+            if not text.isalnum():  # no sign, no '_', no spaces: hex digits only
+                raise ValueError(text)
+            return int(text, 16)
         except ValueError:
             raise http.client.HTTPException(f"bad chunk size {line[:40]!r}") from None
 

@@ -177,6 +177,21 @@ class _NextLine:
     timeout: float
 
 
+@dataclasses.dataclass(slots=True)
+class _Pause:
+    """Wait ``seconds`` (time.sleep or asyncio.sleep). Answered with None."""
+
+    seconds: float
+
+
+#: Watch outcomes besides False (the deadline): a deletion (or a compaction) was seen,
+#: or the stream ended without one (look again, after a pause: see ``_wait_g``).
+_SEEN, _ENDED = "seen", "ended"
+#: The first and the longest pause before watching again after a stream that ended
+#: at once without an event (doubled each time in between).
+WATCH_RETRY_FIRST, WATCH_RETRY_MAX = 0.05, 1.0
+
+
 @dataclasses.dataclass
 class _LoopSide:
     """One event loop's connections: those kept alive (most recently used last) and
@@ -245,6 +260,24 @@ def _base(fence: Mapping[str, Any]) -> int:
 def _kvs(response: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The key-values of one range answer inside a transaction answer."""
     return list(response.get("response_range", {}).get("kvs", []))
+
+
+def _revision(answer: Mapping[str, Any]) -> int:
+    """The revision in the header of an answer (checked by ``_call_g``); 0 if none."""
+    header = answer.get("header")
+    return _int(header.get("revision")) if isinstance(header, dict) else 0
+
+
+def _watch_result(line: bytes) -> dict[str, Any]:
+    """The ``result`` of one line of a watch stream; ValueError when the line is not
+    what etcd's gateway sends (a JSON object whose result, if any, is an object)."""
+    message = json.loads(line)
+    if not isinstance(message, dict):
+        raise ValueError(f"watch line is not a JSON object: {line[:80]!r}")
+    result = message.get("result") or {}
+    if not isinstance(result, dict):
+        raise ValueError(f"watch result is not a JSON object: {line[:80]!r}")
+    return result
 
 
 def _unavailable_answer(status: int, data: bytes) -> _ServerSaid | None:
@@ -476,6 +509,9 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                     if watch is not None:
                         watch[0].close()
                     value, watch = self._sync_open_watch(step)
+                elif kind is _Pause:
+                    time.sleep(step.seconds)
+                    value = None
                 else:
                     assert kind is _NextLine
                     assert watch is not None
@@ -502,7 +538,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
             conn.request("POST", step.path, step.payload, step.headers)
             reply = conn.getresponse()
             return _Reply(reply.status, reply.read(), index, reused, conn=conn)
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             self._drop(conn)
             return _Reply(0, b"", index, reused, exc)
 
@@ -521,7 +557,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                 conn.close()
                 return _Reply(reply.status, data, step.index, False), None
             return _Reply(200, b"", step.index, False), (conn, reply)
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             if conn is not None:
                 conn.close()
             return _Reply(0, b"", step.index, False, exc), None
@@ -537,7 +573,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
             return reply.readline(), None
         except TimeoutError:
             return None, None
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, ValueError, http.client.HTTPException) as exc:
             return None, exc
 
     # -- the asyncio driver ------------------------------------------------------------
@@ -592,6 +628,9 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                         watch.close()
                         watch = None
                     value, watch = await self._aopen_watch(step)
+                elif kind is _Pause:
+                    await asyncio.sleep(step.seconds)
+                    value = None
                 else:
                     assert kind is _NextLine
                     assert watch is not None
@@ -648,7 +687,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                     status, data = await conn.post(step.path, step.payload, step.headers)
             except TimeoutError:
                 raise TimeoutError(f"no answer within {self.socket_timeout:g} s") from None
-        except (OSError, EOFError, http.client.HTTPException) as exc:
+        except (OSError, EOFError, ValueError, http.client.HTTPException) as exc:
             if conn is not None:
                 conn.close()
             return _Reply(0, b"", index, reused, exc)
@@ -676,7 +715,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                     status, data = await conn.open_stream(step.path, step.payload, step.headers)
             except TimeoutError:
                 raise TimeoutError(f"no answer within {self.socket_timeout:g} s") from None
-        except (OSError, EOFError, http.client.HTTPException) as exc:
+        except (OSError, EOFError, ValueError, http.client.HTTPException) as exc:
             if conn is not None:
                 conn.close()
             return _Reply(0, b"", step.index, False, exc), None
@@ -698,7 +737,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                 return await conn.next_line(), None
         except TimeoutError:
             return None, None
-        except (OSError, EOFError, http.client.HTTPException) as exc:
+        except (OSError, EOFError, ValueError, http.client.HTTPException) as exc:
             return None, exc
 
     # -- requests ------------------------------------------------------------------------
@@ -762,12 +801,23 @@ class EtcdBackend(EtcdPermits, BaseBackend):
             if raw:
                 return data
             try:
-                return json.loads(data)
+                answer = json.loads(data)
+                if not isinstance(answer, dict):
+                    raise ValueError("not a JSON object")
+                header = answer.get("header")
+                if path.startswith("/v3/kv/") and not (
+                    isinstance(header, dict) and _int(header.get("revision")) > 0
+                ):
+                    raise ValueError("no header revision")
             except ValueError as exc:
-                raise LockError(
-                    f"etcd answered {action} {name!r} on backend {self.alias!r} with "
-                    f"something that is not JSON"
+                raise self._unavailable(
+                    action,
+                    name,
+                    ValueError(
+                        f"backend answered something that is not etcd's JSON gateway ({exc})"
+                    ),
                 ) from exc
+            return answer
         assert last is not None
         raise self._unavailable(action, name, last) from last
 
@@ -924,7 +974,10 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         for line in data.splitlines():
             if not line.strip():
                 continue
-            result = json.loads(line).get("result") or {}
+            try:
+                result = _watch_result(line)
+            except ValueError as exc:
+                raise self._unavailable(action, name, exc) from exc
             ttls[_int(result.get("ID"))] = _int(result.get("TTL"))
         return [ttls.get(lease, 0) for lease in leases]
 
@@ -1169,7 +1222,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
             ],
             failure,
         )
-        revision = _int(answer["header"].get("revision"))
+        revision = _revision(answer)
         responses = answer.get("responses", [])
         if answer.get("succeeded"):
             fence_kv = _kvs(responses[-1])[0]
@@ -1265,7 +1318,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         )
         if not answer.get("succeeded"):
             return None
-        entry.wait_rev, entry.lock_rev = 0, _int(answer["header"].get("revision"))
+        entry.wait_rev, entry.lock_rev = 0, _revision(answer)
         return AcquireResult(True, base)
 
     def _create_fence_g(self, name: str) -> Generator[Any, Any, None]:
@@ -1563,21 +1616,31 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         waiter's lease is renewed every third of its length meanwhile."""
         deadline = time.monotonic() + max(0.0, timeout)
         entry = self._entries.get((name, owner)) if owner else None
+        renew_every = max(0.5, entry.lease_ttl / 3) if entry is not None else 0.0
+        renew_at = time.monotonic() + renew_every
+        pause = 0.0  # before watching again after a stream that ended without an event
         while True:
             watched, revision = yield from self._ahead_g(name, owner, entry)
             if not watched:
                 return
-            slice_end = deadline
-            if entry is not None:
-                slice_end = min(deadline, time.monotonic() + max(0.5, entry.lease_ttl / 3))
-            if (yield from self._watch_delete_g(watched, revision + 1, slice_end, name)):
+            slice_end = min(deadline, renew_at) if entry is not None else deadline
+            seen = yield from self._watch_delete_g(watched, revision + 1, slice_end, name)
+            if seen == _SEEN:
                 return
+            if seen == _ENDED:
+                # Nothing seen: look again, but not at once (a member, or something in
+                # front of it, that ends every stream would make a busy loop). A
+                # deletion meanwhile is not missed: the next watch starts at the
+                # revision the queue is read at.
+                pause = min(WATCH_RETRY_MAX, max(WATCH_RETRY_FIRST, pause * 2))
+                yield _Pause(max(0.0, min(pause, deadline - time.monotonic())))
             if time.monotonic() >= deadline:
                 return
-            if entry is not None:
+            if entry is not None and time.monotonic() >= renew_at:
                 left = yield from self._keepalive_g([entry.lease], "wait for", name)
                 if left[0] <= 0:
                     return  # the waiter's lease ran out: acquire queues it again
+                renew_at = time.monotonic() + renew_every
 
     def _ahead_g(
         self, name: str, owner: str, entry: _Entry | None
@@ -1593,7 +1656,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                 self._queue_range(self.wait_prefix(name)),
             ],
         )
-        revision = _int(answer["header"].get("revision"))
+        revision = _revision(answer)
         responses = answer.get("responses", [])
         held = bool(_kvs(responses[0]))
         queue = [_unb64(kv["key"]).decode() for kv in _kvs(responses[1])]
@@ -1607,12 +1670,16 @@ class EtcdBackend(EtcdPermits, BaseBackend):
 
     def _watch_delete(self, key: str, start_revision: int, until: float, name: str) -> bool:
         """True when ``key`` is deleted at ``start_revision`` or later, before ``until``
-        (monotonic); False at ``until``. A connection of its own, closed after."""
-        return self._sync(self._watch_delete_g(key, start_revision, until, name))
+        (monotonic), or the stream ended (look again); False at ``until``. A connection
+        of its own, closed after."""
+        return bool(self._sync(self._watch_delete_g(key, start_revision, until, name)))
 
     def _watch_delete_g(
         self, key: str, start_revision: int, until: float, name: str
-    ) -> Generator[Any, Any, bool]:
+    ) -> Generator[Any, Any, str | bool]:
+        """:data:`_SEEN` (a deletion of ``key`` at ``start_revision`` or later, or a
+        compaction past it), :data:`_ENDED` (the stream ended without one: look again),
+        False at ``until``."""
         payload = json.dumps(
             {
                 "create_request": {
@@ -1649,18 +1716,21 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                 if isinstance(error, ConnectionError | http.client.IncompleteRead):
                     # The member went away mid-stream (killed: a reset): look again,
                     # through a member that answers.
-                    return True
+                    return _ENDED
                 raise self._unavailable("wait for", name, error) from error
             if line is None:
                 return False  # the deadline
             if not line:
                 # The stream ended (the member went away): let the caller look again.
-                return True
-            result = json.loads(line).get("result") or {}
+                return _ENDED
+            try:
+                result = _watch_result(line)
+            except ValueError as exc:
+                raise self._unavailable("wait for", name, exc) from exc
             if result.get("canceled") or result.get("compact_revision"):
-                return True  # compacted past our revision: look again
+                return _SEEN  # compacted past our revision: look again
             if result.get("events"):
-                return True
+                return _SEEN
 
     # -- force release, counters ---------------------------------------------------
 

@@ -390,11 +390,11 @@ class EtcdPermits:
                 [self._room_range(name, limit)],
             )
             if answer.get("succeeded"):
-                entry.created = _etcd._int(answer["header"].get("revision"))
+                entry.created = _etcd._revision(answer)
                 return AcquireResult(True, 0)
             if len(_etcd._kvs(answer["responses"][0])) >= limit:
                 return AcquireResult(False, 0, None)
-            entry.counted = _etcd._int(answer["header"].get("revision"))
+            entry.counted = _etcd._revision(answer)
             return None  # one came and went meanwhile: again, counted afresh
         # A reader: no write request at all; a writer: no request at all.
         blockers = self._writes_prefix(name) if kind == READ else family
@@ -422,7 +422,7 @@ class EtcdPermits:
             ]
         answer = self._txn("acquire", name, compare, success, failure)
         if answer.get("succeeded"):
-            revision = _etcd._int(answer["header"].get("revision"))
+            revision = _etcd._revision(answer)
             entry.created = revision
             token = 0
             if kind == WRITE:
@@ -449,7 +449,7 @@ class EtcdPermits:
         answer = self._txn("acquire", name, [], [self._room_range(name, limit)])
         if len(_etcd._kvs(answer["responses"][0])) >= limit:
             return 0
-        return _etcd._int(answer["header"].get("revision"))
+        return _etcd._revision(answer)
 
     def _queued(
         self, entry: _Permit, answer: Mapping[str, Any], index: int
@@ -523,7 +523,7 @@ class EtcdPermits:
         )
         if answer.get("succeeded"):
             self._fence_written(name)
-            revision = _etcd._int(answer["header"].get("revision"))
+            revision = _etcd._revision(answer)
             return AcquireResult(
                 True, _etcd.token_of(revision, _etcd._kvs(answer["responses"][1])[0])
             )
@@ -766,6 +766,7 @@ class EtcdPermits:
         if entry is None or not entry.created:
             return  # nothing queued: the next attempt queues
         key = self.request_key(kind, name, owner)
+        pause = 0.0  # before watching again after a stream that ended without an event
         while True:
             answer = self._txn(
                 "wait for",
@@ -775,7 +776,7 @@ class EtcdPermits:
             )
             if not answer.get("succeeded"):
                 return  # the request key went: the next attempt says what happened
-            revision = _etcd._int(answer["header"].get("revision"))
+            revision = _etcd._revision(answer)
             blockers = [
                 _etcd._unb64(kv["key"]).decode() for kv in _etcd._kvs(answer["responses"][0])
             ]
@@ -786,8 +787,13 @@ class EtcdPermits:
             if len(blockers) > MAX_WATCHED:
                 family = self.family_prefix(kind, name)
                 watched = [(family, _end_of(family))]
-            if self._watch_deletes(watched, revision + 1, slice_end, name):
+            seen = self._watch_deletes(watched, revision + 1, slice_end, name)
+            if seen == _etcd._SEEN:
                 return
+            if seen == _etcd._ENDED:
+                # Look again, but not at once (see EtcdBackend._wait_g).
+                pause = min(_etcd.WATCH_RETRY_MAX, max(_etcd.WATCH_RETRY_FIRST, pause * 2))
+                time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
             if time.monotonic() >= deadline:
                 return
             if self._keepalive([entry.lease], "wait for", name)[0] <= 0:
@@ -795,9 +801,10 @@ class EtcdPermits:
 
     def _watch_deletes(
         self, watched: list[tuple[str, str | None]], start_revision: int, until: float, name: str
-    ) -> bool:
-        """True when one of the keys (or ranges) in ``watched`` has a deletion at
-        ``start_revision`` or later, before ``until`` (monotonic); False at ``until``.
+    ) -> str | bool:
+        """``_etcd._SEEN`` when one of the keys (or ranges) in ``watched`` has a deletion
+        at ``start_revision`` or later (or a compaction past it), ``_etcd._ENDED`` when
+        the stream ended without one (look again), False at ``until`` (monotonic).
         One stream for all of them, on a connection of its own, closed after."""
         body = "\n".join(
             json.dumps(
@@ -830,7 +837,7 @@ class EtcdPermits:
                             self._raise_answer(reply.status, data, "wait for", name, "", None)
                         raise refused  # this member cannot serve now: the next one
                     break
-                except (OSError, http.client.HTTPException, _etcd._ServerSaid) as exc:
+                except (OSError, ValueError, http.client.HTTPException, _etcd._ServerSaid) as exc:
                     last = exc
                     if conn is not None:
                         conn.close()
@@ -849,16 +856,19 @@ class EtcdPermits:
                 except TimeoutError:
                     return False
                 except (ConnectionError, http.client.IncompleteRead):
-                    return True  # the member went away mid-stream: look again
-                except (OSError, http.client.HTTPException) as exc:
+                    return _etcd._ENDED  # the member went away mid-stream: look again
+                except (OSError, ValueError, http.client.HTTPException) as exc:
                     raise self._unavailable("wait for", name, exc) from exc
                 if not line:
-                    return True  # the stream ended: look again
-                result = json.loads(line).get("result") or {}
+                    return _etcd._ENDED  # the stream ended: look again
+                try:
+                    result = _etcd._watch_result(line)
+                except ValueError as exc:
+                    raise self._unavailable("wait for", name, exc) from exc
                 if result.get("canceled") or result.get("compact_revision"):
-                    return True  # compacted past our revision: look again
+                    return _etcd._SEEN  # compacted past our revision: look again
                 if result.get("events"):
-                    return True
+                    return _etcd._SEEN
         finally:
             if conn is not None:
                 conn.close()
