@@ -722,3 +722,37 @@ def test_an_unreachable_server_fails_fast_in_asyncio_and_hides_the_password(
         assert PASSWORD not in str(each)
     assert PASSWORD not in caplog.text and PASSWORD not in backend.location
     backend.close()
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_a_waiter_behind_ending_watch_streams_still_gets_the_lock(
+    own_etcd: EtcdServer, monkeypatch: pytest.MonkeyPatch, driver: str
+) -> None:
+    """The pause after a stream that ended without an event does not lose the wake-up:
+    once the holder lets go, the waiter takes the lock well within its timeout."""
+    proxy = WatchSpoiler(own_etcd.port, _chunked(end=True))
+    backend = use_alias(f"http://127.0.0.1:{proxy.port}", monkeypatch)
+    direct = backend_for(own_etcd.location, prefix=backend.prefix)
+    try:
+        assert direct.acquire("n", "blocker", 30, HOLDER).acquired
+        releaser = threading.Timer(0.5, direct.release, ("n", "blocker"))
+        releaser.start()
+        started = time.monotonic()
+        if driver == "sync":
+            with lock("n", backend="attack", ttl=10, timeout=20):
+                pass
+        else:
+
+            async def take() -> None:
+                async with alock("n", backend="attack", ttl=10, timeout=20):
+                    pass
+
+            run(take(), 30)
+        releaser.join()
+        # The longest pause is WATCH_RETRY_MAX (1 s): far below the 20 s timeout.
+        assert time.monotonic() - started < 15
+    finally:
+        direct.release("n", "blocker")
+        direct.close()
+        proxy.close()
+        backends.reset()
