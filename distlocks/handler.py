@@ -49,8 +49,7 @@ def backend_class(alias: str, config: Any) -> type[BaseBackend]:
         redact_exception(exc)
         raise ImproperlyConfigured(
             redact(
-                f"DISTLOCKS_BACKENDS[{alias!r}]['BACKEND'] = {path!r} could not be imported: "
-                f"{exc}"
+                f"DISTLOCKS_BACKENDS[{alias!r}]['BACKEND'] = {path!r} could not be imported: {exc}"
             )
         ) from exc
     if not (isinstance(cls, type) and issubclass(cls, BaseBackend)):
