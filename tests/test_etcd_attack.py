@@ -7,7 +7,6 @@ defect found here, described in its reason."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import random
 import socket
@@ -28,10 +27,11 @@ from hypothesis import strategies as st
 from distlocks import alock, asemaphore, get_backend, lock
 from distlocks.backends import etcd_primitives
 from distlocks.backends.base import READ, SEMAPHORE, WRITE, Holder
-from distlocks.backends.etcd import EtcdBackend, _b64, _prefix_end
+from distlocks.backends.etcd import EtcdBackend
 from distlocks.exceptions import LockBackendUnavailable, LockError, LockNotAcquired
 from distlocks.handler import backends
 from distlocks.testing.etcd_server import EtcdServer, etcd_missing
+from tests.test_etcd_async import keys_under, leases
 
 pytestmark = pytest.mark.skipif(bool(etcd_missing()), reason=f"no etcd: {etcd_missing()}")
 
@@ -196,21 +196,6 @@ def own_etcd(module_etcd: EtcdServer) -> EtcdServer:
     if module_etcd.process is None or module_etcd.process.poll() is not None:
         module_etcd.start()
     return module_etcd
-
-
-def leases(backend: EtcdBackend) -> set[int]:
-    answer = backend._call("/v3/lease/leases", {}, "test", "")
-    return {int(item["ID"]) for item in answer.get("leases") or []}
-
-
-def keys_under(backend: EtcdBackend, prefix: str) -> list[str]:
-    answer = backend._call(
-        "/v3/kv/range",
-        {"key": _b64(prefix), "range_end": _prefix_end(prefix), "keys_only": True},
-        "test",
-        "",
-    )
-    return [base64.b64decode(kv["key"]).decode() for kv in answer.get("kvs") or []]
 
 
 def settle(predicate: Any, limit: float = 20.0, what: str = "condition") -> None:

@@ -332,6 +332,23 @@ def _credentials(location: Any) -> tuple[str, str] | None:
     return None
 
 
+def holder_value(owner: str, holder: Holder, ttl: float, **more: Any) -> str:
+    """The JSON value of a lock or permit key: who holds it, for how long, since when."""
+    return json.dumps(
+        {
+            "owner": owner,
+            **more,
+            "host": holder.host,
+            "pid": holder.pid,
+            "thread": holder.thread,
+            "extra": dict(holder.extra),
+            "ttl": ttl,
+            "at": time.time_ns() // 1_000_000,
+        },
+        separators=(",", ":"),
+    )
+
+
 class EtcdBackend(EtcdPermits, BaseBackend):
     """Locks on an etcd v3 cluster, through its JSON gateway.
 
@@ -1156,18 +1173,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                 self._entries.pop((name, owner), None)
                 raise
         remaining = min(ttl, float(entry.lease_ttl))
-        value = json.dumps(
-            {
-                "owner": owner,
-                "host": holder.host,
-                "pid": holder.pid,
-                "thread": holder.thread,
-                "extra": dict(holder.extra),
-                "ttl": ttl,
-                "at": time.time_ns() // 1_000_000,
-            },
-            separators=(",", ":"),
-        )
+        value = holder_value(owner, holder, ttl)
         try:
             for _ in range(8):
                 outcome = yield from self._attempt_g(name, owner, entry, value, wait > 0, fair)

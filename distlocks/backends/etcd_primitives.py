@@ -293,20 +293,8 @@ class EtcdPermits:
             lease, granted = self._grant(ttl, "acquire", name)
             entry = _Permit(lease, granted, counted=counted)
             table[slot] = entry
-        value = json.dumps(
-            {
-                "owner": owner,
-                "kind": kind,
-                "host": holder.host,
-                "pid": holder.pid,
-                "thread": holder.thread,
-                "extra": dict(holder.extra),
-                "ttl": ttl,
-                "at": time.time_ns() // 1_000_000,
-                **({"limit": limit} if kind == SEMAPHORE else {}),
-            },
-            separators=(",", ":"),
-        )
+        more: dict[str, Any] = {"limit": limit} if kind == SEMAPHORE else {}
+        value = _etcd.holder_value(owner, holder, ttl, kind=kind, **more)
         remaining = min(ttl, float(entry.lease_ttl))
         try:
             for _ in range(16):
