@@ -176,6 +176,14 @@ class BaseLease:
                 raise LockLost(self, "it was already released")  # type: ignore[arg-type]
             raise LockLost(self, self._lost_reason)  # type: ignore[arg-type]
 
+    def claim(self, *targets: Any) -> Any:
+        """Write this lease's fencing token into the rows the holder will change, before
+        reading them: a paused earlier holder's later write to them is then refused.
+        See :func:`distlocks.claims.claim`."""
+        from distlocks.claims import claim
+
+        return claim(self, *targets)
+
     def _mark_lost(self, reason: str) -> None:
         """Record the loss once: log, signal, callback. Never raises."""
         with self._state_lock:
