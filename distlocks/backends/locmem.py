@@ -12,7 +12,7 @@ import asyncio
 import datetime as dt
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -124,6 +124,42 @@ class _Store:
         queue = self.queues.get(name)
         return self.live(name) is None and (not fair or not queue or queue[0] == owner)
 
+    def sleep(
+        self, timeout: float, ready: Callable[[], bool], due: Callable[[], float | None]
+    ) -> None:
+        """Wait on ``cond`` (held) until ``ready()``, a notification that makes it so,
+        or ``timeout`` seconds. Each wait is cut at ``due()``, the monotonic time when
+        what is in the way ends by itself (a lease's expiry, a registration lapsing):
+        nobody notifies then, and what was in the way may have changed while this
+        caller slept (the waiter ahead took the lock: its lease now ends first)."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            until = due()
+            # A moment past the expiry, so that live() sees it ended.
+            seconds = deadline - now if until is None else min(deadline, until + 0.001) - now
+            self.cond.wait(max(seconds, 0.0))
+
+    def lock_due(self, name: str) -> float | None:
+        """When the lease of ``name``'s holder ends (None: not held). Under ``cond``."""
+        entry = self.live(name)
+        return None if entry is None else entry.valid_until
+
+    def permit_due(self, kind: str, name: str, owner: str, limit: int) -> float | None:
+        """When the first thing keeping ``owner`` from a permit ends by itself: a permit
+        in its way, or the registration of a writer it lets go first. Under ``cond``."""
+        key = (permit_family(kind), name)
+        ends = [p.valid_until for o, p in self.live_permits(key).items() if o != owner]
+        if kind == READ:
+            ends += [
+                u
+                for o, (k, u) in self.live_waiting((RWLOCK, name)).items()
+                if o != owner and k == WRITE
+            ]
+        return min(ends, default=None)
+
     def live(self, name: str) -> _Entry | None:
         entry = self.locks.get(name)
         if entry is not None and time.monotonic() >= entry.valid_until:
@@ -189,6 +225,10 @@ class LocMemBackend(BaseBackend):
                 waiting.remove(owner)
                 if not waiting:
                     del store.queues[name]
+                else:
+                    # Those still queued may be asleep with no expiry to wait for (it
+                    # was not their turn): this lease's end is one now.
+                    store.cond.notify_all()
             token = store.next_token(name)
             store.locks[name] = _Entry(
                 owner=owner,
@@ -249,8 +289,9 @@ class LocMemBackend(BaseBackend):
     def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
         store = self._store
         with store.cond:
-            if not store.may_take(name, owner, fair):
-                store.cond.wait(timeout)
+            store.sleep(
+                timeout, lambda: store.may_take(name, owner, fair), lambda: store.lock_due(name)
+            )
 
     async def await_release(
         self, name: str, timeout: float, *, owner: str = "", fair: bool = False
@@ -331,7 +372,10 @@ class LocMemBackend(BaseBackend):
                     # new readers meanwhile.
                     store.waiting.setdefault(key, {})[owner] = (kind, now + wait + 1.0)
                 return AcquireResult(False, 0, remaining)
-            store.live_waiting(key).pop(owner, None)
+            if store.live_waiting(key).pop(owner, None) is not None:
+                # Callers it held up may be asleep with no expiry to wait for: this
+                # permit's end is one now.
+                store.cond.notify_all()
             token = store.next_token(_rw_counter(name)) if kind == WRITE else 0
             store.permits.setdefault(key, {})[owner] = _Permit(
                 kind=kind,
@@ -376,8 +420,11 @@ class LocMemBackend(BaseBackend):
     ) -> None:
         store = self._store
         with store.cond:
-            if not store.room(kind, name, owner, limit)[0]:
-                store.cond.wait(timeout)
+            store.sleep(
+                timeout,
+                lambda: store.room(kind, name, owner, limit)[0],
+                lambda: store.permit_due(kind, name, owner, limit),
+            )
 
     async def apermit_wait(
         self, kind: str, name: str, timeout: float, *, owner: str = "", limit: int = 1
