@@ -23,6 +23,7 @@ from distlocks.conf import conf
 from distlocks.exceptions import LockError, LockLost, LockNotAcquired
 from distlocks.handler import backends, check_alias
 from distlocks.lease import AsyncLease, BaseLease, Lease, release_dropped
+from distlocks.logs import log_expected
 from distlocks.renewal import renewer
 from distlocks.validation import validate_flag, validate_name, validate_timeout, validate_ttl
 
@@ -286,9 +287,9 @@ def _not_acquired(attempt: _Attempt, error: LockError) -> None:
 def _leave_quietly(backend: LeaseServer, name: str, owner: str) -> None:
     try:
         backend.leave_queue(name, owner)
-    except Exception:
+    except Exception as exc:
         # The registration lapses by itself within a second or so.
-        logger.warning("Could not leave the wait queue of %r", name, exc_info=True)
+        log_expected(logger, exc, "Could not leave the wait queue of %r", name)
 
 
 async def aacquire_lease(
@@ -332,8 +333,8 @@ async def aacquire_lease(
         if attempt.registered:
             try:
                 await backend.aleave_queue(name, owner)
-            except Exception:
-                logger.warning("Could not leave the wait queue of %r", name, exc_info=True)
+            except Exception as exc:
+                log_expected(logger, exc, "Could not leave the wait queue of %r", name)
     lease = AsyncLease(**attempt.lease_kwargs(result, started))
     lease._start_renewal()
     attempt.guard(lease, lease._renewal_due())

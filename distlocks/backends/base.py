@@ -25,6 +25,7 @@ from django.core.checks import CheckMessage, Error
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.exceptions import LockError
+from distlocks.logs import log_expected
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -447,18 +448,16 @@ class BaseBackend(ABC):
         """:meth:`release` for clean-up paths: a failure is logged, never raised."""
         try:
             return self.release(name, owner)
-        except Exception:
-            logger.warning("Could not release lock %r on backend %r", name, self.alias,
-                           exc_info=True)  # fmt: skip
+        except Exception as exc:
+            log_expected(logger, exc, "Could not release lock %r on backend %r", name, self.alias)
             return False
 
     async def arelease_quietly(self, name: str, owner: str) -> bool:
         """Async :meth:`release_quietly`."""
         try:
             return await self.arelease(name, owner)
-        except Exception:
-            logger.warning("Could not release lock %r on backend %r", name, self.alias,
-                           exc_info=True)  # fmt: skip
+        except Exception as exc:
+            log_expected(logger, exc, "Could not release lock %r on backend %r", name, self.alias)
             return False
 
     def close(self) -> None:  # noqa: B027 - optional hook
