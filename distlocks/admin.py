@@ -16,7 +16,7 @@ import logging
 import re
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import parse_qsl, urlencode
 
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
@@ -62,6 +62,16 @@ class FencedModelAdmin(admin.ModelAdmin):
             return
         # changeform_view holds the row's lock: the save uses its token.
         obj.save()
+
+    def delete_model(self, request: HttpRequest, obj: Any) -> None:
+        # An operator's confirmed delete is an explicit bypass (docs/fencing.md): a
+        # holder that later saves the row it loaded gets FencedRowDeleted.
+        with unfenced():
+            obj.delete()
+
+    def delete_queryset(self, request: HttpRequest, queryset: Any) -> None:
+        with unfenced():
+            queryset.delete()
 
     def changeform_view(
         self,
@@ -239,15 +249,23 @@ class LiveLockAdmin(admin.ModelAdmin):
             return self._url("lock", backend=alias, name=name, kind=kind, owner=owner)
         return self._url("lock", backend=alias, name=name)
 
-    def _item_url(self, view: str, item: livelocks.LiveLock) -> str:
+    def _item_url(self, view: str, item: livelocks.LiveLock, filters: str = "") -> str:
+        if filters:
+            return self._url(view, **item.ref, **{_FILTERS: filters})
         return self._url(view, **item.ref)
+
+    def _list_url(self, filters: str = "") -> str:
+        """The list, with the search, filters, order and page the operator came from."""
+        url = self._url("changelist")
+        return f"{url}?{filters}" if filters else url
 
     def _context(self, request: HttpRequest, title: str, **extra: Any) -> dict[str, Any]:
         return {
             **self.admin_site.each_context(request),
             "opts": self.opts,
             "title": title,
-            "list_url": self._url("changelist"),
+            "list_url": self._list_url(_filters_of(request)),
+            "filters": _filters_of(request),
             "status_labels": _STATUS_LABELS,
             **extra,
         }
@@ -266,13 +284,13 @@ class LiveLockAdmin(admin.ModelAdmin):
             self.message_user(
                 request, _("There is no backend %(alias)r.") % {"alias": alias}, messages.ERROR
             )
-            return None, HttpResponseRedirect(self._url("changelist"))
+            return None, HttpResponseRedirect(self._list_url(_filters_of(request)))
         try:
             validate_name(name)
             kind, owner = livelocks.check_ref(data.get("kind", ""), data.get("owner", ""))
         except (ValueError, TypeError) as exc:
             self.message_user(request, escape_control(str(exc)), messages.ERROR)
-            return None, HttpResponseRedirect(self._url("changelist"))
+            return None, HttpResponseRedirect(self._list_url(_filters_of(request)))
         return (alias, name, kind, owner), None
 
     def _lookup(
@@ -290,7 +308,7 @@ class LiveLockAdmin(admin.ModelAdmin):
                 % {"alias": alias, "error": livelocks.describe_error(exc)},
                 messages.ERROR,
             )
-            return None, HttpResponseRedirect(self._url("changelist"))
+            return None, HttpResponseRedirect(self._list_url(_filters_of(request)))
         if item is None:
             if kind == livelocks.LOCK:
                 text = _("Lock %(name)r on backend %(alias)r is not held (any more).")
@@ -310,7 +328,7 @@ class LiveLockAdmin(admin.ModelAdmin):
                 },
                 messages.WARNING,
             )
-            return None, HttpResponseRedirect(self._url("changelist"))
+            return None, HttpResponseRedirect(self._list_url(_filters_of(request)))
         return item, None
 
     # -- the list ---------------------------------------------------------------
@@ -362,6 +380,10 @@ class LiveLockAdmin(admin.ModelAdmin):
             merged = {**current, **changes}
             return "?" + urlencode({k: v for k, v in merged.items() if v not in ("", None)})
 
+        # What a lock's page, its force release and their redirects bring the operator
+        # back to: this very list (search, filters, order, page).
+        here = link(p=params.get("p", ""))[1:]
+
         columns = []
         for key, heading in _COLUMNS:
             sorted_here = key and order.lstrip("-") == key
@@ -384,7 +406,7 @@ class LiveLockAdmin(admin.ModelAdmin):
             rows=[
                 {
                     "item": item,
-                    "url": self._item_url("lock", item),
+                    "url": self._item_url("lock", item, here),
                     "kind": "" if item.kind == livelocks.LOCK else item.kind,
                     "held": livelocks.format_seconds(item.held_for) or "-",
                     "expires": livelocks.format_seconds(item.expires_in) or _("never"),
@@ -502,7 +524,7 @@ class LiveLockAdmin(admin.ModelAdmin):
                 others.append(
                     {
                         "item": row,
-                        "url": self._item_url("lock", row),
+                        "url": self._item_url("lock", row, _filters_of(request)),
                         "kind": _KIND_LABELS[row.kind],
                     }
                 )
@@ -515,7 +537,7 @@ class LiveLockAdmin(admin.ModelAdmin):
             fields=fields,
             others=others,
             can_release=self.has_force_release_permission(request),
-            release_url=self._item_url("release", item),
+            release_url=self._item_url("release", item, _filters_of(request)),
         )
         return TemplateResponse(request, "distlocks/admin/livelock_detail.html", context)
 
@@ -531,7 +553,7 @@ class LiveLockAdmin(admin.ModelAdmin):
                 if len(permit) == 2:
                     return HttpResponseRedirect(self.lock_url(alias, name, *permit))
                 return HttpResponseRedirect(self.lock_url(alias, name))
-        return HttpResponseRedirect(self._url("changelist"))
+        return HttpResponseRedirect(self._list_url(_filters_of(request)))
 
     # -- force release ----------------------------------------------------------
 
@@ -564,12 +586,14 @@ class LiveLockAdmin(admin.ModelAdmin):
                 item=item,
                 kind=kind,
                 kind_label=_KIND_LABELS[kind],
-                lock_url=self._item_url("lock", item),
+                lock_url=self._item_url("lock", item, _filters_of(request)),
             )
             return TemplateResponse(request, "distlocks/admin/livelock_release.html", context)
 
         expected = _token_of(data.get("fencing_token"))
         lock_url = self.lock_url(alias, name, kind, owner)
+        if _filters_of(request):
+            lock_url += "&" + urlencode({_FILTERS: _filters_of(request)})
         if kind == livelocks.LOCK and expected is None:
             # Only the holder the operator saw (and confirmed) may be evicted: a form
             # without its token names nobody, so nothing is done.
@@ -615,7 +639,9 @@ class LiveLockAdmin(admin.ModelAdmin):
                 )
             what["token"] = exc.current.info.fencing_token if exc.current else ""
             self.message_user(request, text % what, messages.WARNING)
-            return HttpResponseRedirect(lock_url if exc.current else self._url("changelist"))
+            return HttpResponseRedirect(
+                lock_url if exc.current else self._list_url(_filters_of(request))
+            )
         except Exception as exc:  # any backend failure is a message, never a 500
             logger.warning("Could not force-release %r on %r", name, alias, exc_info=True)
             what["error"] = livelocks.describe_error(exc)
@@ -654,7 +680,22 @@ class LiveLockAdmin(admin.ModelAdmin):
         self.message_user(
             request, text % what, messages.SUCCESS if done.released else messages.WARNING
         )
-        return HttpResponseRedirect(self._url("changelist"))
+        return HttpResponseRedirect(self._list_url(_filters_of(request)))
+
+
+#: The query parameter carrying the list's own query string (Django's admin name for it).
+_FILTERS = "_changelist_filters"
+#: What the list's query string may hold; anything else is dropped, not echoed back.
+_LIST_PARAMS = ("q", "status", "backend", "o", "p", "refresh")
+
+
+def _filters_of(request: HttpRequest) -> str:
+    """The list query string a page was opened from, rebuilt from known parameters only."""
+    raw = request.POST.get(_FILTERS) or request.GET.get(_FILTERS) or ""
+    if not raw:
+        return ""
+    kept = [(k, v) for k, v in parse_qsl(raw[:2000]) if k in _LIST_PARAMS and v]
+    return urlencode(kept)
 
 
 def _token_of(value: Any) -> int | None:

@@ -35,9 +35,10 @@ def staged(name: str, pg_ready: None) -> Any:
         lease.release()
 
 
-@pytest.mark.parametrize("width", [1280, 1920])
+@pytest.mark.parametrize(("width", "height"), [(1280, 800), (1920, 1080)])
 def test_the_table_fits_the_window(
     width: int,
+    height: int,
     browser_page: Any,  # noqa: F811 - the fixture
     live_server: Any,
     django_user_model: Any,
@@ -46,7 +47,7 @@ def test_the_table_fits_the_window(
     django_user_model.objects.create_superuser("ops", password="s3cret-pw")
     livelocks.snapshots.clear()
     page = browser_page
-    page.set_viewport_size({"width": width, "height": 900})
+    page.set_viewport_size({"width": width, "height": height})
     page.goto(f"{live_server.url}/admin/login/?next=/admin/")
     page.fill("#id_username", "ops")
     page.fill("#id_password", "s3cret-pw")
@@ -73,12 +74,64 @@ def test_the_table_fits_the_window(
     )
     assert overflow["table"] <= overflow["box"] + 1, overflow
     assert overflow["page"] <= overflow["window"] + 1, overflow
-    # The last column (waiters) and the token are on screen.
-    for cell in ("td.field-waiters", "td.field-token", "td.field-status"):
+    # What an operator decides on is on screen at every width: status, holder, how
+    # long it has been held, when it expires, its token and its waiters.
+    for cell in (
+        "td.field-status",
+        "td.field-holder",
+        "td.field-held",
+        "td.field-expires",
+        "td.field-token",
+        "td.field-waiters",
+    ):
         box = row.locator(cell).bounding_box()
-        assert box is not None and box["x"] + box["width"] <= width, (cell, box, width)
+        assert box is not None and box["width"] > 0, (cell, box, width)
+        assert box["x"] + box["width"] <= width, (cell, box, width)
     # The long name is cut short on the page, with its full value on hover.
     link = row.locator("th.field-name a")
     assert link.get_attribute("title") == long_name
     truncated = link.evaluate("el => el.scrollWidth > el.clientWidth")
     assert truncated
+
+
+CONTRAST = """el => {
+    const rgb = s => s.match(/[0-9.]+/g).slice(0, 3).map(Number);
+    const lum = ([r, g, b]) => {
+        const f = c => {
+            c /= 255;
+            return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4;
+        };
+        return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+    };
+    const style = getComputedStyle(el);
+    const a = lum(rgb(style.color)), b = lum(rgb(style.backgroundColor));
+    return {ratio: (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05),
+            color: style.color, background: style.backgroundColor};
+}"""
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_the_force_release_button_is_readable(
+    scheme: str,
+    browser_page: Any,  # noqa: F811 - the fixture
+    live_server: Any,
+    django_user_model: Any,
+    staged: list[Any],
+) -> None:
+    """Styled as Django's own delete button, with a contrast of at least 4.5:1 (WCAG AA)
+    between its text and its background, in the light and the dark theme."""
+    django_user_model.objects.create_superuser("ops", password="s3cret-pw")
+    page = browser_page
+    page.emulate_media(color_scheme=scheme)
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/")
+    page.fill("#id_username", "ops")
+    page.fill("#id_password", "s3cret-pw")
+    page.click("input[type=submit]")
+    page.wait_for_selector("#site-name")
+    lease = staged[0]
+    page.goto(f"{live_server.url}/admin/distlocks/livelock/lock/?backend=redis&name={lease.name}")
+    button = page.locator("#distlocks-force-release")
+    button.wait_for()
+    seen = button.evaluate(CONTRAST)
+    assert seen["ratio"] >= 4.5, seen
+    assert seen["background"] not in ("rgba(0, 0, 0, 0)", "transparent"), seen
