@@ -10,7 +10,8 @@ Keys of the lock ``name`` (``prefix`` is ``OPTIONS["key_prefix"]``, default
 
     {prefix}:{<name>}:lock    hash: owner, token, name, host, pid, thread,
                               acquired_at (server ms), ttl (ms), renewals, extra
-    {prefix}:{<name>}:fence   the per-name fencing counter (never expires)
+    {prefix}:{<name>}:fence   the per-name fencing counter (expires once no lease on
+                              the name is live and the clock has passed it)
 
 The braces are a Redis Cluster hash tag: every key of a lock (see ``Keys``) lives
 in one slot, so every script below touches a single slot. A name that itself
@@ -92,11 +93,27 @@ local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
 # a failover to a replica that missed the last writes), tokens go on from the
 # clock, which is past every token issued before: those were at most one per
 # microsecond ahead of it. Lua numbers are doubles, exact up to 2^53 (year 2255).
+#
+# The same floor lets a counter expire, so that per-call names leave no keys behind:
+# once the clock has passed the counter, a counter started afresh from the clock is
+# above every token issued before. keep_fence() keeps it until the later of the end
+# of the lease on the name (``lease_end_ms``, server ms; 0 when none is live) and the
+# moment the clock passes its value (later than now when grants came faster than one
+# per microsecond, or Redlock raised it to a token minted by a master whose clock is
+# ahead). Every script that grants, renews or force-releases calls it.
 _NEXT_TOKEN = """
-local function next_token(fence, now)
+local function keep_fence(fence, lease_end_ms, now_ms)
+  local value = redis.call('GET', fence)
+  if not value then return end
+  -- 2 ms spare: the division rounds, and the expiry counts from the command's time.
+  local at = math.max(lease_end_ms, math.floor(tonumber(value) / 1000) + 2)
+  redis.call('PEXPIRE', fence, math.max(1, at - now_ms))
+end
+local function next_token(fence, now, lease_end_ms)
   local token = math.max(tonumber(redis.call('GET', fence) or '0') + 1,
                          now[1] * 1000000 + now[2])
   redis.call('SET', fence, string.format('%d', token))
+  keep_fence(fence, lease_end_ms, now[1] * 1000 + math.floor(now[2] / 1000))
   return token
 end
 """
@@ -172,6 +189,7 @@ local holder = redis.call('HGET', KEYS[1], 'owner')
 if holder == ARGV[1] then
   -- Same owner: a retried request whose first reply was lost. It is ours.
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  keep_fence(KEYS[2], now_ms + tonumber(ARGV[2]), now_ms)
   if KEYS[5] then
     reindex(KEYS[5], KEYS[1], ARGV[3], string.format('%d', now_ms + tonumber(ARGV[2])))
   end
@@ -200,7 +218,7 @@ if wait_ms > 0 or fair then
   redis.call('ZREM', KEYS[3], ARGV[1])
   if fair then redis.call('ZREM', KEYS[4], ARGV[1]) end
 end
-local token = next_token(KEYS[2], now)
+local token = next_token(KEYS[2], now, now_ms + tonumber(ARGV[2]))
 redis.call('HSET', KEYS[1],
   'owner', ARGV[1], 'token', token, 'name', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5],
   'thread', ARGV[6], 'extra', ARGV[7], 'ttl', ARGV[2], 'renewals', 0,
@@ -240,16 +258,20 @@ return 1
 """
 )
 
-# KEYS: lock hash[, listing index]. ARGV: owner, ttl ms[, name]. Compare-and-expire.
+# KEYS: lock hash, fence counter[, listing index]. ARGV: owner, ttl ms[, name].
+# Compare-and-expire; the counter is kept at least as long as the lease.
 EXTEND = (
     _ENTRY
+    + _NEXT_TOKEN
     + """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  local now_ms = ms_now()
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  keep_fence(KEYS[2], now_ms + tonumber(ARGV[2]), now_ms)
   redis.call('HSET', KEYS[1], 'ttl', ARGV[2])
   redis.call('HINCRBY', KEYS[1], 'renewals', 1)
-  if KEYS[2] then
-    reindex(KEYS[2], KEYS[1], ARGV[3], string.format('%d', ms_now() + tonumber(ARGV[2])))
+  if KEYS[3] then
+    reindex(KEYS[3], KEYS[1], ARGV[3], string.format('%d', now_ms + tonumber(ARGV[2])))
   end
   return 1
 end
@@ -257,21 +279,23 @@ return 0
 """
 )
 
-# KEYS: lock hashes[, listing index]. ARGV: owner, ttl ms, name, owner, ttl ms, name,
-# ... (one triple per lock hash).
+# KEYS: lock hashes, then their fence counters in the same order[, listing index].
+# ARGV: owner, ttl ms, name, owner, ttl ms, name, ... (one triple per lock hash).
 # EXTEND for many leases at once (the renewer's batch): one round trip; each lease is
 # still compare-and-expire on its own. Returns 1 or 0 per lease, in order.
 EXTEND_MANY = (
     _ENTRY
+    + _NEXT_TOKEN
     + """
 local out = {}
 local n = #ARGV / 3
-local index = KEYS[n + 1]
-local now_ms = index and ms_now()
+local index = KEYS[2 * n + 1]
+local now_ms = ms_now()
 for i = 1, n do
   local owner, ttl = ARGV[3 * i - 2], ARGV[3 * i - 1]
   if redis.call('HGET', KEYS[i], 'owner') == owner then
     redis.call('PEXPIRE', KEYS[i], ttl)
+    keep_fence(KEYS[n + i], now_ms + tonumber(ttl), now_ms)
     redis.call('HSET', KEYS[i], 'ttl', ttl)
     redis.call('HINCRBY', KEYS[i], 'renewals', 1)
     if index then
@@ -302,7 +326,7 @@ if not token then return 0 end
 if ARGV[2] ~= '' and tonumber(token) ~= tonumber(ARGV[2]) then return 0 end
 redis.call('DEL', KEYS[1])
 if KEYS[6] then redis.call('HDEL', KEYS[6], ARGV[3]) end
-next_token(KEYS[2], now)
+next_token(KEYS[2], now, 0)
 wake(KEYS[3], KEYS[4], KEYS[5], ARGV[1], now_ms)
 return 1
 """
@@ -1424,9 +1448,10 @@ class RedisBackend(RedisPermits, BaseBackend):
 
     def _extend_call(self, name: str, owner: str, ttl: float) -> tuple[list[str], list[Any]]:
         ttl_ms = max(1, round(ttl * 1000))
+        k = self.all_keys(name)
         if self._index:
-            return [self.all_keys(name).lock, *self._index], [owner, ttl_ms, name]
-        return [self.all_keys(name).lock], [owner, ttl_ms]
+            return [k.lock, k.fence, *self._index], [owner, ttl_ms, name]
+        return [k.lock, k.fence], [owner, ttl_ms]
 
     def extend(self, name: str, owner: str, ttl: float) -> bool:
         try:
@@ -1444,7 +1469,8 @@ class RedisBackend(RedisPermits, BaseBackend):
         results: list[bool | LockError] = []
         for start in range(0, len(leases), self.EXTEND_BATCH):
             chunk = leases[start : start + self.EXTEND_BATCH]
-            keys = [self.all_keys(name).lock for name, _, _ in chunk] + self._index
+            keys = [self.all_keys(name).lock for name, _, _ in chunk]
+            keys += [self.all_keys(name).fence for name, _, _ in chunk] + self._index
             args: list[Any] = []
             for name, owner, ttl in chunk:
                 args += (owner, max(1, round(ttl * 1000)), name)
@@ -1506,7 +1532,8 @@ class RedisBackend(RedisPermits, BaseBackend):
         pipe = node.redis_connection.pipeline(transaction=False)
         for index in indexes:
             name, owner, ttl = leases[index]
-            pipe.evalsha(sha, 1, self.all_keys(name).lock, owner, max(1, round(ttl * 1000)))
+            k = self.all_keys(name)
+            pipe.evalsha(sha, 2, k.lock, k.fence, owner, max(1, round(ttl * 1000)))
         return list(pipe.execute(raise_on_error=False))
 
     async def aextend(self, name: str, owner: str, ttl: float) -> bool:
