@@ -101,6 +101,11 @@ class StaleFencingToken(LockError):
         super().__init__(message or f"Stale fencing token {offered} (stored {stored}).")
 
 
+class FencedRowDeleted(StaleFencingToken):
+    """A fenced save of an object loaded from the database found its row gone: another
+    holder deleted it. Nothing is written (the row is not inserted again)."""
+
+
 class FencingTokenRequired(LockError):
     """A fenced write was attempted without a fencing token (and outside ``unfenced()``)."""
 

@@ -38,6 +38,11 @@ ENFORCING_VENDORS = frozenset({"postgresql", "sqlite", "mysql"})
 STALE_MESSAGE = "distlocks: stale fencing token"
 #: The column the triggers guard (distlocks.E010 keeps FencedModel's field on it).
 TOKEN_COLUMN = "fencing_token"
+#: The largest token a backend issues (all keep them below 2**53: exact in Lua's
+#: doubles and in JSON). The triggers refuse to store a larger one, or a negative one.
+MAX_TOKEN = 2**53 - 1
+#: Start of the triggers' error message for a token out of that range.
+RANGE_MESSAGE = "distlocks: fencing_token out of range"
 
 _active: contextvars.ContextVar[tuple[BaseLease, ...]] = contextvars.ContextVar(
     "distlocks_active_leases", default=()
@@ -96,7 +101,17 @@ def is_unfenced() -> bool:
 PG_FUNCTION_SQL = f"""
 CREATE OR REPLACE FUNCTION {TRIGGER_FUNCTION}() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF NEW.{TOKEN_COLUMN} < OLD.{TOKEN_COLUMN} THEN
+    IF (NEW.{TOKEN_COLUMN} < 0 OR NEW.{TOKEN_COLUMN} > {MAX_TOKEN})
+       AND (TG_OP = 'INSERT' OR NEW.{TOKEN_COLUMN} IS DISTINCT FROM OLD.{TOKEN_COLUMN}) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = '22003',
+            MESSAGE = format('{RANGE_MESSAGE} %s on %s: tokens are from 0 to {MAX_TOKEN}',
+                             NEW.{TOKEN_COLUMN}, TG_TABLE_NAME);
+    END IF;
+    -- A stored token out of range (written before distlocks checked it) may be
+    -- lowered: that is the repair of a row no holder could write any more.
+    IF TG_OP = 'UPDATE' AND NEW.{TOKEN_COLUMN} < OLD.{TOKEN_COLUMN}
+       AND OLD.{TOKEN_COLUMN} <= {MAX_TOKEN} THEN
         RAISE EXCEPTION USING
             ERRCODE = '{STALE_SQLSTATE}',
             MESSAGE = format('{STALE_MESSAGE} %s for %s (stored %s)',
@@ -117,7 +132,8 @@ def trigger_sql(table: str, quote: Callable[[str], str]) -> list[str]:
     return [
         PG_FUNCTION_SQL,
         f"DROP TRIGGER IF EXISTS {TRIGGER_NAME} ON {quote(table)}",
-        f"CREATE TRIGGER {TRIGGER_NAME} BEFORE UPDATE OF {TOKEN_COLUMN} ON {quote(table)}"
+        f"CREATE TRIGGER {TRIGGER_NAME} BEFORE INSERT OR UPDATE OF {TOKEN_COLUMN}"
+        f" ON {quote(table)}"
         f" FOR EACH ROW EXECUTE FUNCTION {TRIGGER_FUNCTION}()",
     ]
 
@@ -132,12 +148,15 @@ def enforces(connection: BaseDatabaseWrapper) -> bool:
     return connection.vendor in ENFORCING_VENDORS
 
 
-def trigger_name(connection: BaseDatabaseWrapper, table: str) -> str:
+def trigger_name(connection: BaseDatabaseWrapper, table: str, *, insert: bool = False) -> str:
     """The trigger's name on ``table``: SQLite and MySQL name triggers per schema, so
-    the table is part of it (shortened with a hash where MySQL's 64 characters end)."""
+    the table is part of it (shortened with a hash where MySQL's 64 characters end).
+    There, inserts have a trigger of their own (``insert=True``); on PostgreSQL one
+    trigger covers both."""
     if connection.vendor == "postgresql":
         return TRIGGER_NAME
-    return truncate_name(f"{TRIGGER_NAME}_{table}", connection.ops.max_name_length())
+    prefix = f"{TRIGGER_NAME}_insert" if insert else TRIGGER_NAME
+    return truncate_name(f"{prefix}_{table}", connection.ops.max_name_length())
 
 
 def _string_literal(value: str, *, backslash_escapes: bool = False) -> str:
@@ -149,44 +168,86 @@ def _string_literal(value: str, *, backslash_escapes: bool = False) -> str:
 def _sqlite_trigger_sql(connection: BaseDatabaseWrapper, table: str) -> list[str]:
     quote = connection.ops.quote_name
     name, column = quote(trigger_name(connection, table)), quote(TOKEN_COLUMN)
+    insert_name = quote(trigger_name(connection, table, insert=True))
     # RAISE() takes a literal only (SQLite < 3.47), so the message cannot carry the
     # tokens. SQLite would store a text or real value in an integer column as it is,
     # and text sorts above every integer: it would fence the row out for good.
     stale = _string_literal(f"{STALE_MESSAGE} on {table}")
     not_integer = _string_literal(f"distlocks: {TOKEN_COLUMN} must be an integer on {table}")
+    out_of_range = _string_literal(f"{RANGE_MESSAGE} on {table}: tokens are from 0 to {MAX_TOKEN}")
+    new, old = f"NEW.{column}", f"OLD.{column}"
+    bad_new = f"(typeof({new}) <> 'integer' OR {new} < 0 OR {new} > {MAX_TOKEN})"
+    refusal = (
+        f"BEGIN SELECT CASE WHEN typeof({new}) <> 'integer' THEN RAISE(ABORT, {not_integer})"
+        f" WHEN {new} < 0 OR {new} > {MAX_TOKEN} THEN RAISE(ABORT, {out_of_range})"
+        f" ELSE RAISE(ABORT, {stale}) END; END"
+    )
+    # A stored token out of range (or not an integer, from before these checks) may be
+    # lowered: that repairs a row no holder could write any more. One that is left as
+    # it is stays writable by other columns' updates.
     return [
         f"DROP TRIGGER IF EXISTS {name}",
+        f"DROP TRIGGER IF EXISTS {insert_name}",
         f"CREATE TRIGGER {name} BEFORE UPDATE OF {column} ON {quote(table)} FOR EACH ROW"
-        f" WHEN NEW.{column} IS NOT NULL"
-        f" AND (typeof(NEW.{column}) <> 'integer' OR NEW.{column} < OLD.{column})"
-        f" BEGIN SELECT CASE WHEN typeof(NEW.{column}) <> 'integer'"
-        f" THEN RAISE(ABORT, {not_integer}) ELSE RAISE(ABORT, {stale}) END; END",
+        f" WHEN {new} IS NOT NULL AND (({bad_new} AND {new} IS NOT {old})"
+        f" OR ({new} < {old} AND typeof({old}) = 'integer' AND {old} <= {MAX_TOKEN}))"
+        f" {refusal}",
+        f"CREATE TRIGGER {insert_name} BEFORE INSERT ON {quote(table)} FOR EACH ROW"
+        f" WHEN {new} IS NOT NULL AND {bad_new} {refusal}",
     ]
 
 
 def _mysql_trigger_sql(connection: BaseDatabaseWrapper, table: str) -> list[str]:
     quote = connection.ops.quote_name
     name, column = quote(trigger_name(connection, table)), quote(TOKEN_COLUMN)
+    insert_name = quote(trigger_name(connection, table, insert=True))
+    where = _string_literal(table, backslash_escapes=True)
+    new, old = f"NEW.{column}", f"OLD.{column}"
+
+    def out_of_range(condition: str) -> str:
+        return (
+            f"  IF {condition} THEN\n"
+            f"    SET message = LEFT(CONCAT('{RANGE_MESSAGE} ', {new}, ' on ', {where},\n"
+            f"      ': tokens are from 0 to {MAX_TOKEN}'), 128);\n"
+            f"    SIGNAL SQLSTATE '22003' SET MYSQL_ERRNO = 1264, MESSAGE_TEXT = message;\n"
+            f"  END IF;\n"
+        )
+
+    bad_new = f"({new} < 0 OR {new} > {MAX_TOKEN})"
     # A NULL is refused as the NOT NULL column would in strict mode (error 1048): a
-    # non-strict session would otherwise store 0 after this trigger has run.
-    body = (
+    # non-strict session would otherwise store 0 after this trigger has run. A stored
+    # token out of range (from before these checks) may be lowered: the repair of a
+    # row no holder could write any more.
+    update_body = (
         f"BEGIN\n"
-        f"  DECLARE message VARCHAR(128);\n"
-        f"  IF NEW.{column} IS NULL AND OLD.{column} IS NOT NULL THEN\n"
+        f"  DECLARE message VARCHAR(160);\n"
+        f"  IF {new} IS NULL AND {old} IS NOT NULL THEN\n"
         f"    SIGNAL SQLSTATE '23000' SET MYSQL_ERRNO = 1048,\n"
         f"      MESSAGE_TEXT = 'Column ''{TOKEN_COLUMN}'' cannot be null';\n"
-        f"  ELSEIF NEW.{column} < OLD.{column} THEN\n"
-        f"    SET message = LEFT(CONCAT('{STALE_MESSAGE} ', NEW.{column},\n"
-        f"      ' (stored ', OLD.{column}, ') on ',"
-        f" {_string_literal(table, backslash_escapes=True)}), 128);\n"
+        f"  END IF;\n"
+        + out_of_range(f"{bad_new} AND {new} <> {old}")
+        + f"  IF {new} < {old} AND {old} <= {MAX_TOKEN} THEN\n"
+        f"    SET message = LEFT(CONCAT('{STALE_MESSAGE} ', {new},\n"
+        f"      ' (stored ', {old}, ') on ', {where}), 128);\n"
         f"    SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = message;\n"
         f"  END IF;\n"
         f"END"
     )
-    head = f"TRIGGER {name} BEFORE UPDATE ON {quote(table)} FOR EACH ROW\n"
+    insert_body = "BEGIN\n  DECLARE message VARCHAR(160);\n" + out_of_range(bad_new) + "END"
+    update_head = f"TRIGGER {name} BEFORE UPDATE ON {quote(table)} FOR EACH ROW\n"
+    insert_head = f"TRIGGER {insert_name} BEFORE INSERT ON {quote(table)} FOR EACH ROW\n"
     if getattr(connection, "mysql_is_mariadb", False):
-        return [f"CREATE OR REPLACE {head}{body}"]  # one atomic step
-    return [f"DROP TRIGGER IF EXISTS {name}", f"CREATE {head}{body}"]
+        # One atomic step each.
+        return [
+            f"CREATE OR REPLACE {update_head}{update_body}",
+            f"CREATE OR REPLACE {insert_head}{insert_body}",
+        ]
+    return [
+        f"DROP TRIGGER IF EXISTS {name}",
+        f"CREATE {update_head}{update_body}",
+        f"DROP TRIGGER IF EXISTS {insert_name}",
+        f"CREATE {insert_head}{insert_body}",
+    ]
 
 
 def install_statements(connection: BaseDatabaseWrapper, table: str) -> list[str]:
@@ -206,8 +267,10 @@ def drop_statements(connection: BaseDatabaseWrapper, table: str) -> list[str]:
     if connection.vendor == "postgresql":
         return drop_trigger_sql(table, connection.ops.quote_name)
     if connection.vendor in ENFORCING_VENDORS:
+        quote = connection.ops.quote_name
         return [
-            f"DROP TRIGGER IF EXISTS {connection.ops.quote_name(trigger_name(connection, table))}"
+            f"DROP TRIGGER IF EXISTS {quote(trigger_name(connection, table, insert=insert))}"
+            for insert in (False, True)
         ]
     return []
 

@@ -18,7 +18,7 @@ from django.db.models.signals import post_save, pre_save
 from django.utils.translation import gettext_lazy as _
 
 from distlocks import fencing, signals
-from distlocks.exceptions import FencingTokenRequired, StaleFencingToken
+from distlocks.exceptions import FencedRowDeleted, FencingTokenRequired, StaleFencingToken
 
 if TYPE_CHECKING:
     from distlocks.lease import BaseLease
@@ -38,14 +38,17 @@ def _token(value: Any, what: str) -> int:
         )
     if not 0 <= value <= MAX_TOKEN:
         raise ValueError(
-            f"{what} must be from 0 to {MAX_TOKEN:,} (the largest a fencing_token column "
-            f"stores), not {value}."
+            f"{what} must be from 0 to {MAX_TOKEN:,} (2**53 - 1, the largest token a "
+            f"distlocks backend issues), not {value}."
         )
     return value
 
 
-#: The largest fencing token: the column is a signed 64-bit integer.
-MAX_TOKEN = 2**63 - 1
+#: The largest fencing token a backend issues, and so the largest a fenced row
+#: accepts: every backend keeps its tokens below 2**53 (exact in Lua's doubles and
+#: in JSON numbers; clock-floored tokens reach it in the year 2255). A row holding a
+#: larger one could never be written again by any lock holder.
+MAX_TOKEN = fencing.MAX_TOKEN
 
 # The fenced UPDATE of one row, by (model, database alias, columns written): its SQL
 # text, built once, since building it through the ORM costs more than running it.
@@ -136,6 +139,96 @@ class FencedQuerySet(models.QuerySet):
             f"wrap a maintenance write in distlocks.fencing.unfenced()."
         )
 
+    def bulk_create(
+        self,
+        objs: Any,
+        batch_size: int | None = None,
+        ignore_conflicts: bool = False,
+        update_conflicts: bool = False,
+        update_fields: Any = None,
+        unique_fields: Any = None,
+        *,
+        fencing_token: int | BaseLease | None = None,
+    ) -> list[Any]:
+        """Django's ``bulk_create``, with fenced rows' tokens checked.
+
+        A plain insert stores each object's ``fencing_token`` (0 unless set), which
+        must be one a backend can issue. An upsert (``update_conflicts=True``) would
+        overwrite existing rows: it needs ``fencing_token=`` (a lease or an int),
+        stored in every row it writes; the database's trigger then refuses the
+        whole statement (:class:`StaleFencingToken`, nothing written) if any existing
+        row holds a newer token. Inside :func:`~distlocks.fencing.unfenced` it is
+        Django's own upsert.
+        """
+        objs = list(objs)
+        kwargs: dict[str, Any] = {
+            "batch_size": batch_size,
+            "ignore_conflicts": ignore_conflicts,
+            "update_conflicts": update_conflicts,
+            "update_fields": update_fields,
+            "unique_fields": unique_fields,
+        }
+        if fencing_token is None:
+            if update_conflicts and not fencing.is_unfenced():
+                raise FencingTokenRequired(
+                    f"bulk_create(update_conflicts=True) overwrites existing "
+                    f"{self.model.__name__} rows, which are fenced: pass "
+                    f"fencing_token=lease (stored in every row; the statement is refused "
+                    f"if a row holds a newer token), use .fenced_update(fencing_token, ...) "
+                    f"for existing rows and bulk_create() without update_conflicts for new "
+                    f"ones, or wrap a maintenance write in distlocks.fencing.unfenced()."
+                )
+            for obj in objs:
+                _token(obj.fencing_token, "fencing_token")
+            return models.QuerySet.bulk_create(self, objs, **kwargs)
+        token = _token(fencing_token, "fencing_token")
+        if update_conflicts:
+            connection = connections[self.db]
+            if not fencing.enforces(connection):
+                # Only the trigger compares the tokens of the rows an upsert overwrites.
+                raise FencingTokenRequired(
+                    f"A fenced bulk_create(update_conflicts=True) needs the fencing trigger, "
+                    f"which distlocks does not install on {connection.vendor}: use "
+                    f".fenced_update(fencing_token, ...) for existing rows."
+                )
+            kwargs["update_fields"] = [*(update_fields or ()), "fencing_token"]
+        previous = [obj.fencing_token for obj in objs]
+        for obj in objs:
+            obj.fencing_token = token
+        try:
+            return models.QuerySet.bulk_create(self, objs, **kwargs)
+        except BaseException:
+            for obj, value in zip(objs, previous, strict=True):
+                obj.fencing_token = value
+            raise
+
+    def delete(self) -> tuple[int, dict[str, int]]:
+        if fencing.is_unfenced():
+            return models.QuerySet.delete(self)
+        raise FencingTokenRequired(
+            f"{self.model.__name__} rows are fenced: use .fenced_delete(fencing_token) with "
+            f"the token of the lock you hold (rows a newer holder wrote are kept), or wrap "
+            f"a maintenance delete in distlocks.fencing.unfenced()."
+        )
+
+    def fenced_delete(self, fencing_token: int | BaseLease) -> FencedUpdate:
+        """``delete()`` of the rows whose stored token is not above ``fencing_token``;
+        reports how many rows were stale (kept because a newer holder wrote them).
+        ``updated`` counts the rows deleted (cascades not included)."""
+        token = _token(fencing_token, "fencing_token")
+        with transaction.atomic(using=self.db):
+            # Writing the token first locks the rows it matches (the whole database on
+            # SQLite) until COMMIT: no newer holder can write one of them between this
+            # check and the delete, and rows above the token can only go higher.
+            models.QuerySet.update(self.filter(fencing_token__lte=token), fencing_token=token)
+            _, per_model = models.QuerySet.delete(self.filter(fencing_token__lte=token))
+            stale = self.filter(fencing_token__gt=token).count()
+        if stale:
+            signals.fencing_rejected.send(
+                sender=self.model, model=self.model, pk=None, offered=token, stored=None
+            )
+        return FencedUpdate(updated=per_model.get(self.model._meta.label, 0), stale=stale)
+
 
 class FencedModel(models.Model):
     """Abstract model whose writes are fenced by lock tokens.
@@ -195,6 +288,9 @@ class FencedModel(models.Model):
             return
         token = self._resolve_fencing_token(fencing_token)
         if token is None:  # unfenced: a plain save that leaves the token as it is
+            if self._state.adding:
+                # A new row takes only a token a backend can issue (its trigger too).
+                _token(self.fencing_token, "fencing_token")
             super().save(*args, **kwargs)
             return
         if args:
@@ -204,6 +300,45 @@ class FencedModel(models.Model):
             self._fenced_insert(token, **kwargs)
             return
         self._fenced_update(token, using, kwargs.get("update_fields"), kwargs)
+
+    def delete(
+        self, using: str | None = None, keep_parents: bool = False, *, fencing_token: Any = None
+    ) -> tuple[int, dict[str, int]]:
+        """Django's delete, fenced: with ``fencing_token`` (or inside the row's lock)
+        the row is deleted only if its stored token is not above it, else
+        :class:`StaleFencingToken` and nothing is deleted. Without a token it is
+        refused (:class:`FencingTokenRequired`) unless inside ``unfenced()``."""
+        if self.pk is None:
+            return super().delete(using=using, keep_parents=keep_parents)
+        token = self._resolve_fencing_token(fencing_token)
+        if token is None:  # unfenced
+            return super().delete(using=using, keep_parents=keep_parents)
+        using = using or router.db_for_write(type(self), instance=self)
+        origin: type[models.Model] = type(self)
+        with transaction.atomic(using=using):
+            manager = origin._base_manager.using(using)
+            # Writing the token locks the row until COMMIT: no newer holder writes it
+            # between this check and the delete.
+            rows = models.QuerySet.update(
+                manager.filter(pk=self.pk, fencing_token__lte=token), fencing_token=token
+            )
+            if rows == 0:
+                stored = manager.filter(pk=self.pk).values_list("fencing_token", flat=True).first()
+                if stored is None:  # already gone: what was asked
+                    return 0, {}
+                signals.fencing_rejected.send(
+                    sender=origin, model=origin, pk=self.pk, offered=token, stored=stored
+                )
+                raise StaleFencingToken(
+                    f"{origin.__name__} {self.pk!r} was not deleted: its stored fencing "
+                    f"token {stored} is newer than the offered {token}. Another lock holder "
+                    f"wrote it after this one lost the lock.",
+                    model=origin,
+                    pk=self.pk,
+                    offered=token,
+                    stored=stored,
+                )
+            return super().delete(using=using, keep_parents=keep_parents)
 
     # -- locks --------------------------------------------------------------------
 
@@ -305,7 +440,22 @@ class FencedModel(models.Model):
             stored = manager.filter(pk=self.pk).values_list("fencing_token", flat=True).first()
             for attname, value in before.items():
                 setattr(self, attname, value)
-            if stored is None:  # the row is gone: do what Django's save would
+            if stored is None and not self._state.adding:
+                # Loaded from the database, and deleted since (by a newer holder, or
+                # by anyone): inserting it again would undo that delete.
+                signals.fencing_rejected.send(
+                    sender=origin, model=origin, pk=self.pk, offered=token, stored=None
+                )
+                raise FencedRowDeleted(
+                    f"{origin.__name__} {self.pk!r} was not saved: its row was deleted "
+                    f"after this object was loaded, and a fenced save never inserts it "
+                    f"again. Create a new object if the row should exist.",
+                    model=origin,
+                    pk=self.pk,
+                    offered=token,
+                    stored=None,
+                )
+            if stored is None:  # a new object with its pk set: an INSERT, as Django's
                 if kwargs.get("force_update"):
                     raise DatabaseError("Forced update did not affect any rows.")
                 if update_fields is not None:

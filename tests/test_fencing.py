@@ -19,7 +19,12 @@ from model_bakery import baker
 
 from distlocks import get_backend, lock
 from distlocks.checks import check_fenced_models
-from distlocks.exceptions import FencingTokenRequired, LockLost, StaleFencingToken
+from distlocks.exceptions import (
+    FencedRowDeleted,
+    FencingTokenRequired,
+    LockLost,
+    StaleFencingToken,
+)
 from distlocks.fencing import unfenced
 from distlocks.models import FencedModel
 from distlocks.signals import fencing_rejected
@@ -98,20 +103,23 @@ def test_update_fields_are_respected() -> None:
     assert (row.owner, row.balance, row.fencing_token) == ("ann", 5, 11)
 
 
-def test_save_of_a_deleted_row_inserts_it() -> None:
+def test_save_of_a_deleted_row_does_not_insert_it_again() -> None:
     obj = account(10)
     with unfenced():
         Account.objects.filter(pk=obj.pk).delete()
-    obj.save(fencing_token=12)
-    assert Account.objects.get(pk=obj.pk).fencing_token == 12
+    with pytest.raises(FencedRowDeleted, match="was deleted") as excinfo:
+        obj.save(fencing_token=12)
+    assert (excinfo.value.pk, excinfo.value.offered, excinfo.value.stored) == (obj.pk, 12, None)
+    assert isinstance(excinfo.value, StaleFencingToken)
+    assert not Account.objects.filter(pk=obj.pk).exists()
 
 
 def test_bad_tokens_are_refused() -> None:
     obj = account(10)
     with pytest.raises(TypeError, match="int fencing token or a Lease"):
         obj.save(fencing_token="10")
-    for bad in (-1, 2**63, 10**400):
-        with pytest.raises(ValueError, match="from 0 to 9,223,372,036,854,775,807"):
+    for bad in (-1, 2**53, 2**63, 10**400):
+        with pytest.raises(ValueError, match="from 0 to 9,007,199,254,740,991"):
             obj.save(fencing_token=bad)
     assert Account.objects.get(pk=obj.pk).fencing_token == 10  # nothing written
 

@@ -35,14 +35,24 @@ def mdb(mariadb: str, django_db_blocker: Any) -> Iterator[str]:
         yield mariadb
 
 
-def triggers(alias: str = DB) -> dict[str, str]:
-    """Table -> name of each distlocks trigger in the database."""
+def _all_triggers(alias: str) -> list[tuple[str, str]]:
     with connections[alias].cursor() as cursor:
         cursor.execute(
             "SELECT EVENT_OBJECT_TABLE, TRIGGER_NAME FROM information_schema.TRIGGERS"
             " WHERE TRIGGER_SCHEMA = DATABASE() AND TRIGGER_NAME LIKE 'distlocks%%'"
+            " ORDER BY 1, 2"
         )
-        return dict(cursor.fetchall())
+        return list(cursor.fetchall())
+
+
+def triggers(alias: str = DB) -> dict[str, str]:
+    """Table -> the name of its distlocks update trigger."""
+    return {t: n for t, n in _all_triggers(alias) if not n.startswith("distlocks_fencing_insert")}
+
+
+def insert_triggers(alias: str = DB) -> dict[str, str]:
+    """Table -> the name of its distlocks insert trigger."""
+    return {t: n for t, n in _all_triggers(alias) if n.startswith("distlocks_fencing_insert")}
 
 
 def execute(sql: str, params: list[Any] | None = None, alias: str = DB) -> None:
@@ -79,6 +89,11 @@ class TestTheTrigger:
             "testapp parcels": "distlocks_fencing_testapp parcels",
             "testapp_account": "distlocks_fencing_testapp_account",
             "testapp_counter": "distlocks_fencing_testapp_counter",
+        }
+        assert insert_triggers() == {
+            "testapp parcels": "distlocks_fencing_insert_testapp parcels",
+            "testapp_account": "distlocks_fencing_insert_testapp_account",
+            "testapp_counter": "distlocks_fencing_insert_testapp_counter",
         }
 
     def test_raw_sql_cannot_lower_a_token(self) -> None:
@@ -189,6 +204,7 @@ class TestInstallation:
             with connection.schema_editor() as editor:
                 operation.database_backwards("testapp", editor, state, state)
             assert "testapp_counter" not in triggers()
+            assert "testapp_counter" not in insert_triggers()
             row = Counter.objects.using(DB).create(value=1, fencing_token=12)
             # Without the trigger the database itself takes a lower token (the control).
             execute("UPDATE testapp_counter SET fencing_token = 3 WHERE id = %s", [row.pk])
@@ -198,6 +214,7 @@ class TestInstallation:
                 operation.database_forwards("testapp", editor, state, state)
                 operation.database_forwards("testapp", editor, state, state)
         assert triggers()["testapp_counter"] == "distlocks_fencing_testapp_counter"
+        assert insert_triggers()["testapp_counter"] == "distlocks_fencing_insert_testapp_counter"
         with pytest.raises(StaleFencingToken):
             execute("UPDATE testapp_counter SET fencing_token = 2 WHERE id = %s", [row.pk])
 

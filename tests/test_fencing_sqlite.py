@@ -29,14 +29,23 @@ DB = "sqlite"
 pytestmark = pytest.mark.django_db(databases=[DB], transaction=True)
 
 
-def triggers() -> dict[str, str]:
-    """Table -> name of each distlocks trigger in the database."""
+def _all_triggers() -> list[tuple[str, str]]:
     with connections[DB].cursor() as cursor:
         cursor.execute(
             "SELECT tbl_name, name FROM sqlite_master WHERE type = 'trigger'"
-            " AND name LIKE 'distlocks%' ORDER BY 1"
+            " AND name LIKE 'distlocks%' ORDER BY 1, 2"
         )
-        return dict(cursor.fetchall())
+        return list(cursor.fetchall())
+
+
+def triggers() -> dict[str, str]:
+    """Table -> the name of its distlocks update trigger."""
+    return {t: n for t, n in _all_triggers() if not n.startswith("distlocks_fencing_insert")}
+
+
+def insert_triggers() -> dict[str, str]:
+    """Table -> the name of its distlocks insert trigger."""
+    return {t: n for t, n in _all_triggers() if n.startswith("distlocks_fencing_insert")}
 
 
 def execute(sql: str, params: list[Any] | None = None) -> None:
@@ -64,6 +73,11 @@ class TestTheTrigger:
             "testapp parcels": "distlocks_fencing_testapp parcels",
             "testapp_account": "distlocks_fencing_testapp_account",
             "testapp_counter": "distlocks_fencing_testapp_counter",
+        }
+        assert insert_triggers() == {
+            "testapp parcels": "distlocks_fencing_insert_testapp parcels",
+            "testapp_account": "distlocks_fencing_insert_testapp_account",
+            "testapp_counter": "distlocks_fencing_insert_testapp_counter",
         }
 
     def test_raw_sql_cannot_lower_a_token(self) -> None:
@@ -182,6 +196,7 @@ class TestInstallation:
         with connection.schema_editor() as editor:
             operation.database_backwards("testapp", editor, state, state)
         assert "testapp_counter" not in triggers()
+        assert "testapp_counter" not in insert_triggers()
         row = Counter.objects.using(DB).create(value=1, fencing_token=12)
         # Without the trigger the database itself takes a lower token (the control).
         execute("UPDATE testapp_counter SET fencing_token = 3 WHERE id = %s", [row.pk])
@@ -190,6 +205,7 @@ class TestInstallation:
             operation.database_forwards("testapp", editor, state, state)
             operation.database_forwards("testapp", editor, state, state)
         assert triggers()["testapp_counter"] == "distlocks_fencing_testapp_counter"
+        assert insert_triggers()["testapp_counter"] == "distlocks_fencing_insert_testapp_counter"
         with pytest.raises(StaleFencingToken):
             execute("UPDATE testapp_counter SET fencing_token = 2 WHERE id = %s", [row.pk])
 
