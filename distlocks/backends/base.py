@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import datetime as dt
+import difflib
 import functools
 import json
 import logging
@@ -183,6 +184,21 @@ class LeaseServer(Protocol):
     async def aleave_queue(self, name: str, owner: str) -> None: ...
 
 
+def unknown_options(
+    backend: str, options: Mapping[Any, Any], known: frozenset[str]
+) -> list[str]:
+    """One problem per ``OPTIONS`` key ``backend`` does not read, with the closest
+    known key as a hint ("did you mean ..."); none when every key is known."""
+    problems = []
+    for key in sorted(set(options) - known, key=str):
+        close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        problems.append(
+            f"unknown OPTIONS key {key!r} ({hint}{backend} reads {', '.join(sorted(known))})"
+        )
+    return problems
+
+
 class BaseBackend(ABC):
     """Base class of lock backends.
 
@@ -195,6 +211,9 @@ class BaseBackend(ABC):
     calls_block: ClassVar[bool] = True
     #: Config keys this backend understands, besides ``BACKEND``.
     config_keys: ClassVar[frozenset[str]] = frozenset({"OPTIONS"})
+    #: The ``OPTIONS`` keys this backend reads; any other key is refused (a misspelt
+    #: option must not be silently ignored). None: the backend checks them itself.
+    option_keys: ClassVar[frozenset[str] | None] = None
 
     def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
         self.alias = alias
@@ -214,6 +233,8 @@ class BaseBackend(ABC):
         options = config.get("OPTIONS", {})
         if not isinstance(options, Mapping):
             problems.append(f"OPTIONS must be a dict, not {type(options).__name__}")
+        elif cls.option_keys is not None:
+            problems.extend(unknown_options(cls.__name__, options, cls.option_keys))
         return problems
 
     #: True when :meth:`wait` returns as soon as the lock is released (no polling).

@@ -176,6 +176,8 @@ class LocMemBackend(BaseBackend):
     """Locks in this process's memory, shared by backends with the same ``LOCATION``."""
 
     config_keys: ClassVar[frozenset[str]] = frozenset({"OPTIONS", "LOCATION"})
+    #: LocMem reads no option: any key is a mistake.
+    option_keys: ClassVar[frozenset[str] | None] = frozenset()
 
     def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
         super().__init__(alias, config)

@@ -585,6 +585,19 @@ class PostgresBackend(BaseBackend):
     """Locks as PostgreSQL advisory locks, with a registry table for names and tokens."""
 
     config_keys: ClassVar[frozenset[str]] = frozenset({"OPTIONS", "DATABASE"})
+    option_keys: ClassVar[frozenset[str] | None] = frozenset(
+        {
+            "mode",
+            "key_prefix",
+            "pooler",
+            "connect_timeout",
+            "socket_timeout",
+            "pool_timeout",
+            "pool_size",
+            "synchronous_commit",
+            "application_name",
+        }
+    )
     wakes_on_release = True  # the server's lock queue does the waiting
     expires_on_server = False  # held until released or until the connection ends
 
@@ -616,6 +629,12 @@ class PostgresBackend(BaseBackend):
         if self.mode == "session":
             self.permit_kinds = frozenset({SEMAPHORE, READ, WRITE})
         _instances.add(self)
+
+    @property
+    def ends_with_transaction(self) -> bool:
+        """Transaction mode: a lock ends with the caller's transaction by itself, so a
+        release inside ``atomic()`` needs no deferral (distlocks.transactions)."""
+        return self.mode == "transaction"
 
     # -- configuration ----------------------------------------------------------
 

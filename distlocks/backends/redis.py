@@ -822,6 +822,17 @@ class RedisBackend(RedisPermits, BaseBackend):
     wakes_on_release = True
 
     config_keys: ClassVar[frozenset[str]] = frozenset({"OPTIONS", "LOCATION", "CACHE"})
+    option_keys: ClassVar[frozenset[str] | None] = frozenset(
+        {
+            "socket_timeout",
+            "socket_connect_timeout",
+            "async_pool_size",
+            "listing_index",
+            "key_prefix",
+            "client_kwargs",
+            "sentinel_kwargs",
+        }
+    )
 
     #: Defaults chosen so that an unreachable server is reported within about a
     #: second instead of hanging: requests are small and answered in microseconds.
