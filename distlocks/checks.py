@@ -35,6 +35,8 @@ E010 = "A FencedModel subclass must keep fencing_token as a non-null BigIntegerF
 E011 = "DISTLOCKS_STUCK_AFTER must be a number of seconds > 0."
 E012 = "DISTLOCKS_METRICS must be True or False, and True needs prometheus_client."
 W001 = "LocMemBackend only locks within one process."
+W003 = "A FencedModel is registered in the admin with a ModelAdmin that does not fence its saves."
+W004 = "A fenced table has no fencing trigger: the database does not refuse stale writes to it."
 
 
 def _is_number(value: Any) -> bool:
@@ -190,4 +192,132 @@ def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
                         id="distlocks.E010",
                     )
                 )
+    return errors
+
+
+def _fenced_models() -> list[type[Any]]:
+    from django.apps import apps
+
+    from distlocks.models import FencedModel
+
+    return [
+        model
+        for model in apps.get_models()
+        if issubclass(model, FencedModel) and not model._meta.abstract
+    ]
+
+
+@register(Tags.admin, "distlocks")
+def check_fenced_admins(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """A FencedModel under a plain ModelAdmin: its change form would answer 500
+    (FencingTokenRequired) on every save, since nothing takes the row's lock."""
+    from django.apps import apps
+
+    if not apps.is_installed("django.contrib.admin"):
+        return []
+    from django.contrib.admin.sites import all_sites
+
+    from distlocks.admin import FencedModelAdmin
+
+    errors: list[CheckMessage] = []
+    for site in all_sites:
+        for model, model_admin in site._registry.items():
+            if model in _fenced_models() and not isinstance(model_admin, FencedModelAdmin):
+                errors.append(
+                    Warning(
+                        W003,
+                        hint=f"{model._meta.label} is registered on admin site {site.name!r} "
+                        f"with {type(model_admin).__name__}: its change form would fail with "
+                        "FencingTokenRequired. Register it with "
+                        "distlocks.admin.FencedModelAdmin (or a subclass), which saves under "
+                        "the row's lock.",
+                        obj=model,
+                        id="distlocks.W003",
+                    )
+                )
+    return errors
+
+
+def missing_triggers(connection: Any, table: str) -> list[str]:
+    """The fencing triggers ``table`` should have on ``connection`` but lacks."""
+    from distlocks.fencing import trigger_name
+
+    if connection.vendor == "postgresql":
+        wanted = [trigger_name(connection, table)]
+        sql = "SELECT tgname FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND NOT tgisinternal"
+        params = [connection.ops.quote_name(table)]
+    elif connection.vendor == "sqlite":
+        wanted = [trigger_name(connection, table), trigger_name(connection, table, insert=True)]
+        sql = "SELECT name FROM sqlite_master WHERE type = 'trigger' AND tbl_name = %s"
+        params = [table]
+    else:  # mysql / mariadb
+        wanted = [trigger_name(connection, table), trigger_name(connection, table, insert=True)]
+        sql = (
+            "SELECT TRIGGER_NAME FROM information_schema.TRIGGERS "
+            "WHERE EVENT_OBJECT_SCHEMA = DATABASE() AND EVENT_OBJECT_TABLE = %s"
+        )
+        params = [table]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        present = {row[0] for row in cursor.fetchall()}
+    return [name for name in wanted if name not in present]
+
+
+@register(Tags.database, "distlocks")
+def check_fencing_triggers(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """With ``manage.py check --database ALIAS`` (and before ``migrate``): every fenced
+    table on a database that enforces fencing has its triggers. A table restored from a
+    dump or created outside migrations would otherwise take stale writes silently."""
+    from django.db import DatabaseError, connections, router
+
+    from distlocks.fencing import TOKEN_COLUMN, enforces
+
+    errors: list[CheckMessage] = []
+    for alias in databases or ():
+        connection = connections[alias]
+        if not enforces(connection):
+            continue
+        try:
+            tables = set(connection.introspection.table_names())
+            for model in _fenced_models():
+                meta = model._meta
+                if (
+                    meta.proxy
+                    or not meta.managed
+                    or meta.db_table not in tables
+                    or not router.allow_migrate_model(alias, model)
+                ):
+                    continue
+                with connection.cursor() as cursor:
+                    columns = {
+                        c.name
+                        for c in connection.introspection.get_table_description(
+                            cursor, meta.db_table
+                        )
+                    }
+                if TOKEN_COLUMN not in columns:
+                    continue  # its migration is not applied yet: migrate adds both
+                missing = missing_triggers(connection, meta.db_table)
+                if missing:
+                    errors.append(
+                        Warning(
+                            W004,
+                            hint=f"{meta.label}: table {meta.db_table!r} on database "
+                            f"{alias!r} lacks {', '.join(missing)}. Run `python manage.py "
+                            f"migrate --database {alias}`: it reinstalls the fencing triggers "
+                            "of every fenced table (also when no migration is pending).",
+                            obj=model,
+                            id="distlocks.W004",
+                        )
+                    )
+        except DatabaseError as exc:
+            errors.append(
+                Warning(
+                    W004,
+                    hint=f"Could not read the triggers of database {alias!r}: {redact(str(exc))}",
+                    id="distlocks.W004",
+                )
+            )
     return errors

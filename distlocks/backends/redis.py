@@ -37,10 +37,12 @@ import datetime as dt
 import hashlib
 import inspect as pyinspect
 import json
+import logging
 import os
 import re
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
@@ -416,6 +418,48 @@ return out
 """
 )
 
+# The listing index's epoch (see RedisBackend.INDEX_EPOCH_FIELD): a field of the index
+# hash, and the member '<field>:<epoch>' of its permits set. A rebuild writes
+# '~<epoch>' when it starts and '<epoch>' when it is done, if nothing was lost meanwhile.
+# KEYS: listing index, permits set. ARGV: epoch field, '~' .. new epoch.
+INDEX_BEGIN = """
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if old then redis.call('SREM', KEYS[2], ARGV[1] .. ':' .. old) end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[1] .. ':' .. ARGV[2])
+return 1
+"""
+# KEYS: listing index, permits set, marker. ARGV: epoch field, '~' .. epoch, epoch.
+# 1 if the index is whole from now on, 0 if the rebuild's start was lost meanwhile.
+INDEX_DONE = """
+local member = ARGV[1] .. ':' .. ARGV[2]
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2]
+    or redis.call('SISMEMBER', KEYS[2], member) == 0 then
+  return 0
+end
+redis.call('SREM', KEYS[2], member)
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('SADD', KEYS[2], ARGV[1] .. ':' .. ARGV[3])
+redis.call('SET', KEYS[3], '1')
+return 1
+"""
+# KEYS: listing index, permits set, marker. ARGV: epoch field, cursor, count.
+# One chunk of a listing (HSCAN) read in one step with the index's epoch and the
+# server's time: {epoch, cursor, {field, value, ...}, seconds, microseconds, keys}. The
+# epoch is '' (nothing read, keys = how many of the three keys exist) unless the index
+# is whole: its hash has its epoch field, not a rebuild's unfinished one, its permits
+# set the matching member, the marker is set.
+INDEX_READ = """
+local t = redis.call('TIME')
+local epoch = redis.call('HGET', KEYS[1], ARGV[1])
+if not epoch or string.sub(epoch, 1, 1) == '~' or redis.call('EXISTS', KEYS[3]) == 0
+    or redis.call('SISMEMBER', KEYS[2], ARGV[1] .. ':' .. epoch) == 0 then
+  return {'', '0', {}, t[1], t[2], redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3])}
+end
+local found = redis.call('HSCAN', KEYS[1], ARGV[2], 'COUNT', ARGV[3])
+return {epoch, found[1], found[2], t[1], t[2], 3}
+"""
+
 SCRIPTS = {
     "acquire": ACQUIRE,
     "release": RELEASE,
@@ -426,6 +470,9 @@ SCRIPTS = {
     "inspect": INSPECT,
     "list": LIST,
     "index": INDEX,
+    "index_begin": INDEX_BEGIN,
+    "index_done": INDEX_DONE,
+    "index_read": INDEX_READ,
 }
 
 
@@ -758,6 +805,8 @@ def _evalsha(client: Any, script: Any, keys: list[str], args: list[Any]) -> Any:
         script.sha = client.script_load(script.script)
         return client.evalsha(script.sha, len(keys), *keys, *args)
 
+
+logger = logging.getLogger(__name__)
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _MILLISECOND = dt.timedelta(milliseconds=1)
@@ -1774,7 +1823,7 @@ class RedisBackend(RedisPermits, BaseBackend):
             if permits is not None:
                 yield from self.permits_at(permits)
 
-    def iter_lock_summaries(self) -> Iterator[tuple[Any, ...] | LockInfo]:
+    def iter_lock_summaries(self) -> Iterator[tuple[Any, ...] | LockInfo | str]:
         """What :meth:`iter_locks` lists, in the cheaper form a listing of many locks
         reads (:func:`distlocks.livelocks.collect` uses this method when a backend has
         it): the same walk and the same server reads, but each lock as one tuple of
@@ -1793,7 +1842,8 @@ class RedisBackend(RedisPermits, BaseBackend):
 
         With the listing index (:attr:`listing_index`, see :meth:`rebuild_listing_index`)
         the locks are read from it, and their ``waiters`` are None (a page's shown rows
-        read theirs in full).
+        read theirs in full). A listing that finds the index lost says so with a str,
+        a note for the operator, among the items (the locks are listed all the same).
 
         A subclass that overrides :meth:`iter_locks` is listed through it instead."""
         if type(self).iter_locks is not RedisBackend.iter_locks:
@@ -1820,9 +1870,18 @@ class RedisBackend(RedisPermits, BaseBackend):
     #: Entries whose expiry is past checked (and dropped, or corrected) per listing; any
     #: more are left out of it as expired and checked by the next listings.
     INDEX_SETTLE_LIMIT = 10_000
+    #: Index fields one listing call reads (``HSCAN ... COUNT``): the server's time for
+    #: one call grows with it (about 1.5 ms per 1,000; 10-35 ms at 10,000), and other
+    #: clients wait that long; a listing of 100,000 locks is then 100 round trips.
+    INDEX_CHUNK = 1_000
+    #: The field of the index hash that holds its epoch (no lock name has a control
+    #: character, so no lock has this name); see :meth:`rebuild_listing_index`.
+    INDEX_EPOCH_FIELD = "\x00epoch"
 
-    def rebuild_listing_index(self) -> None:
-        """Build the listing index from a walk over the lock hashes (``SCAN``).
+    def rebuild_listing_index(self) -> bool:
+        """Build the listing index from a walk over the lock hashes (``SCAN``); True if
+        it is whole afterwards, False if it was lost again meanwhile (the next listing
+        then builds it again).
 
         The index is one hash per key prefix, ``{prefix}:listing``: a field per held
         lock (its name), whose value holds what a listing shows of it. The acquire,
@@ -1834,21 +1893,43 @@ class RedisBackend(RedisPermits, BaseBackend):
         locks with permits are in a set, ``{prefix}:listing:permits`` (their info
         hashes), each read in full by a listing.
 
-        The first listing of a prefix without ``{prefix}:listing:built`` (a new server,
-        an upgrade from a version without the index, the marker deleted) calls this:
-        it indexes every lock and permit found, corrects or drops the entries not found,
-        then sets the marker. Locks taken or released by a process that does not write
-        the index (an older version, ``listing_index`` off) are not in it, or shown
-        until their expiry: once every process writes it, delete the marker to have
-        the next listing build it again."""
+        The index carries an epoch (:attr:`INDEX_EPOCH_FIELD`, a field of the hash and
+        a member of the permits set), set by this method when it is done, and the
+        marker ``{prefix}:listing:built``. A key of the index can be lost on its own (a
+        ``DEL``, eviction under an ``allkeys-*`` policy) and made again, partly, by the
+        next lock taken: without its epoch. A listing that finds the index without its
+        epoch or marker (a new server, an upgrade from a version without the index, a
+        lost key), or finds the epoch changed between two of its chunks, lists by a
+        walk over every key instead, which calls this on the way, and says so. This
+        indexes every lock and permit found, corrects or drops the entries not found,
+        then sets the epoch and the marker. Locks taken or released by a process that
+        does not write the index (an older version, ``listing_index`` off) are not in
+        it, or shown until their expiry: once every process writes it, delete the
+        marker to have the next listing build it again."""
         if not self.listing_index:
             raise LockError(f"backend {self.alias!r} keeps no listing index")
-        seen: set[Any] = set()
+        done = True
+        for item in self._rebuilding_summaries(set(), {}):
+            if type(item) is str:
+                done = False
+        return done
+
+    def _rebuilding_summaries(
+        self, seen: set[str], texts: dict[Any, Any]
+    ) -> Iterator[tuple[Any, ...] | LockInfo | str]:
+        """:meth:`iter_lock_summaries` from a walk over every key (``SCAN``), which
+        rebuilds the index on the way (see :meth:`rebuild_listing_index`): the locks
+        whose names are not in ``seen`` (each added), the permits, then a note (a
+        str) if the index was lost again meanwhile."""
+        epoch = str(uuid.uuid4())
+        index = [self.index_key, self.index_permits_key]
+        with self._errors("list", self.key_prefix):
+            self._run("index_begin", index, [self.INDEX_EPOCH_FIELD, "~" + epoch])
         for locks, permits in self._walk():
             for start in range(0, len(locks), self.LIST_BATCH):
-                batch = locks[start : start + self.LIST_BATCH]
-                values = self._index_run(batch, [])
-                seen.update(values[1::_WIDTH])
+                values = self._index_run(locks[start : start + self.LIST_BATCH], [])
+                now_ms = (dt.datetime.now(dt.UTC) - _EPOCH) // _MILLISECOND
+                yield from self._unseen(_summaries(values, now_ms, texts), seen)
             if permits:
                 members = [f"{base}:sem:info" for base in permits[SEMAPHORE]]
                 members += [f"{base}:rw:info" for base in permits[RWLOCK]]
@@ -1857,22 +1938,53 @@ class RedisBackend(RedisPermits, BaseBackend):
                         self.client.sadd(
                             self.index_permits_key, *members[start : start + self.LIST_BATCH]
                         )
-        unseen = [name for name in self._index_entries() if name not in seen]
-        for start in range(0, len(unseen), self.LIST_BATCH):
-            self._settle(unseen[start : start + self.LIST_BATCH])
+                yield from self.permits_at(permits)
+        # Entries the walk did not find: of locks gone (dropped), or taken since their
+        # key's turn in the walk (rewritten, and listed).
+        unseen: list[Any] = []
+        for names in self._index_names():
+            unseen += [name for name in names if _decode(name) not in seen]
+            while len(unseen) >= self.LIST_BATCH or (unseen and not names):
+                batch, unseen = unseen[: self.LIST_BATCH], unseen[self.LIST_BATCH :]
+                values = self._settle(batch)
+                now_ms = (dt.datetime.now(dt.UTC) - _EPOCH) // _MILLISECOND
+                yield from self._unseen(_summaries(values, now_ms, texts), seen)
         with self._errors("list", self.key_prefix):
-            self.client.set(self.index_marker_key, "1")
+            done = self._run(
+                "index_done",
+                [*index, self.index_marker_key],
+                [self.INDEX_EPOCH_FIELD, "~" + epoch, epoch],
+            )
+        if not done:
+            note = (
+                f"The listing index of backend {self.alias!r} was lost again while it was "
+                f"rebuilt, so the rebuild could not be finished; this listing read every "
+                f"key all the same, and the next one rebuilds the index."
+            )
+            logger.warning("%s", note)
+            yield note
 
-    def _index_entries(self) -> dict[Any, Any]:
-        """The listing index: lock name -> entry, as stored (``HSCAN``, in chunks)."""
-        entries: dict[Any, Any] = {}
+    @staticmethod
+    def _unseen(summaries: Iterator[tuple[Any, ...]], seen: set[str]) -> Iterator[tuple[Any, ...]]:
+        for summary in summaries:
+            if summary[0] not in seen:
+                seen.add(summary[0])
+                yield summary
+
+    def _index_names(self) -> Iterator[list[Any]]:
+        """The lock names in the listing index, a chunk (``HSCAN``) at a time, then an
+        empty list."""
         cursor = 0
-        with self._errors("list", self.key_prefix):
-            while True:
-                cursor, found = self.client.hscan(self.index_key, cursor, count=self.SCAN_COUNT)
-                entries.update(found)
-                if not cursor:
-                    return entries
+        epoch_field = self.INDEX_EPOCH_FIELD.encode()
+        while True:
+            with self._errors("list", self.key_prefix):
+                cursor, found = self.client.hscan(self.index_key, cursor, count=self.INDEX_CHUNK)
+            names = [name for name in found if name not in (epoch_field, self.INDEX_EPOCH_FIELD)]
+            if names:
+                yield names
+            if not cursor:
+                yield []
+                return
 
     def _index_run(self, locks: list[str], names: list[Any]) -> list[Any]:
         """The INDEX script on the lock hashes ``locks`` (with their ``names``, or
@@ -1889,35 +2001,65 @@ class RedisBackend(RedisPermits, BaseBackend):
         decoded = [_decode(name) for name in names]
         return self._index_run([self.all_keys(name).lock for name in decoded], decoded)
 
-    def _indexed_summaries(self) -> Iterator[tuple[Any, ...] | LockInfo]:
-        """:meth:`iter_lock_summaries` from the listing index, a chunk (``HSCAN``) at a
-        time: each read with the server's clock just after it (one round trip), which
-        tells the entries of held locks (expiry after that moment) from those to check."""
-        with self._errors("list", self.key_prefix):
-            if not self.client.exists(self.index_marker_key):
-                self.rebuild_listing_index()
+    def _indexed_summaries(self) -> Iterator[tuple[Any, ...] | LockInfo | str]:
+        """:meth:`iter_lock_summaries` from the listing index, a chunk (``HSCAN`` of
+        :attr:`INDEX_CHUNK` fields) at a time: each read in one script with the
+        server's clock, which tells the entries of held locks (expiry after that
+        moment) from those to check, and with the index's epoch, which tells a whole
+        index from one lost (before the listing, or between two of its chunks): the
+        listing then goes on by a walk over every key, and says so."""
         doubtful: list[Any] = []
         expired: list[Any] = []
         texts: dict[Any, Any] = {}
-        seen: set[str] = set()  # HSCAN may return a field twice
-        cursor = 0
+        # Names listed or to be checked: HSCAN may return a field twice, and a listing
+        # that goes on by a walk skips those it listed.
+        seen: set[str] = set()
+        keys = [self.index_key, self.index_permits_key, self.index_marker_key]
+        epoch: Any = None
+        cursor: Any = 0
         while True:
             with self._errors("list", self.key_prefix):
-                pipe = self.client.pipeline(transaction=False)
-                pipe.hscan(self.index_key, cursor, count=self.SCAN_COUNT)
-                pipe.time()
-                (cursor, entries), (seconds, micros) = pipe.execute()
+                found, cursor, flat, seconds, micros, present = self._run(
+                    "index_read", keys, [self.INDEX_EPOCH_FIELD, cursor, self.INDEX_CHUNK]
+                )
+            if not found and epoch is None and not present:
+                # None of its keys: never built here (a new server or prefix, or an
+                # upgrade). Built now, by the walk that lists the locks.
+                logger.info("Building the listing index of backend %r", self.alias)
+                yield from self._rebuilding_summaries(seen, texts)
+                return
+            if not found or (epoch is not None and found != epoch):
+                if epoch is None:
+                    note = (
+                        f"The listing index of backend {self.alias!r} was not found whole "
+                        f"(never built, or a key of it deleted or evicted): this listing "
+                        f"read every key instead, and rebuilt the index."
+                    )
+                else:
+                    note = (
+                        f"The listing index of backend {self.alias!r} changed during the "
+                        f"listing (a key of it deleted or evicted, or rebuilt): the rest "
+                        f"of this listing read every key instead, and rebuilt the index."
+                    )
+                logger.warning("%s", note)
+                yield note
+                # Entries read but not listed yet: the walk lists those held.
+                seen.difference_update(_decode(name) for name in doubtful + expired)
+                yield from self._rebuilding_summaries(seen, texts)
+                return
+            epoch = found
             now = dt.datetime.now(dt.UTC)
             server_ms = int(seconds) * 1000 + int(micros) // 1000
             shift = (now - _EPOCH) // _MILLISECOND - server_ms  # server clock -> ours
             due, past = server_ms + self.INDEX_MARGIN_MS, server_ms - self.INDEX_MARGIN_MS
-            for raw_name, value in entries.items():
+            for at in range(0, len(flat), 2):
+                raw_name, value = flat[at], flat[at + 1]
                 name = raw_name.decode() if type(raw_name) is bytes else raw_name
-                if name in seen:
+                if name in seen or name == self.INDEX_EPOCH_FIELD:
                     continue
-                seen.add(name)
                 parts = value.split(b"\0" if type(value) is bytes else "\0", 9)
                 if len(parts) != 10:
+                    seen.add(name)
                     doubtful.append(name)  # '': fields holding a NUL; or not an entry
                     continue
                 owner, token, host, pid, thread, acquired, expires, ttl, renewals, extra = parts
@@ -1925,10 +2067,14 @@ class RedisBackend(RedisPermits, BaseBackend):
                     if expires:
                         expires = int(expires)
                         if expires <= due:
-                            if expires < past:
-                                expired.append(name)
-                            else:
+                            if expires >= past:
+                                seen.add(name)
                                 doubtful.append(name)
+                            elif len(expired) < self.INDEX_SETTLE_LIMIT:
+                                # Beyond the limit, left out as expired (and not kept:
+                                # memory stays bounded); later listings check them.
+                                seen.add(name)
+                                expired.append(name)
                             continue
                         expires += shift
                         if not _MIN_MS <= expires <= _MAX_MS:
@@ -1954,14 +2100,16 @@ class RedisBackend(RedisPermits, BaseBackend):
                         expires, shared[3], int(renewals or 0), None, shared[2],
                     )  # fmt: skip
                 except ValueError:  # not numbers where numbers belong: the lock says
+                    seen.add(name)
                     doubtful.append(name)
                     continue
+                seen.add(name)
                 yield summary
-            if not cursor:
+            if int(cursor) == 0:
                 break
         # Entries due now are checked; so are those whose expiry is past, up to a limit
         # (those left are of locks that expired: the next listings drop them).
-        check = doubtful + expired[: self.INDEX_SETTLE_LIMIT]
+        check = doubtful + expired
         for start in range(0, len(check), self.LIST_BATCH):
             values = self._settle(check[start : start + self.LIST_BATCH])
             now = dt.datetime.now(dt.UTC)
