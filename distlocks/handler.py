@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -31,6 +32,38 @@ def backend_configs() -> dict[str, Mapping[str, Any]]:
     return dict(value)
 
 
+#: Driver module (top-level name) -> the distlocks extra that installs it.
+DRIVER_EXTRAS = {
+    "redis": "redis",
+    "hiredis": "redis",
+    "django_redis": "redis",
+    "psycopg": "postgres",
+    "psycopg_binary": "postgres",
+    "kazoo": "zookeeper",
+    "celery": "celery",
+    "prometheus_client": "prometheus",
+}
+
+
+def _extra_hint(exc: BaseException) -> str:
+    """"; install it with pip install 'distlocks[...]'" when ``exc`` (or its cause) is a
+    missing driver; "" otherwise."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        name = getattr(seen, "name", None) or ""
+        if not name:
+            match = re.search(r"(?:module named|import of) '?([A-Za-z_][\w.]*)", str(seen))
+            name = match.group(1) if match else ""
+        extra = DRIVER_EXTRAS.get(name.partition(".")[0])
+        if extra:
+            return (
+                f". The {name.partition('.')[0]!r} driver is missing: "
+                f"pip install 'distlocks[{extra}]'"
+            )
+        seen = seen.__cause__ or seen.__context__
+    return ""
+
+
 def backend_class(alias: str, config: Any) -> type[BaseBackend]:
     """Import and return the class named by ``config['BACKEND']``."""
     if not isinstance(config, Mapping):
@@ -47,9 +80,11 @@ def backend_class(alias: str, config: Any) -> type[BaseBackend]:
         cls = import_string(path)
     except ImportError as exc:
         redact_exception(exc)
+        hint = _extra_hint(exc)
         raise ImproperlyConfigured(
             redact(
-                f"DISTLOCKS_BACKENDS[{alias!r}]['BACKEND'] = {path!r} could not be imported: {exc}"
+                f"DISTLOCKS_BACKENDS[{alias!r}]['BACKEND'] = {path!r} could not be imported: "
+                f"{exc}{hint}"
             )
         ) from exc
     if not (isinstance(cls, type) and issubclass(cls, BaseBackend)):

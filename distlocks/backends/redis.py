@@ -445,19 +445,21 @@ return 1
 """
 # KEYS: listing index, permits set, marker. ARGV: epoch field, cursor, count.
 # One chunk of a listing (HSCAN) read in one step with the index's epoch and the
-# server's time: {epoch, cursor, {field, value, ...}, seconds, microseconds, keys}. The
-# epoch is '' (nothing read, keys = how many of the three keys exist) unless the index
-# is whole: its hash has its epoch field, not a rebuild's unfinished one, its permits
-# set the matching member, the marker is set.
+# server's time: {epoch, cursor, {field, value, ...}, seconds, microseconds, built}. The
+# epoch is '' (and nothing is read) unless the index is whole: its hash has its epoch
+# field, not a rebuild's unfinished one, its permits set the matching member, the
+# marker is set. built: 1 if it was built once (the marker or an epoch field is left).
 INDEX_READ = """
 local t = redis.call('TIME')
 local epoch = redis.call('HGET', KEYS[1], ARGV[1])
 if not epoch or string.sub(epoch, 1, 1) == '~' or redis.call('EXISTS', KEYS[3]) == 0
     or redis.call('SISMEMBER', KEYS[2], ARGV[1] .. ':' .. epoch) == 0 then
-  return {'', '0', {}, t[1], t[2], redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[3])}
+  local built = 0
+  if epoch or redis.call('EXISTS', KEYS[3]) == 1 then built = 1 end
+  return {'', '0', {}, t[1], t[2], built}
 end
 local found = redis.call('HSCAN', KEYS[1], ARGV[2], 'COUNT', ARGV[3])
-return {epoch, found[1], found[2], t[1], t[2], 3}
+return {epoch, found[1], found[2], t[1], t[2], 1}
 """
 
 SCRIPTS = {
@@ -2019,12 +2021,12 @@ class RedisBackend(RedisPermits, BaseBackend):
         cursor: Any = 0
         while True:
             with self._errors("list", self.key_prefix):
-                found, cursor, flat, seconds, micros, present = self._run(
+                found, cursor, flat, seconds, micros, built = self._run(
                     "index_read", keys, [self.INDEX_EPOCH_FIELD, cursor, self.INDEX_CHUNK]
                 )
-            if not found and epoch is None and not present:
-                # None of its keys: never built here (a new server or prefix, or an
-                # upgrade). Built now, by the walk that lists the locks.
+            if not found and epoch is None and not built:
+                # Never built here (a new server or prefix, an upgrade), or every trace
+                # of it lost: built now, by the walk that lists the locks.
                 logger.info("Building the listing index of backend %r", self.alias)
                 yield from self._rebuilding_summaries(seen, texts)
                 return
