@@ -78,6 +78,7 @@ try:
     )
     from kazoo.handlers.threading import KazooTimeoutError
     from kazoo.hosts import collect_hosts
+    from kazoo.protocol.serialization import Connect
     from kazoo.protocol.states import KazooState, ZnodeStat
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImproperlyConfigured(
@@ -98,7 +99,15 @@ _UNAVAILABLE = (
 #: Errors the recipe handles itself; passed through untranslated.
 _EXPECTED = (NoNodeError, NodeExistsError, BadVersionError)
 _CONTENDER = "c-"
+#: The kind in the (kind, name, owner) keys of locks (permits use theirs).
+_LOCK = "lock"
 _SEQ_DIGITS = 10
+#: Pause before trying again a call that found the ensemble unavailable (doubling).
+_RETRY_FIRST, _RETRY_MAX = 0.05, 1.0
+#: How long an acquire with no deadline (``timeout=None``) waits out an unavailable
+#: ensemble, at least; it waits three session timeouts if that is longer. A caller
+#: with a timeout waits it out until its own deadline.
+_OUTAGE_WAIT = 30.0
 
 DEFAULTS: dict[str, Any] = {
     "prefix": "/distlocks",
@@ -312,7 +321,19 @@ class ZooKeeperBackend(BaseBackend):
         self._permits: dict[tuple[str, str, str], _Node] = {}
         self._waiting: set[threading.Event] = set()
         self._state_lock = threading.Lock()
-        self._warned_ttl = False
+        #: The session timeout the server granted at the last handshake (seconds),
+        #: None before the first: it may be shorter than the one asked for (the
+        #: server's maxSessionTimeout), and a reconnect to another server may change it.
+        self._negotiated: float | None = None
+        #: The session timeouts already warned about (a grant shorter than asked, a
+        #: ttl longer than the session), so each warning is logged once per value.
+        self._warned_grant: float | None = None
+        self._warned_ttl: float | None = None
+        #: (kind, name, owner) of the nodes a background thread is deleting.
+        self._cleaning: set[tuple[str, str, str]] = set()
+        #: (kind, name, owner) whose create went out without an answer: the node may
+        #: exist, so the next attempt looks for it before creating another.
+        self._unknown: set[tuple[str, str, str]] = set()
         self._closed = False
         #: Monotonic time before the last request that got an answer: the server heard
         #: from this session then at the earliest, so it keeps it a session timeout more.
@@ -362,6 +383,50 @@ class ZooKeeperBackend(BaseBackend):
 
     # -- session ------------------------------------------------------------------
 
+    @property
+    def session_seconds(self) -> float:
+        """The session timeout every lease decision counts with: the one the server
+        granted at the last handshake, or, before the first, the one asked for."""
+        return self._negotiated or self.session_timeout
+
+    def _granted(self, seconds: float) -> None:
+        """kazoo's connection thread, at each handshake (before CONNECTED is told):
+        the server's answer to the session timeout asked for."""
+        self._negotiated = seconds
+        if seconds < self.session_timeout and self._warned_grant != seconds:
+            self._warned_grant = seconds
+            logger.warning(
+                "ZooKeeper granted backend %r a %gs session, not the %gs asked for "
+                "(OPTIONS['session_timeout']; the server's maxSessionTimeout bounds it): "
+                "leases count with %gs, so use ttl <= %g, or raise maxSessionTimeout.",
+                self.alias, seconds, self.session_timeout, seconds, seconds,
+            )  # fmt: skip
+
+    def _watch_handshake(self, client: KazooClient) -> None:
+        """Read the session timeout the server grants at every handshake (connect
+        and reconnect). kazoo does not keep it: it is in the answer to the Connect
+        request, which its connection handler reads with ``_invoke``."""
+        connection = getattr(client, "_connection", None)
+        invoke = getattr(connection, "_invoke", None)
+        if invoke is None:  # pragma: no cover - a kazoo without the hook
+            logger.warning(
+                "Cannot read the session timeout ZooKeeper grants backend %r with this "
+                "kazoo version: leases count with the %gs asked for, which is unsafe if "
+                "the server grants less (keep session_timeout <= its maxSessionTimeout).",
+                self.alias, self.session_timeout,
+            )  # fmt: skip
+            return
+
+        def handshake(timeout: float, request: Any, xid: int | None = None) -> Any:
+            answer = invoke(timeout, request, xid)
+            if isinstance(request, Connect) and isinstance(answer, tuple):
+                granted = getattr(answer[0], "time_out", 0)
+                if isinstance(granted, int) and granted > 0:
+                    self._granted(granted / 1000)
+            return answer
+
+        connection._invoke = handshake
+
     def _on_state(self, state: str) -> None:
         """kazoo's connection thread: never block here."""
         now = time.monotonic()
@@ -373,7 +438,7 @@ class ZooKeeperBackend(BaseBackend):
         if state == KazooState.SUSPENDED:
             # kazoo pings every third of the session timeout and suspends when a ping
             # goes unanswered: the server heard from us at most 2/3 of it ago.
-            self._last_ok = max(self._last_ok, now - self.session_timeout * 2 / 3)
+            self._last_ok = max(self._last_ok, now - self.session_seconds * 2 / 3)
         if state == KazooState.LOST:
             # The session expired (or was closed): every ephemeral node of it is gone,
             # so every lease of it is lost and every waiter has lost its place.
@@ -400,10 +465,12 @@ class ZooKeeperBackend(BaseBackend):
             **tls,
         )
         client.add_listener(self._on_state)
+        self._watch_handshake(client)
         return client
 
-    def _ready(self, action: str, name: str) -> KazooClient:
-        """The connected client; LockBackendUnavailable within ``connect_timeout``."""
+    def _ready(self, action: str, name: str, deadline: float | None = None) -> KazooClient:
+        """The connected client; LockBackendUnavailable within ``connect_timeout`` (or
+        at ``deadline``, monotonic, if that comes first)."""
         if self._pid != os.getpid():
             # A forked child: the parent's session and nodes are not ours to use.
             self._reset_after_fork()
@@ -420,11 +487,14 @@ class ZooKeeperBackend(BaseBackend):
                         with_cause = self._unavailable(action, name, exc)
                         raise with_cause from exc
                     self._client = client
-        if not self._connected.wait(self.connect_timeout):
+        within = self.connect_timeout
+        if deadline is not None:
+            within = max(0.0, min(within, deadline - time.monotonic()))
+        if not self._connected.wait(within):
             raise LockBackendUnavailable(
                 self.alias,
                 f"{action} {name!r} failed: no connection to ZooKeeper at "
-                f"{redact(self.location)} within {self.connect_timeout:g}s",
+                f"{redact(self.location)} within {within:g}s",
             )
         return client
 
@@ -452,6 +522,9 @@ class ZooKeeperBackend(BaseBackend):
         self._nodes = {}
         self._permits = {}
         self._waiting = set()
+        self._negotiated = None  # the child's session is negotiated anew
+        self._cleaning = set()
+        self._unknown = set()
         # A parent thread may have held it at the fork: the child's copy would stay
         # locked for good, and the child's first lost session would deadlock on it.
         self._state_lock = threading.Lock()
@@ -543,9 +616,10 @@ class ZooKeeperBackend(BaseBackend):
             try:
                 results = self._commit("acquire", name, txn)
             except LockBackendUnavailable:
-                # The transaction may have been applied with only the reply lost: give
-                # a node of this owner back once the connection returns.
-                self._cleanup_later(name, owner)
+                # The transaction may have been applied with only the reply lost: a
+                # retry looks for the node first, and a caller who gives up has it
+                # deleted once the connection returns (see _through_outage).
+                self._unknown.add((_LOCK, name, owner))
                 raise
             created, fence = results
             if isinstance(created, str) and isinstance(fence, ZnodeStat):
@@ -561,30 +635,86 @@ class ZooKeeperBackend(BaseBackend):
         raise LockError(f"Could not create the lock node of {name!r} on backend {self.alias!r}.")
 
     def _cleanup_later(
-        self, name: str, owner: str, leave: Callable[[], None] | None = None
+        self,
+        name: str,
+        owner: str,
+        leave: Callable[[], None] | None = None,
+        kind: str = _LOCK,
     ) -> None:
         """Delete ``owner``'s node once the ensemble answers again (``leave`` does it;
         by default, the lock's). A contender node lives as long as the session, and
         the session outlives short outages: a node that a failed release or leave left
-        behind would block the lock (or hold a permit) for good."""
+        behind, or the node of a lease declared lost while the session may still be
+        alive, would block the lock (or hold a permit) for good."""
         generation = self._generation
+        key = (kind, name, owner)
+        with self._state_lock:
+            if key in self._cleaning:
+                return  # a thread is already at it
+            self._cleaning.add(key)
         if leave is None:
 
             def leave() -> None:
                 self._leave(name, owner)
 
         def clean() -> None:
-            delay = 0.05
-            # Until it is gone, or the session is (taking the node with it).
-            while not self._closed and self._generation == generation:
-                try:
-                    leave()
-                    return
-                except LockError:
-                    time.sleep(delay)
-                    delay = min(delay * 2, 1.0)
+            delay = _RETRY_FIRST
+            try:
+                # Until it is gone, or the session is (taking the node with it).
+                while not self._closed and self._generation == generation:
+                    try:
+                        leave()
+                        return
+                    except LockError:
+                        time.sleep(delay)
+                        delay = min(delay * 2, _RETRY_MAX)
+            finally:
+                with self._state_lock:
+                    self._cleaning.discard(key)
 
         threading.Thread(target=clean, name="distlocks-zk-cleanup", daemon=True).start()
+
+    def _through_outage(
+        self,
+        key: tuple[str, str, str],
+        wait: float,
+        attempt: Callable[[float | None], AcquireResult],
+        leave: Callable[[], None],
+    ) -> AcquireResult:
+        """Run ``attempt`` (given its deadline); while the ensemble is unavailable (a
+        leader election, a short outage), run it again until the caller's deadline, at
+        most ``_OUTAGE_WAIT`` or three session timeouts when it has none. A try-once
+        call (``wait`` 0) tries once. A create left without an answer is looked for by
+        the next attempt (the node's name carries the owner); a caller who gives up
+        has it deleted once the ensemble answers again."""
+        if wait <= 0:
+            try:
+                return attempt(None)
+            except LockBackendUnavailable:
+                if key in self._unknown:
+                    self._unknown.discard(key)
+                    self._cleanup_later(key[1], key[2], leave, key[0])
+                raise
+        started = time.monotonic()
+        deadline = started + min(wait, max(_OUTAGE_WAIT, 3 * self.session_seconds))
+        delay = _RETRY_FIRST
+        while True:
+            try:
+                return attempt(deadline)
+            except LockBackendUnavailable as exc:
+                if time.monotonic() + delay >= deadline:
+                    if key in self._unknown:
+                        self._unknown.discard(key)
+                        self._cleanup_later(key[1], key[2], leave, key[0])
+                    raise
+                logger.info(
+                    "ZooKeeper unavailable to %s %r on backend %r; trying again within "
+                    "the caller's timeout: %s",
+                    "acquire" if key[0] == _LOCK else f"a {key[0]} permit of", key[1],
+                    self.alias, exc,
+                )  # fmt: skip
+            time.sleep(delay)
+            delay = min(delay * 2, _RETRY_MAX)
 
     def acquire(
         self,
@@ -596,18 +726,37 @@ class ZooKeeperBackend(BaseBackend):
         wait: float = 0.0,
         fair: bool = False,
     ) -> AcquireResult:
-        client = self._ready("acquire", name)
+        return self._through_outage(
+            (_LOCK, name, owner),
+            wait,
+            lambda deadline: self._acquire(name, owner, ttl, holder, wait, deadline),
+            lambda: self._leave(name, owner),
+        )
+
+    def _acquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        wait: float,
+        deadline: float | None,
+    ) -> AcquireResult:
+        client = self._ready("acquire", name, deadline)
         self._check_ttl(client, ttl)
         entry = self._entry(name, owner)
         children: list[str] | None = None
         if entry is None:
-            if wait <= 0:
-                # Try once: a busy lock is refused without writing anything.
+            unknown = (_LOCK, name, owner) in self._unknown
+            if wait <= 0 or unknown:
+                # Try once: a busy lock is refused without writing anything. After a
+                # create left without an answer: its node may be there, to take over.
                 children = self._children(client, "acquire", name)
                 own = self._find_own(children, owner)
                 if own:
                     entry = self._adopt(client, name, owner, own[0])
-                elif children:
+                elif wait <= 0 and children:
+                    self._unknown.discard((_LOCK, name, owner))
                     return AcquireResult(False, 0, None)
             if entry is None:
                 data = json.dumps(
@@ -624,6 +773,7 @@ class ZooKeeperBackend(BaseBackend):
                 entry = self._enqueue(client, name, owner, data)
                 self._nodes[(name, owner)] = entry
                 children = None
+            self._unknown.discard((_LOCK, name, owner))
         if children is None or entry.path.rsplit("/", 1)[1] not in children:
             children = self._children(client, "acquire", name)
         mine = entry.path.rsplit("/", 1)[1]
@@ -637,6 +787,10 @@ class ZooKeeperBackend(BaseBackend):
             self._delete_quietly(client, entry.path)
             entry = self._adopt(client, name, owner, own[0])
             mine = own[0]
+        for extra in own[1:]:
+            # A create answered late (after a retry made another): one node per owner.
+            if extra != mine:
+                self._delete_quietly(client, f"{self.lock_path(name)}/{extra}")
         if children[0] == mine:
             return AcquireResult(True, entry.token, ttl)
         if wait <= 0:
@@ -654,14 +808,16 @@ class ZooKeeperBackend(BaseBackend):
         return entry
 
     def _check_ttl(self, client: KazooClient, ttl: float) -> None:
-        negotiated = self.session_timeout
-        if ttl > negotiated and not self._warned_ttl:
-            self._warned_ttl = True
+        # Against the session the server granted, which may be shorter than asked.
+        session = self.session_seconds
+        if ttl > session and self._warned_ttl != session:
+            self._warned_ttl = session
+            asked = "" if session == self.session_timeout else f"; {self.session_timeout:g}s asked"
             logger.warning(
-                "Lock ttl %ss on backend %r is longer than its ZooKeeper session timeout "
-                "(%ss): a holder cut off from the ensemble may trust its lease after the "
-                "session expired. Use ttl <= the session timeout.",
-                ttl, self.alias, negotiated,
+                "Lock ttl %gs on backend %r is longer than its ZooKeeper session timeout "
+                "(%gs%s): a holder paused or cut off from the ensemble may trust its lease "
+                "after the server freed the lock. Use ttl <= %g.",
+                ttl, self.alias, session, asked, session,
             )  # fmt: skip
 
     def _delete_quietly(self, client: KazooClient, path: str) -> None:
@@ -685,10 +841,14 @@ class ZooKeeperBackend(BaseBackend):
             raise
 
     def _release(self, name: str, owner: str) -> bool:
-        client = self._ready("release", name)
         entry = self._nodes.get((name, owner))
-        lost = entry is not None and entry.generation != self._generation
-        path = None if lost else self._own_path(client, "release", name, owner)
+        if entry is not None and entry.generation != self._generation:
+            # Its session expired, taking the node with it: nothing to ask the server
+            # (which may be unreachable now).
+            self._nodes.pop((name, owner), None)
+            return False
+        client = self._ready("release", name)
+        path = self._own_path(client, "release", name, owner)
         self._nodes.pop((name, owner), None)
         if path is None:
             return False
@@ -701,14 +861,18 @@ class ZooKeeperBackend(BaseBackend):
         return True
 
     def leave_queue(self, name: str, owner: str) -> None:
+        """A waiter that gives up deletes its node. Not connected now (the acquire
+        that gave up has just met the outage): no second wait for the connection; the
+        node is deleted in the background once the ensemble answers (and the outage
+        raised, for the caller to log)."""
         try:
-            self._leave(name, owner)
+            self._leave(name, owner, time.monotonic())
         except LockBackendUnavailable:
             self._cleanup_later(name, owner)
             raise
 
-    def _leave(self, name: str, owner: str) -> None:
-        client = self._ready("leave the queue of", name)
+    def _leave(self, name: str, owner: str, deadline: float | None = None) -> None:
+        client = self._ready("leave the queue of", name, deadline)
         path = self._own_path(client, "leave the queue of", name, owner)
         self._nodes.pop((name, owner), None)
         if path is not None:
@@ -719,30 +883,40 @@ class ZooKeeperBackend(BaseBackend):
         """Confirm the lease: its node still exists in the live session. Nothing is
         written (the server keeps the node for as long as the session lives)."""
         return self._confirm(
-            name,
+            (_LOCK, name, owner),
             self._nodes.get((name, owner)),
             lambda client: self._own_path(client, "extend", name, owner),
             lambda: self._nodes.pop((name, owner), None),
+            lambda: self._leave(name, owner),
         )
 
     def _confirm(
         self,
-        name: str,
+        key: tuple[str, str, str],
         entry: _Node | None,
         find: Callable[[KazooClient], str | None],
         forget: Callable[[], object],
+        leave: Callable[[], None],
     ) -> bool:
         """Whether the node of a lease or permit (``entry``, else the path ``find``
-        gives) still exists in the live session; ``forget`` drops the entry when not."""
+        gives) still exists in the live session; ``forget`` drops the entry when not.
+
+        A lease is declared lost when the session may have expired; but the session
+        may also have survived (the connection comes back in time), keeping the node,
+        which nobody else would delete: then ``leave`` deletes it in the background,
+        once the ensemble answers, unless the session turns out to have expired."""
+        kind, name, owner = key
         if entry is not None and entry.generation != self._generation:
             forget()
             return False  # the session that held it is gone
         if self._session_doubtful():
+            self._cleanup_later(name, owner, leave, kind)
             return False
         try:
             client = self._ready("extend", name)
         except LockBackendUnavailable:
             if self._session_doubtful():
+                self._cleanup_later(name, owner, leave, kind)
                 return False
             raise
         if entry is not None and entry.generation != self._generation:
@@ -765,12 +939,24 @@ class ZooKeeperBackend(BaseBackend):
         return (
             self._client is not None
             and not self._connected.is_set()
-            and time.monotonic() - self._last_ok >= self.session_timeout
+            and time.monotonic() - self._last_ok >= self.session_seconds
         )
+
+    def _outage_pause(self, timeout: float) -> None:
+        """A wait that found the ensemble unavailable (an election, a short outage):
+        wait for the connection a little, and let the next acquire attempt try again
+        within the caller's deadline, or raise."""
+        self._connected.wait(max(0.0, min(timeout, self.connect_timeout)))
 
     def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
         """Block until the contender just before ``owner``'s node goes (or the holder,
         for a caller with no node), or ``timeout``: a watch, no polling."""
+        try:
+            self._wait(name, timeout, owner)
+        except LockBackendUnavailable:
+            self._outage_pause(timeout)
+
+    def _wait(self, name: str, timeout: float, owner: str) -> None:
         client = self._ready("wait for", name)
         entry = self._entry(name, owner) if owner else None
         children = self._children(client, "wait for", name)
@@ -974,8 +1160,9 @@ class ZooKeeperBackend(BaseBackend):
             try:
                 results = self._commit("acquire", name, txn)
             except LockBackendUnavailable:
-                # Maybe applied with only the reply lost: give the node back later.
-                self._cleanup_later(name, owner, self._permit_leaver(kind, name, owner))
+                # Maybe applied with only the reply lost: looked for before a retry,
+                # deleted later if the caller gives up (see _through_outage).
+                self._unknown.add((kind, name, owner))
                 raise
             if not any(isinstance(r, Exception) for r in results):
                 self._last_ok = max(self._last_ok, sent)
@@ -1015,17 +1202,40 @@ class ZooKeeperBackend(BaseBackend):
         wait: float = 0.0,
     ) -> AcquireResult:
         self.check_permit_kind(kind)
-        client = self._ready("acquire", name)
+        return self._through_outage(
+            (kind, name, owner),
+            wait,
+            lambda deadline: self._permit_acquire(
+                kind, name, owner, ttl, holder, limit, wait, deadline
+            ),
+            self._permit_leaver(kind, name, owner),
+        )
+
+    def _permit_acquire(
+        self,
+        kind: str,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        limit: int,
+        wait: float,
+        deadline: float | None,
+    ) -> AcquireResult:
+        client = self._ready("acquire", name, deadline)
         self._check_ttl(client, ttl)
         entry = self._permit_entry(kind, name, owner)
         children: list[str] | None = None
         if entry is None:
+            # Always listed first: the node of a create left without an answer is
+            # found here by its owner's name, and taken over.
             children = self._permit_queue(client, "acquire", kind, name)[0]
             own = self._find_own_permit(children, kind, owner)
             if own:
                 entry = self._permit_adopt(client, kind, name, owner, own[0])
             elif wait <= 0 and _blockers(kind, children, len(children), limit):
                 # Try once with no room: refused without writing anything.
+                self._unknown.discard((kind, name, owner))
                 return AcquireResult(False, 0, None)
             else:
                 about: dict[str, Any] = {
@@ -1043,6 +1253,7 @@ class ZooKeeperBackend(BaseBackend):
                 entry = self._permit_enqueue(client, kind, name, owner, data)
                 self._permits[(kind, name, owner)] = entry
                 children = None
+            self._unknown.discard((kind, name, owner))
         mine = entry.path.rsplit("/", 1)[1]
         if children is None or mine not in children:
             children = self._permit_queue(client, "acquire", kind, name)[0]
@@ -1057,6 +1268,10 @@ class ZooKeeperBackend(BaseBackend):
             self._delete_quietly(client, entry.path)
             entry = self._permit_adopt(client, kind, name, owner, own[0])
             mine = own[0]
+        for extra in own[1:]:
+            # A create answered late (after a retry made another): one node per owner.
+            if extra != mine:
+                self._delete_quietly(client, f"{self.permit_dir(kind, name)}/{extra}")
         if not _blockers(kind, children, children.index(mine), limit):
             return AcquireResult(True, entry.token, ttl)
         if wait <= 0:
@@ -1069,13 +1284,17 @@ class ZooKeeperBackend(BaseBackend):
 
         return leave
 
-    def _permit_delete(self, action: str, kind: str, name: str, owner: str) -> bool:
+    def _permit_delete(
+        self, action: str, kind: str, name: str, owner: str, deadline: float | None = None
+    ) -> bool:
         """Delete ``owner``'s own node of ``kind`` (never another's); True if this
         call deleted it."""
-        client = self._ready(action, name)
         entry = self._permits.get((kind, name, owner))
-        lost = entry is not None and entry.generation != self._generation
-        path = None if lost else self._own_permit_path(client, action, kind, name, owner)
+        if entry is not None and entry.generation != self._generation:
+            self._permits.pop((kind, name, owner), None)
+            return False  # gone with its session: nothing to ask the server
+        client = self._ready(action, name, deadline)
+        path = self._own_permit_path(client, action, kind, name, owner)
         self._permits.pop((kind, name, owner), None)
         if path is None:
             return False
@@ -1091,25 +1310,26 @@ class ZooKeeperBackend(BaseBackend):
         try:
             return self._permit_delete("release", kind, name, owner)
         except LockBackendUnavailable:
-            self._cleanup_later(name, owner, self._permit_leaver(kind, name, owner))
+            self._cleanup_later(name, owner, self._permit_leaver(kind, name, owner), kind)
             raise
 
     def permit_leave(self, kind: str, name: str, owner: str) -> None:
         """A waiter that gives up deletes its node (the ones behind it watch it)."""
         try:
-            self._permit_delete("leave the queue of", kind, name, owner)
+            self._permit_delete("leave the queue of", kind, name, owner, time.monotonic())
         except LockBackendUnavailable:
-            self._cleanup_later(name, owner, self._permit_leaver(kind, name, owner))
+            self._cleanup_later(name, owner, self._permit_leaver(kind, name, owner), kind)
             raise
 
     def permit_extend(self, kind: str, name: str, owner: str, ttl: float) -> bool:
         """Confirm the permit, as :meth:`extend` does a lock (nothing is written)."""
         self.check_permit_kind(kind)
         return self._confirm(
-            name,
+            (kind, name, owner),
             self._permits.get((kind, name, owner)),
             lambda client: self._own_permit_path(client, "extend", kind, name, owner),
             lambda: self._permits.pop((kind, name, owner), None),
+            self._permit_leaver(kind, name, owner),
         )
 
     def permit_wait(
@@ -1118,6 +1338,12 @@ class ZooKeeperBackend(BaseBackend):
         """Block until a node that keeps ``owner``'s request from holding goes (see
         :func:`_blockers`), or ``timeout``: watches, no polling."""
         self.check_permit_kind(kind)
+        try:
+            self._permit_wait(kind, name, timeout, owner, limit)
+        except LockBackendUnavailable:
+            self._outage_pause(timeout)
+
+    def _permit_wait(self, kind: str, name: str, timeout: float, owner: str, limit: int) -> None:
         client = self._ready("wait for", name)
         entry = self._permit_entry(kind, name, owner) if owner else None
         if entry is None:
