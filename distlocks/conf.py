@@ -15,6 +15,7 @@ DEFAULTS: dict[str, Any] = {
     "DISTLOCKS_KEY_PREFIX": "distlocks",
     "DISTLOCKS_STUCK_AFTER": 3600.0,
     "DISTLOCKS_METRICS": False,
+    "DISTLOCKS_RELEASE_ON_COMMIT": True,
 }
 
 
@@ -49,6 +50,14 @@ class Settings:
     def METRICS(self) -> bool:
         """Export Prometheus metrics (connected once, in ``AppConfig.ready()``)."""
         return getattr(settings, "DISTLOCKS_METRICS", DEFAULTS["DISTLOCKS_METRICS"])
+
+    @property
+    def RELEASE_ON_COMMIT(self) -> bool:
+        """A lock released inside ``transaction.atomic()`` is freed when the transaction
+        commits or rolls back (``lock(release_on_commit=...)`` overrides it per lock)."""
+        return getattr(
+            settings, "DISTLOCKS_RELEASE_ON_COMMIT", DEFAULTS["DISTLOCKS_RELEASE_ON_COMMIT"]
+        )
 
 
 conf = Settings()

@@ -7,6 +7,10 @@ when it has been lost: ``held()`` turns False, ``ensure_held()`` raises
 :class:`~distlocks.exceptions.LockLost`, the ``lock_lost`` signal fires and the
 ``on_lost`` callback runs, exactly once.
 
+A :class:`Lease` released while a connection of its thread is inside
+``transaction.atomic()`` stays held (and renewed) until that transaction commits
+or rolls back (:mod:`distlocks.transactions`), unless ``release_on_commit`` is off.
+
 With ``auto_renew`` the lease is extended at about a third of its ttl, by the
 process-wide :mod:`distlocks.renewal` thread for :class:`Lease` and by one
 asyncio task per lease for :class:`AsyncLease`. A renewal that finds the lease
@@ -24,7 +28,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from distlocks import signals
+from distlocks import signals, transactions
+from distlocks.conf import conf
 from distlocks.exceptions import LockError, LockLost
 from distlocks.reentrancy import forget
 from distlocks.validation import validate_ttl
@@ -43,6 +48,8 @@ RELEASE = "release"
 EXTEND = "extend"
 FREE_LOST = "free-lost"
 NOTHING = "nothing"
+#: The release waits for the end of the caller's transaction.
+DEFER = "defer"
 
 #: Renew when this fraction of the ttl has passed.
 RENEW_FRACTION = 1 / 3
@@ -64,6 +71,7 @@ class BaseLease:
         on_lost: Callable[[Any], object] | None = None,
         auto_renew: bool = True,
         max_hold: float | None = None,
+        release_on_commit: bool | None = None,
     ) -> None:
         self._backend = backend
         #: The lock name.
@@ -90,6 +98,11 @@ class BaseLease:
         self.max_hold = max_hold
         #: Successful extensions so far (by the watchdog or by ``extend()``).
         self.renewals = 0
+        #: Whether a release inside ``transaction.atomic()`` waits for its end (None:
+        #: the ``DISTLOCKS_RELEASE_ON_COMMIT`` setting).
+        self.release_on_commit = release_on_commit
+        # The release waiting for the caller's transaction, if any.
+        self._deferral: transactions.Deferral | None = None
         self._started = started
         self._valid_until = None if remaining is None else started + remaining
         self._state = HELD
@@ -128,6 +141,12 @@ class BaseLease:
     @property
     def lost_reason(self) -> str:
         return self._lost_reason
+
+    @property
+    def release_pending(self) -> bool:
+        """True while a release waits for the transaction it was asked in to end (the
+        lease is still held, and renewed, until then)."""
+        return self._deferral is not None
 
     @property
     def kind(self) -> str:
@@ -215,8 +234,9 @@ class BaseLease:
     # server call (blocking in Lease, awaited in AsyncLease) and the bookkeeping of
     # its answer (here), so both flavours follow exactly the same rules.
 
-    def _release_step(self) -> str:
-        """What a release must do: ``RELEASE``, ``FREE_LOST`` or ``NOTHING``."""
+    def _release_step(self, deferrable: bool = False) -> str:
+        """What a release must do: ``RELEASE``, ``DEFER`` (only when ``deferrable``),
+        ``FREE_LOST`` or ``NOTHING``."""
         if self._inherited():
             # A forked child: the lock is its parent's, still held there.
             logger.debug("Not releasing lock %r: it belongs to the parent process", self.name)
@@ -235,8 +255,40 @@ class BaseLease:
         if self._depth > 1:
             self._depth -= 1
             return NOTHING
+        if self._deferral is not None:
+            return NOTHING  # already waits for its transaction
+        if deferrable and self._defer_release():
+            return DEFER
         self._release_requested = True
         return RELEASE
+
+    def _defer_release(self) -> bool:
+        """Inside ``transaction.atomic()``: keep the lock until the transaction ends,
+        so that the next holder reads what this one committed. Cheap when no
+        connection of this thread is in an atomic block (the usual release)."""
+        if self.release_on_commit is False:
+            return False
+        conns = transactions.open_transactions()
+        if not conns:
+            return False
+        if self.release_on_commit is None and not conf.RELEASE_ON_COMMIT:
+            return False
+        if getattr(self._backend, "ends_with_transaction", False):
+            # PostgreSQL's transaction mode: the lock already ends with the transaction.
+            return False
+        self._deferral = transactions.defer(self, conns)  # type: ignore[arg-type]
+        return True
+
+    def _cancel_deferred_release(self) -> bool:
+        """Hold the lease again for a new acquisition by its thread, if its release
+        waits for a transaction and it is still held; True when it did."""
+        with self._mutex:
+            deferral = self._deferral
+            if deferral is None or not self.held():
+                return False
+            self._deferral = None
+        transactions.forget(deferral)
+        return True
 
     def _released(self, freed: bool) -> bool:
         self._freed_on_server = True
@@ -348,15 +400,24 @@ class Lease(BaseLease):
         Idempotent: returns True when this call freed the lock, False when the lease
         had already been released or lost (a loss found here is reported as lost),
         or, for a reentrant lease, when an outer holder still holds it.
+
+        Inside ``transaction.atomic()`` (on any database alias this thread uses), the
+        lock is freed only when the transaction commits or rolls back: this call
+        returns False, the lease stays held and renewed (``release_pending`` is True)
+        and the ``lock_released`` signal fires at the real release. Off with
+        ``release_on_commit=False`` or ``DISTLOCKS_RELEASE_ON_COMMIT = False``.
         Raises :class:`~distlocks.exceptions.LockBackendUnavailable` if the server
         cannot be reached; the lease then ends by expiry.
         """
+        return self._release(deferrable=True)
+
+    def _release(self, deferrable: bool) -> bool:
         if self._inherited():
             # A forked child: the lock is its parent's, still held there. Checked before
             # the mutex, which a thread of the parent may have held at the fork.
             return False
         with self._mutex:
-            step = self._release_step()
+            step = self._release_step(deferrable)
             if step == FREE_LOST:
                 self._backend.release_quietly(self.name, self.owner)
             if step != RELEASE or not self._released(self._backend.release(self.name, self.owner)):
@@ -365,6 +426,21 @@ class Lease(BaseLease):
         if signals.lock_released.receivers:  # skips building the arguments of a no-op
             signals.lock_released.send(sender=Lease, lease=self)
         return True
+
+    def _release_deferred(self, deferral: transactions.Deferral) -> None:
+        """The release asked inside a transaction, now that it has ended."""
+        with self._mutex:
+            if self._deferral is not deferral:
+                return  # held again by a new acquisition meanwhile
+            self._deferral = None
+        try:
+            self._release(deferrable=False)
+        except LockError as exc:
+            logger.error(
+                "Could not release lock %r after its transaction ended: %s; it ends by "
+                "expiry or when its connection closes",
+                self.name, exc,
+            )  # fmt: skip
 
     def release_after(self, seconds: float) -> None:
         """Let the lock run out ``seconds`` from now instead of freeing it now.

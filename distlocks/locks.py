@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from distlocks import fencing, reentrancy, signals
+from distlocks import fencing, reentrancy, signals, transactions
 from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LeaseServer
 from distlocks.conf import conf
 from distlocks.exceptions import LockError, LockLost, LockNotAcquired
@@ -156,6 +156,7 @@ class _Attempt:
             "on_lost": self.options.get("on_lost"),
             "auto_renew": self.options.get("auto_renew", True),
             "max_hold": self.options.get("max_hold"),
+            "release_on_commit": self.options.get("release_on_commit"),
         }
 
     def guard(self, lease: BaseLease, due: float | None) -> None:
@@ -224,6 +225,12 @@ def acquire_lease(
 
     ``deadline`` (monotonic) overrides ``timeout`` when several locks share one budget.
     """
+    if transactions.pending:
+        # This thread released this lock inside a transaction that has not ended: it
+        # still holds it, and gets it back rather than wait for itself.
+        taken = transactions.take_back(backend, name)
+        if taken is not None:
+            return taken
     attempt = _Attempt(
         backend, name, ttl=ttl, timeout=timeout, deadline=deadline, fair=fair, options=options
     )
@@ -403,6 +410,9 @@ class _LockBase:
     ``fair``: waiters are served in arrival order.
     ``max_hold``: stop renewing after this many seconds, so a hung holder loses it.
     ``on_lost``: called with the lease if it is lost while held.
+    ``release_on_commit``: a release inside ``transaction.atomic()`` frees the lock
+    only when the transaction commits or rolls back (default
+    ``DISTLOCKS_RELEASE_ON_COMMIT``, True); False frees it at once.
     Arguments are checked here, at the call, with a message saying what to change.
     """
 
@@ -418,6 +428,7 @@ class _LockBase:
         fair: bool = False,
         max_hold: float | None = None,
         on_lost: Callable[[Any], object] | None = None,
+        release_on_commit: bool | None = None,
     ) -> None:
         self.name = _checked_name(name)
         check_alias(backend)
@@ -433,6 +444,9 @@ class _LockBase:
         if on_lost is not None and not callable(on_lost):
             raise TypeError(f"on_lost must be a callable taking the lease, not {on_lost!r}.")
         self.on_lost = on_lost
+        if release_on_commit is not None:
+            release_on_commit = validate_flag(release_on_commit, "release_on_commit")
+        self.release_on_commit = release_on_commit
         # What each thread entered and has not left yet, by thread id (one object may
         # be entered by several threads at once). A plain dict: a threading.local would
         # cost more to create than the rest of a short-lived lock object.
@@ -460,6 +474,7 @@ class _LockBase:
             "on_lost": self.on_lost,
             "auto_renew": self.auto_renew,
             "max_hold": self.max_hold,
+            "release_on_commit": self.release_on_commit,
         }
 
     def _reentrant_lease(self) -> BaseLease | None:
@@ -497,7 +512,10 @@ class Lock(_LockBase):
             # state: re-entering a lock lost under the outer block must fail loudly.
             again.extend()
             with again._mutex:
-                again._depth += 1
+                # A release waiting for the transaction is called off instead: the
+                # lease is held again by one holder, as before it.
+                if not again._cancel_deferred_release():
+                    again._depth += 1
             return again
         lease = acquire_lease(
             self.backend, self.name, ttl=self.ttl, timeout=wait, fair=self.fair, **self._options()
@@ -564,7 +582,20 @@ class AsyncLock(_LockBase):
     """The asyncio lock: ``async with alock(...) as lease``, a decorator for coroutine
     functions, or ``await alock(...).acquire()``. Same arguments and semantics as
     :class:`Lock`; renewal runs as an asyncio task of the lease, and reentrancy is
-    per asyncio task."""
+    per asyncio task.
+
+    A release is never deferred to a transaction's end: Django runs no
+    ``transaction.atomic()`` in async code (it refuses it there). Code that writes in a
+    transaction runs in a ``sync_to_async`` function, and takes ``lock()`` there."""
+
+    def __init__(self, name: str, **kwargs: Any) -> None:
+        super().__init__(name, **kwargs)
+        if self.release_on_commit:
+            raise ValueError(
+                "alock() cannot wait for a transaction's COMMIT: async code runs no "
+                "transaction.atomic(). Take lock() inside the sync_to_async function that "
+                "opens the transaction, or drop release_on_commit."
+            )
 
     async def acquire(self, *, timeout: float | None = _DEFAULT) -> AsyncLease:
         """Acquire a lease, waiting up to ``timeout`` seconds without blocking the loop."""
@@ -666,6 +697,7 @@ def lock_many(
     auto_renew: bool = True,
     max_hold: float | None = None,
     on_lost: Callable[[Lease], object] | None = None,
+    release_on_commit: bool | None = None,
 ) -> contextlib.AbstractContextManager[dict[str, Lease]]:
     """Hold several locks at once: all or none.
 
@@ -684,6 +716,7 @@ def lock_many(
         auto_renew=auto_renew,
         max_hold=max_hold,
         on_lost=on_lost,
+        release_on_commit=release_on_commit,
     )
     return _hold_many(ordered, template)
 
