@@ -12,5 +12,5 @@ from celery import Celery
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
 
-app = Celery("distlocks-tests", include=["tests.testapp.tasks"])
+app = Celery("distlocks-tests", include=["tests.testapp.tasks", "tests.celery_tasks"])
 app.config_from_object("django.conf:settings", namespace="CELERY")

@@ -35,13 +35,15 @@ from kombu.exceptions import OperationalError
 from distlocks import get_backend, lock
 from distlocks.contrib.celery import (
     AlreadyRunning,
+    Deduplicated,
     SingleExecutionTask,
     current_lease,
     single_execution,
 )
-from distlocks.exceptions import LockLost
+from distlocks.exceptions import LockLost, StaleFencingToken
 from distlocks.fencing import unfenced
 from distlocks.locks import holder_extra
+from tests import celery_tasks
 from tests.celery_app import app
 from tests.testapp import tasks
 from tests.testapp.models import Counter, TaskRun
@@ -568,3 +570,223 @@ def test_a_hard_time_limit_frees_the_lock_within_its_ttl(workers: list[int]) -> 
     rows = _rows(run)
     assert [r.ended is not None for r in rows] == [False, True]
     assert rows[1].fencing_token > rows[0].fencing_token
+
+
+# -- issue 25: bursts, canvas, redelivery, retries, claims ---------------------------
+
+
+def _burst(call: Any, count: int = 20) -> list[Any]:
+    """``count`` threads make ``call()`` at the same moment; their results."""
+    barrier = threading.Barrier(count)
+    out: list[Any] = [None] * count
+
+    def one(index: int) -> None:
+        barrier.wait(30)
+        out[index] = call()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert all(result is not None for result in out)
+    return out
+
+
+def _published_ids(client: redis.Redis, queue: str) -> list[str]:
+    import json
+
+    return [json.loads(raw)["headers"]["id"] for raw in client.lrange(queue, 0, -1)]
+
+
+def test_a_burst_while_a_copy_runs_is_given_the_running_id(broker: redis.Redis) -> None:
+    """Issue 25.1 without a worker: 20 concurrent calls while a copy runs all get the
+    running copy's id, and nothing is published."""
+    item = int(time.time_ns() % 1_000_000)
+    token = holder_extra.set({"celery_task_id": "the-running-copy"})
+    try:
+        with lock(f"qor:{item}", ttl=30, timeout=0):
+            ids = _burst(lambda: queued_or_running.apply_async((item,), queue=IDLE_QUEUE).id)
+    finally:
+        holder_extra.reset(token)
+    assert set(ids) == {"the-running-copy"}
+    assert broker.llen(IDLE_QUEUE) == 0
+    assert get_backend("default").inspect(f"qor:{item}:queued") is None
+
+
+def test_a_burst_with_nothing_queued_publishes_one_message(broker: redis.Redis) -> None:
+    item = int(time.time_ns() % 1_000_000)
+    ids = _burst(lambda: queued_or_running.apply_async((item,), queue=IDLE_QUEUE).id)
+    # Every caller holds the id of the one message that was published.
+    assert _published_ids(broker, IDLE_QUEUE) == [ids[0]]
+    assert set(ids) == {ids[0]}
+    _free(f"qor:{item}:queued")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_nan_or_infinite_argument_is_a_value_error(value: float) -> None:
+    """docs/celery.md says so: a NaN is a bad value (ValueError), an object a bad type."""
+    with pytest.raises(ValueError, match="cannot be a key"):
+        keyed.lock_name((value,))
+    doc = (ROOT / "docs" / "celery.md").read_text()
+    assert "`NaN` or an infinity raises `ValueError`" in doc
+
+
+@single_execution(
+    app=app, name="local.claimed", bind=True, key="claimed:{pk}",
+    claim=lambda pk, **_: Counter.objects.filter(pk=pk),
+)  # fmt: skip
+def claimed(self: Any, pk: int) -> tuple[int, int]:
+    # Read after the claim: the row already carries this run's token.
+    return Counter.objects.get(pk=pk).fencing_token, self.lease.fencing_token
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("pg_ready")
+def test_claim_writes_the_run_locks_token_before_the_body() -> None:
+    with unfenced():
+        counter = Counter.objects.create(value=0)
+    stored, token = claimed.apply((counter.pk,), throw=True).get()
+    assert stored == token
+    # A newer holder has written the row since (tokens grow with time: far ahead): the
+    # claim refuses, the body never runs, the task fails and the run lock is released.
+    Counter.objects.filter(pk=counter.pk).fenced_update(token + 10**12, value=1)
+    result = claimed.apply((counter.pk,))
+    counter.refresh_from_db()
+    assert result.state == "FAILURE", (result.result, counter.fencing_token, token)
+    assert isinstance(result.result, StaleFencingToken), result.result
+    assert get_backend("default").inspect(f"claimed:{counter.pk}") is None
+
+
+def test_claim_must_be_callable() -> None:
+    with pytest.raises(TypeError, match="claim must be a callable"):
+        single_execution(claim="rows")  # type: ignore[arg-type]
+
+
+@pytest.mark.django_db
+@pytest.mark.slow
+def test_a_burst_while_a_copy_runs_on_a_worker_is_given_its_id(
+    workers: list[int], redis_client: redis.Redis
+) -> None:
+    """Issue 25.1 with real workers: every caller of the burst gets the running copy's
+    id, and that copy's result is what each of them finally reads."""
+    run, gate = uuid.uuid4().hex, f"gate:{uuid.uuid4().hex}"
+    first = celery_tasks.burst.delay(run, gate)
+    wait_for(lambda: _rows(run), limit=60, what="the first copy to start")
+    ids = _burst(lambda: celery_tasks.burst.delay(run, gate).id)
+    assert set(ids) == {first.id}
+    _gate(redis_client, gate)
+    assert first.get(timeout=60) == f"ran:{first.id}"
+    assert [r.task_id for r in _rows(run)] == [first.id]  # one run, nothing else queued
+
+
+@pytest.mark.django_db
+@pytest.mark.slow
+def test_a_deduplicated_call_never_leaves_its_canvas_waiting(
+    workers: list[int], redis_client: redis.Redis
+) -> None:
+    """Issue 25.2: a chain, link, link_error, group or chord whose deduplicated task
+    was not queued fails at once with Deduplicated naming the copy; nothing stays
+    PENDING, the errback runs and nothing after the deduplicated task runs."""
+    from celery import chain, chord, group
+
+    run, gate = uuid.uuid4().hex, f"gate:{uuid.uuid4().hex}"
+    after, errors = f"{run}-after", f"{run}-errors"
+    head = celery_tasks.canvas_head
+    first = head.delay(run, gate)
+    wait_for(lambda: _rows(run), limit=60, what="the first copy to start")
+    try:
+        chained = chain(head.s(run, gate), celery_tasks.record.s(after)).apply_async()
+        linked = head.apply_async(
+            (run, gate),
+            link=celery_tasks.record.s(after),
+            link_error=celery_tasks.record_error.s(errors),
+        )
+        grouped = group(head.s(run, gate), celery_tasks.record.si("g", after)).apply_async()
+        chorded = chord(
+            [head.s(run, gate), celery_tasks.record.si("c", after)], celery_tasks.collect.s()
+        ).apply_async()
+        outcomes = {
+            "chain": chained.get(timeout=30, propagate=False) and chained,
+            "chain head": chained.parent,
+            "link": linked,
+            "group member": grouped.results[0],
+            "chord": chorded,
+        }
+        for what, result in outcomes.items():
+            result.get(timeout=30, propagate=False)
+            assert result.state == "FAILURE", f"{what}: {result.state}"
+        for what in ("chain head", "link", "group member"):
+            exc = outcomes[what].result
+            assert isinstance(exc, Deduplicated), f"{what}: {exc!r}"
+            assert exc.holder_task_id == first.id
+            assert first.id in str(exc)
+        assert first.id in str(chorded.result)  # a ChordError naming the cause
+        assert grouped.results[1].get(timeout=30) == "g"  # the rest of the group ran
+        wait_for(lambda: TaskRun.objects.filter(run=errors).exists(), limit=30, what="link_error")
+        assert [r.task_id for r in TaskRun.objects.filter(run=errors)] == [linked.id]
+    finally:
+        _gate(redis_client, gate)
+    assert first.get(timeout=60) == "head"
+    # Only the group's and chord's own plain members ran "after"; no callback of a
+    # deduplicated call did.
+    assert sorted(r.task_id for r in _rows(after)) == sorted(
+        [grouped.results[1].id, chorded.parent.results[1].id]
+    )
+    assert [r.task_id for r in _rows(run)] == [first.id]
+
+
+def _active(task_id: str) -> int:
+    """How many deliveries of ``task_id`` the workers are running."""
+    found = app.control.inspect(timeout=1.0).active() or {}
+    return sum(1 for tasks_ in found.values() for t in tasks_ if t["id"] == task_id)
+
+
+@pytest.mark.django_db
+@pytest.mark.slow
+def test_a_redelivery_of_the_running_id_writes_no_state(
+    workers: list[int], redis_client: redis.Redis
+) -> None:
+    """Issue 25.3: the same message delivered again while its first delivery runs (as
+    after the visibility timeout) is ignored, and the real run's result is stored."""
+    run, gate = uuid.uuid4().hex, f"gate:{uuid.uuid4().hex}"
+    task_id = str(uuid.uuid4())
+    result = celery_tasks.redelivered.apply_async((run, gate), task_id=task_id)
+    wait_for(lambda: _rows(run), limit=60, what="the first delivery to start")
+    celery_tasks.redelivered.apply_async((run, gate), task_id=task_id)
+    try:
+        # The second delivery waits for the lease (ttl 2 s) of the first, still alive.
+        wait_for(lambda: _active(task_id) == 2, limit=60, what="the second delivery")
+        wait_for(lambda: _active(task_id) == 1, limit=60, what="the second delivery to end")
+        assert result.state in ("PENDING", "STARTED"), result.state  # no state written
+    finally:
+        _gate(redis_client, gate)
+    assert result.get(timeout=60) == "the real result"
+    assert [r.task_id for r in _rows(run)] == [task_id]
+
+
+@pytest.mark.django_db
+@pytest.mark.slow
+def test_a_retry_is_never_lost_to_a_copy(workers: list[int], redis_client: redis.Redis) -> None:
+    """Issue 25.4: during a retry's countdown the run lock stays claimed by the
+    retrying task, so a copy enqueued meanwhile is the duplicate, and the retry runs."""
+    run, gate = uuid.uuid4().hex, f"gate:{uuid.uuid4().hex}"
+    task = celery_tasks.retry_once
+    name = task.lock_name((run, gate, 3.0))
+    result = task.delay(run, gate, 3.0)
+    # RETRY is stored once the first attempt's run is over (its lock settled).
+    wait_for(lambda: result.state == "RETRY", limit=60, what="the first attempt to retry")
+    info = get_backend("default").inspect(name)
+    assert info is not None, "the run lock was free during the retry's countdown"
+    assert info.extra["celery_task_id"] == result.id
+    copy = task.delay(run, gate, 3.0)
+    try:
+        assert copy.get(timeout=60) is None  # the copy was the duplicate (skipped)
+        wait_for(lambda: len(_rows(run)) == 2, limit=60, what="the retried attempt")
+    finally:
+        _gate(redis_client, gate)
+    assert result.get(timeout=60) == "done:1"
+    rows = _rows(run)
+    assert [(r.task_id, r.attempt) for r in rows] == [(result.id, 0), (result.id, 1)]
+    assert rows[1].fencing_token > rows[0].fencing_token
+    assert get_backend("default").inspect(name) is None

@@ -11,15 +11,27 @@ Two locks are involved, both named from the task's arguments:
   instead of queueing another. It lasts for the countdown or eta plus
   ``unique_ttl``; the worker removes it when the run starts, after taking the run
   lock, so at every moment from enqueue to the end of the run one of the two is held.
+  With ``"queued_or_running"`` the worker keeps the marker (renewed with the run
+  lock) until the run ends, so a duplicate is answered from the marker alone and
+  no caller is ever handed the id of a message that was not published.
 
-Both carry the Celery task id in their holder metadata. That is how a duplicate
-finds the task to return, how a redelivered message (``acks_late`` after a worker
-died) recognises its own earlier delivery and waits for that lease to run out
-instead of skipping, and how the admin page shows which task holds a lock.
+Both carry the Celery task id (and the run lock the attempt number) in their holder
+metadata. That is how a duplicate finds the task to return, how a redelivered
+message (``acks_late``) recognises its own earlier delivery (it waits for a dead
+worker's lease to run out, and writes no state if that delivery is still alive), and
+how a retried run recognises the run lock its previous attempt kept through the
+countdown, so that no copy can take the key in between.
+
+A deduplicated call that carries a canvas (``link``, ``link_error``, a chain, a
+group or a chord) cannot be attached to the copy already queued or running: it
+fails at once under its own id with :class:`Deduplicated`, which fails the rest of
+the chain, runs its ``link_error`` callbacks and fails its chord, so nothing waits
+on a message that was never sent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import inspect
@@ -37,11 +49,12 @@ from uuid import UUID
 from django.core.exceptions import ImproperlyConfigured
 
 from distlocks import fencing
-from distlocks.backends.base import BaseBackend
+from distlocks.backends.base import AcquireResult, BaseBackend
 from distlocks.exceptions import LockError, LockNotAcquired
 from distlocks.handler import backends, check_alias
 from distlocks.lease import Lease
 from distlocks.locks import Lock, current_holder, finish_lease, holder_extra
+from distlocks.renewal import renewer
 from distlocks.validation import (
     MAX_NAME_LENGTH,
     MAX_TTL,
@@ -52,6 +65,8 @@ from distlocks.validation import (
 
 try:
     from celery import Task, shared_task
+    from celery.app.task import Context
+    from celery.exceptions import Ignore, Retry
     from celery.local import Proxy
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -65,6 +80,7 @@ except ImportError:  # pragma: no cover - Celery without its Django task class
 
 __all__ = [
     "AlreadyRunning",
+    "Deduplicated",
     "SingleExecution",
     "SingleExecutionTask",
     "current_lease",
@@ -80,6 +96,9 @@ QUEUED_SUFFIX = ":queued"
 #: Prefix of the default (hashed) run lock names.
 KEY_PREFIX = "celery:"
 _DIGEST_LENGTH = 32
+#: Options that attach more work to a call: a deduplicated call carrying one of them
+#: fails (:class:`Deduplicated`) instead of being merged into the existing task.
+CANVAS_OPTIONS = ("link", "link_error", "chain", "chord", "group_id")
 
 _current: ContextVar[Lease | None] = ContextVar("distlocks_celery_lease", default=None)
 #: Run locks held by the current context, so a nested (eager) run of the same key,
@@ -118,6 +137,22 @@ class AlreadyRunning(LockNotAcquired):
         )
 
 
+class Deduplicated(AlreadyRunning):
+    """A call made with ``unique_while`` found a copy with the same key queued or
+    running, and carries a canvas (``link``, ``link_error``, chain, group, chord) that
+    cannot be attached to that copy. Stored as the call's own FAILURE, so the rest of
+    the canvas fails with it instead of waiting for ever; ``holder_task_id`` names
+    the copy."""
+
+    def __str__(self) -> str:
+        return (
+            f"Task {self.task!r} was not queued: a copy with the same key (lock "
+            f"{self.name!r}, task {self.holder_task_id}) is already queued or running, "
+            f"and the link, chain, group or chord of this call cannot be attached to it. "
+            f"Wait for that task instead, or call this one without unique_while."
+        )
+
+
 @dataclass(frozen=True)
 class SingleExecution:
     """The options of a single-execution task, checked when the task is defined.
@@ -140,6 +175,12 @@ class SingleExecution:
     message is never run (a lost message, a purged queue).
     ``lock_at_least_for``: keep the run lock this many seconds after the run
     started even if it finished sooner (periodic tasks on several nodes).
+    ``claim``: a callable called with the task's arguments as keywords (like a key
+    callable) returning the model instances and querysets the run will change (one,
+    or a list/tuple of them); right after the run lock is granted and before the
+    body, they are claimed with the run lock's fencing token
+    (:meth:`Lease.claim <distlocks.lease.BaseLease.claim>`), so a paused earlier run
+    can no longer write to them.
     """
 
     key: str | Callable[..., str] | None = None
@@ -151,6 +192,7 @@ class SingleExecution:
     unique_while: str | None = None
     unique_ttl: float = 3600.0
     lock_at_least_for: float | None = None
+    claim: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if self.key is not None and not (isinstance(self.key, str) or callable(self.key)):
@@ -180,6 +222,12 @@ class SingleExecution:
         validate_ttl(self.unique_ttl)
         if self.lock_at_least_for is not None:
             validate_ttl(self.lock_at_least_for)
+        if self.claim is not None and not callable(self.claim):
+            raise TypeError(
+                f"claim must be a callable taking the task's arguments as keywords and "
+                f"returning the instances or querysets to claim, not "
+                f"{type(self.claim).__name__}."
+            )
 
     @classmethod
     def coerce(cls, value: Any) -> SingleExecution:
@@ -309,6 +357,7 @@ class SingleExecutionTask(_TaskBase):
         if single.unique_while is None:
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         backend = self._lock_backend(f"unique_while={single.unique_while!r}")
+        retrying = self._is_own_retry(task_id)
         task_id = task_id or str(uuid.uuid4())
         marker, owner = name + QUEUED_SUFFIX, _marker_owner(task_id)
         # An eta years ahead must not make a marker the servers cannot store: past the
@@ -319,29 +368,73 @@ class SingleExecutionTask(_TaskBase):
             holder.host, holder.pid, holder.thread,
             {**holder.extra, "celery_task_id": task_id, "celery_task": self.name},
         )  # fmt: skip
-        for _attempt in range(5):
-            if backend.acquire(marker, owner, ttl, holder, wait=0.0).acquired:
-                break
-            queued = self._holder_task_id(backend, marker)
-            if queued is not None:
-                logger.info("Task %s: duplicate of queued task %s, not queued", self.name, queued)
-                return self.AsyncResult(queued)
-            # The marker went away between the two calls (the run started): try again.
-        else:
-            raise LockNotAcquired(marker, backend.alias, 0)
+        if retrying:
+            # self.retry() of the running task, under its own id: the marker is its own
+            # (same owner), or a newer copy's in "queued" mode; either way the retry is
+            # published, never answered with another task's result.
+            backend.acquire(marker, owner, ttl, holder, wait=0.0)
+            return super().apply_async(args, kwargs, task_id=task_id, **options)
+        existing = None
         if single.unique_while == "queued_or_running":
-            running = self._holder_task_id(backend, name)
-            # A retry of the running task publishes under its own id: let it through.
-            if running is not None and running != task_id:
-                backend.release_quietly(marker, owner)
-                logger.info("Task %s: duplicate of running task %s, not queued", self.name, running)
-                return self.AsyncResult(running)
+            # A run that no marker covers (started by apply(), send_task(), or after
+            # its marker ran out, or a retry's countdown): it is the task to return.
+            # Checked *before* the marker is taken, so a taken marker is never given
+            # back and no caller sees the id of a message that is not published.
+            existing = self._holder_task_id(backend, name)
+        if existing is None:
+            for _attempt in range(5):
+                if backend.acquire(marker, owner, ttl, holder, wait=0.0).acquired:
+                    break
+                existing = self._holder_task_id(backend, marker)
+                if existing is not None:
+                    break
+                # The marker went away between the two calls (the run ended): try again.
+            else:
+                raise LockNotAcquired(marker, backend.alias, 0)
+        if existing is not None and existing != task_id:
+            return self._deduplicated(existing, name, task_id, args, kwargs, options)
         try:
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         except BaseException:
             # Not published: nothing may keep duplicates away.
             backend.release_quietly(marker, owner)
             raise
+
+    def _is_own_retry(self, task_id: str | None) -> bool:
+        """Whether this publish is ``self.retry()`` of the run in progress."""
+        request = self.request
+        return task_id is not None and not request.called_directly and request.id == task_id
+
+    def _deduplicated(
+        self,
+        existing: str,
+        name: str,
+        task_id: str,
+        args: Any,
+        kwargs: Mapping[str, Any] | None,
+        options: Mapping[str, Any],
+    ) -> Any:
+        """The answer to a duplicate call: the existing task's result, or, for a call
+        that carries a canvas, its own id failed with :class:`Deduplicated`."""
+        if not any(options.get(option) for option in CANVAS_OPTIONS):
+            logger.info("Task %s: duplicate of task %s, not queued", self.name, existing)
+            return self.AsyncResult(existing)
+        # The link, chain, group or chord expects this id to finish. Celery offers no way
+        # to hang callbacks on a message already sent, so the call fails here, in the
+        # result backend, the way a failed run would: the rest of the chain is marked
+        # failed, link_error callbacks run and the chord's counter moves.
+        exc = Deduplicated(self.name, name, self._single.backend, existing)
+        request = Context(
+            id=task_id, task=self.name, args=list(args or ()), kwargs=dict(kwargs or {}),
+            chain=options.get("chain"), chord=options.get("chord"),
+            errbacks=_as_list(options.get("link_error")), callbacks=_as_list(options.get("link")),
+            group=options.get("group_id"), group_index=options.get("group_index"),
+            root_id=options.get("root_id") or task_id, parent_id=options.get("parent_id"),
+            delivery_info={}, ignore_result=False, hostname=None, reply_to=None,
+        )  # fmt: skip
+        logger.warning("Task %s[%s] not queued: %s", self.name, task_id, exc)
+        self.backend.mark_as_failure(task_id, exc, request=request)
+        return self.AsyncResult(task_id)
 
     # -- run --------------------------------------------------------------------
 
@@ -351,80 +444,182 @@ class SingleExecutionTask(_TaskBase):
             # A nested run of the same key in this context (an eager self.retry()):
             # the outer run already holds the lock.
             return super().__call__(*args, **kwargs)
-        task_id = self.request.id if not self.request.called_directly else None
+        request = self.request
+        task_id = str(request.id) if not request.called_directly and request.id else None
+        attempt = int(request.retries or 0) if task_id else 0
         extra = {"celery_task": self.name}
         if task_id:
-            extra["celery_task_id"] = str(task_id)
+            extra["celery_task_id"] = task_id
+            extra["celery_attempt"] = str(attempt)
         # Locks taken inside the task record it too (the admin page shows it).
         scope = holder_extra.set({**holder_extra.get(), **extra})
         try:
+            marker: Lease | None = None
+            lease: Lease | None = None
+            redelivered = False
             try:
-                lease = self._take_run_lock(name, task_id)
+                lease, redelivered = self._take_run_lock(name, task_id, attempt)
             finally:
-                if self._single.unique_while is not None and task_id:
-                    # The run lock (or the duplicate holding it) now covers this key.
-                    backend = self._lock_backend()
-                    backend.release_quietly(name + QUEUED_SUFFIX, _marker_owner(task_id))
+                if self._single.unique_while is not None and task_id and not redelivered:
+                    marker = self._settle_marker(name, task_id, lease)
             if lease is None:
-                return self._duplicate(name)
-            return self._run(lease, name, args, kwargs)
+                if redelivered:
+                    # Our own earlier delivery is alive and holds the lock: this one
+                    # writes no state, so the real run's result is the one stored.
+                    raise Ignore()
+                return self._duplicate(name, attempt)
+            return self._run(lease, marker, name, args, kwargs)
         finally:
             holder_extra.reset(scope)
 
-    def _take_run_lock(self, name: str, task_id: str | None) -> Lease | None:
+    def _settle_marker(self, name: str, task_id: str, lease: Lease | None) -> Lease | None:
+        """After the run lock was tried: give the queue marker back, or with
+        ``"queued_or_running"`` keep it (renewed) for as long as the run lasts."""
+        backend = self._lock_backend()
+        marker, owner = name + QUEUED_SUFFIX, _marker_owner(task_id)
+        if lease is None or self._single.unique_while == "queued":
+            # "queued": the run lock (or the duplicate holding it) now covers this key.
+            backend.release_quietly(marker, owner)
+            return None
+        held = _hold(backend, marker, owner, lease.ttl)
+        if held is None:
+            logger.warning(
+                "Task %s[%s]: its queue marker %r ran out and was taken by another call; "
+                "that call's message will meet the run lock.", self.name, task_id, marker,
+            )  # fmt: skip
+        return held
+
+    def _take_run_lock(
+        self, name: str, task_id: str | None, attempt: int
+    ) -> tuple[Lease | None, bool]:
+        """The run lock's lease (None: a duplicate), and whether the lock is held by
+        an earlier delivery of this very message that is still alive."""
         single = self._single
         if single.lock_at_least_for is not None:
             self._lock_backend("lock_at_least_for")
         run_lock = Lock(name, backend=single.backend, ttl=single.lease_ttl)
-        try:
-            return run_lock.acquire(timeout=single.timeout)
-        except LockNotAcquired:
-            pass
-        if task_id and self._holder_task_id(self._lock_backend(), name) == task_id:
-            # An earlier delivery of this very message holds it: its worker died
-            # (acks_late redelivery) or still runs past the broker's visibility
-            # timeout. A dead holder's lease runs out within its ttl; wait for that,
-            # and treat a holder still alive after it as a duplicate.
-            logger.info(
-                "Task %s[%s]: an earlier delivery holds lock %r; waiting up to its ttl",
-                self.name, task_id, name,
-            )  # fmt: skip
-            try:
-                return run_lock.acquire(timeout=single.lease_ttl + 1.0)
-            except LockNotAcquired:
-                pass
-        return None
+        with _suppress_not_acquired():
+            return run_lock.acquire(timeout=0), False
+        backend = self._lock_backend()
+        info = backend.inspect(name) if task_id else None
+        if info is not None and str(info.extra.get("celery_task_id") or "") == task_id:
+            held_attempt = _attempt_of(info.extra)
+            if held_attempt is not None and held_attempt < attempt:
+                # Our previous attempt kept the lock through its retry's countdown,
+                # so no copy could take the key: take it over (with a new token).
+                if backend.release(name, info.owner):
+                    with _suppress_not_acquired():
+                        return run_lock.acquire(timeout=0), False
+                # A copy got in when it was free: handled as a duplicate below.
+            else:
+                # An earlier delivery of this very message holds it: its worker died
+                # (acks_late redelivery) or still runs past the broker's visibility
+                # timeout. A dead holder's lease runs out within its ttl; wait for that.
+                logger.info(
+                    "Task %s[%s]: an earlier delivery holds lock %r; waiting up to its ttl",
+                    self.name, task_id, name,
+                )  # fmt: skip
+                with _suppress_not_acquired():
+                    return run_lock.acquire(timeout=single.lease_ttl + 1.0), False
+                return None, True
+        if single.timeout > 0:
+            with _suppress_not_acquired():
+                return run_lock.acquire(timeout=single.timeout), False
+        return None, False
 
-    def _duplicate(self, name: str) -> Any:
+    def _duplicate(self, name: str, attempt: int) -> Any:
         single = self._single
         holder = self._holder_task_id(self._lock_backend(), name) or ""
         exc = AlreadyRunning(self.name, name, single.backend, holder)
-        if single.on_duplicate == "skip":
+        policy = single.on_duplicate
+        if policy == "skip" and attempt > 0:
+            # A retried run's work was never done: reporting it as done (SUCCESS/None)
+            # would lose it. Retry again; when retries run out it fails with the reason.
+            policy = "retry"
+        if policy == "skip":
             logger.info("Skipped task %s[%s]: %s", self.name, self.request.id, exc)
             return None
-        if single.on_duplicate == "retry":
+        if policy == "retry":
             raise self.retry(countdown=single.retry_countdown, exc=exc)
         raise exc
 
-    def _run(self, lease: Lease, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run(
+        self,
+        lease: Lease,
+        marker: Lease | None,
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         fence = fencing.enter(lease)
         current = _current.set(lease)
         running = _running.set(_running.get() | {name})
         started = time.monotonic()
         try:
+            if self._single.claim is not None:
+                self._claim(lease, args, kwargs)
             result = super().__call__(*args, **kwargs)
+        except Retry as exc:
+            _running.reset(running)
+            _current.reset(current)
+            fencing.leave(fence)
+            self._keep_for_retry(lease, marker, exc, started)
+            raise
         except BaseException:
             _running.reset(running)
             _current.reset(current)
             fencing.leave(fence)
-            # Also for self.retry(): the lock is released and the retried run takes it again.
-            self._finish(lease, started, body_failed=True)
+            try:
+                self._finish(lease, started, body_failed=True)
+            finally:
+                _end_marker(marker)
             raise
         _running.reset(running)
         _current.reset(current)
         fencing.leave(fence)
-        self._finish(lease, started, body_failed=False)
+        try:
+            self._finish(lease, started, body_failed=False)
+        finally:
+            _end_marker(marker)
         return result
+
+    def _claim(self, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Claim the rows the run will change, with the run lock's token."""
+        claim = self._single.claim
+        assert claim is not None
+        targets = claim(**self._bind(args, kwargs).arguments)
+        if targets is None:
+            return
+        if not isinstance(targets, list | tuple):
+            targets = (targets,)
+        if targets:
+            lease.claim(*targets)
+
+    def _keep_for_retry(
+        self, lease: Lease, marker: Lease | None, retry: Retry, started: float
+    ) -> None:
+        """``self.retry()``: keep the run lock (and the marker) until the retry runs,
+        so that no copy can take the key during the countdown."""
+        backend = self._lock_backend()
+        if retry.is_eager or not backend.expires_on_server or not lease.held():
+            # An eager retry has already run; a lock that never expires on the server
+            # cannot be left behind (a retried run that then finds a copy retries again).
+            try:
+                self._finish(lease, started, body_failed=True)
+            finally:
+                _end_marker(marker)
+            return
+        delay = _until(retry.when)
+        try:
+            lease.release_after(min(delay + self._single.lease_ttl, MAX_TTL))
+        except LockError:
+            logger.exception("Could not keep lock %r for the retry of %s", lease.name, self.name)
+            finish_lease(lease, body_failed=True)
+        if marker is not None:
+            try:
+                marker.release_after(min(delay + self._single.unique_ttl, MAX_TTL))
+            except LockError:
+                logger.warning("Could not keep queue marker %r", marker.name, exc_info=True)
 
     def _finish(self, lease: Lease, started: float, *, body_failed: bool) -> None:
         """Release the run lock, or with ``lock_at_least_for`` leave it to expire then.
@@ -459,6 +654,7 @@ def single_execution(
     unique_while: str | None = None,
     unique_ttl: float = 3600.0,
     lock_at_least_for: float | None = None,
+    claim: Callable[..., Any] | None = None,
     app: Any = None,
     **task_options: Any,
 ) -> Any:
@@ -474,7 +670,7 @@ def single_execution(
     options = SingleExecution(
         key=key, ttl=ttl, backend=backend, timeout=timeout, on_duplicate=on_duplicate,
         retry_countdown=retry_countdown, unique_while=unique_while, unique_ttl=unique_ttl,
-        lock_at_least_for=lock_at_least_for,
+        lock_at_least_for=lock_at_least_for, claim=claim,
     )  # fmt: skip
     base = task_options.pop("base", SingleExecutionTask)
     if not (isinstance(base, type) and issubclass(base, SingleExecutionTask)):
@@ -501,6 +697,69 @@ def single_execution(
 def _marker_owner(task_id: str) -> str:
     """The queue marker's owner: the task id, so a retry (same id) re-takes it."""
     return f"celery-task:{task_id}"
+
+
+def _hold(backend: BaseBackend, name: str, owner: str, ttl: float) -> Lease | None:
+    """A renewed lease on ``name`` for ``owner``, who may hold it already (the queue
+    marker a worker keeps for the run it covers); None if someone else holds it."""
+    started = time.monotonic()
+    result = backend.acquire(name, owner, ttl, current_holder(), wait=0.0)
+    if not result.acquired:
+        info = backend.inspect(name)
+        # Not every backend treats a second acquire by the same owner as a success.
+        if info is None or info.owner != owner or not backend.extend(name, owner, ttl):
+            return None
+        result = AcquireResult(True, info.fencing_token, ttl)
+    lease = Lease(
+        backend=backend, name=name, owner=owner, fencing_token=result.fencing_token,
+        ttl=ttl, started=started, remaining=result.remaining,
+    )  # fmt: skip
+    due = lease._renewal_due()
+    if due is not None:
+        renewer(backend.alias).add(lease, due)
+    return lease
+
+
+def _end_marker(marker: Lease | None) -> None:
+    """Give back the queue marker kept for a run that has ended."""
+    if marker is None:
+        return
+    try:
+        marker.release()
+    except LockError:  # it runs out by itself within the run lock's ttl
+        logger.warning("Could not release queue marker %r", marker.name, exc_info=True)
+
+
+class _suppress_not_acquired(contextlib.suppress):
+    """``with _suppress_not_acquired(): return lock.acquire(...)``: go on if busy."""
+
+    def __init__(self) -> None:
+        super().__init__(LockNotAcquired)
+
+
+def _as_list(value: Any) -> list[Any] | None:
+    """A ``link``/``link_error`` option (one signature or several) as a list."""
+    if not value:
+        return None
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _attempt_of(extra: Mapping[str, Any]) -> int | None:
+    """The retry number recorded with a run lock (None: not recorded)."""
+    try:
+        return int(extra["celery_attempt"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _until(when: Any) -> float:
+    """Seconds until a retry's ``when`` (a countdown, an eta, or None)."""
+    if isinstance(when, dt.datetime):
+        return _publish_delay({"eta": when})
+    try:
+        return max(0.0, float(when or 0))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _publish_delay(options: Mapping[str, Any]) -> float:
