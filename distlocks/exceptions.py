@@ -21,9 +21,12 @@ class LockError(Exception):
     """
 
     def __init__(self, *args: Any) -> None:
-        from distlocks.redaction import redact
+        from distlocks.redaction import redact, redact_handled
 
         super().__init__(*(redact(arg) if isinstance(arg, str) else arg for arg in args))
+        # Made while a driver's error is handled, it is raised from that error, whose
+        # message every traceback quotes: that one is cleaned too.
+        redact_handled()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled as its message and attributes, without calling __init__ again, so

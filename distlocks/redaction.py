@@ -22,24 +22,99 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import unquote
 
 MASK = "***"
 
+#: Scheme names kept readable in front of a masked location, whatever separator
+#: follows them (``redis//***@host`` says more than ``***@host``), and never taken
+#: for a secret on their own.
+_SCHEMES = frozenset(
+    {
+        "redis",
+        "rediss",
+        "unix",
+        "redis+sentinel",
+        "rediss+sentinel",
+        "redis+cluster",
+        "rediss+cluster",
+        "http",
+        "https",
+        "zk",
+        "etcd",
+        "postgres",
+        "postgresql",
+        "digest",
+        "sasl",
+    }
+)
+#: Words a location's user name often is: not masked wherever they appear (they are
+#: masked in a location all the same, by the patterns).
+_NOT_SECRETS = _SCHEMES | {"user", "username", "default", "root", "admin", "postgres"}
+
 # scheme://user:password@host  ->  scheme://user:***@host, and scheme://token@host ->
-# scheme://***@host (some clients read a lone token there as the password). The user
-# information runs to the last "@" of the URL, since a careless password may itself
-# hold "@", ":" or "/"; masking too much is the safe way to be wrong.
-_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^\s'\"]*)@")
+# scheme://***@host (some clients read a lone token there as the password). A scheme
+# missing one character of "://" ("redis//", "redis:/", "redis:\\") is a URL all the
+# same. The user information runs to the last "@" of the URL, since a careless
+# password may itself hold "@", ":" or "/"; masking too much is the safe way to be wrong.
+_URL = re.compile(
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*(?:://|:/|//|:?\\\\|:\\))(?P<userinfo>[^\s'\"]*)@"
+)
+# Any run of characters with an "@" in it, up to a space, a quote or a bracket: what
+# lies before its last "@" may be user information, whatever the shape of the rest
+# (no scheme, "redis:pw@host", a percent-encoded or unicode password, a host list).
+_AT_TOKEN = re.compile(r"(?P<left>[^\s'\"`<>(){}\[\]]+)@")
+# What may stay readable of such a token's left part: a plain prefix ("url="), a
+# scheme and its separator, and (after "://") a plain user name.
+_HEAD = re.compile(
+    r"(?P<prefix>[\w.+\-=]*?)(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)"
+    r"(?P<sep>://|:?[/\\]+|:)(?P<rest>.*)",
+    re.DOTALL,
+)
+# A name before an "@" that cannot hide a password by itself (celery@worker-1):
+# shown as it is.
+_PLAIN = re.compile(r"[\w.+\-]*")
 
 
 def _mask_url(match: re.Match[str]) -> str:
     user, colon, _ = match["userinfo"].partition(":")
-    if colon and "/" not in user and "@" not in user:
+    if match["scheme"].endswith("://") and colon and _PLAIN.fullmatch(user):
         return f"{match['scheme']}{user}:{MASK}@"
     return f"{match['scheme']}{MASK}@"
+
+
+def _mask_left(left: str) -> str:
+    """The part of a token before its last "@", with whatever could be a credential
+    masked: everything but a plain prefix, a scheme and a plain user name."""
+    if _PLAIN.fullmatch(left):
+        return left
+    head = _HEAD.fullmatch(left)
+    if head is None:
+        return MASK
+    sep = head["sep"]
+    if sep != "://" and head["scheme"].lower() not in _SCHEMES:
+        return MASK
+    shown = head["prefix"] + head["scheme"] + sep
+    if sep == "://":
+        user, colon, _ = head["rest"].partition(":")
+        if colon and _PLAIN.fullmatch(user):
+            shown += f"{user}:"
+    return shown + MASK
+
+
+def _mask_patterns(text: str) -> str:
+    """``text`` with the credentials masked that patterns find (no settings read)."""
+    if "@" in text:
+        text = _URL.sub(_mask_url, text)
+        text = _AT_TOKEN.sub(lambda m: f"{_mask_left(m['left'])}@", text)
+    if "=" in text:
+        text = _PARAM.sub(lambda m: f"{m['head']}{MASK}", text)
+    if ":" in text:
+        text = _DICT_ITEM.sub(lambda m: f"{m['head']}'{MASK}'", text)
+    return text
 
 
 def _url_secrets(text: str) -> Iterator[str]:
@@ -50,7 +125,7 @@ def _url_secrets(text: str) -> Iterator[str]:
 
 # Where a URL parser may cut a careless password ("redis://u:pass/word@host" is host
 # "u", port "pass", path "/word@host" to urllib): each piece may be quoted alone.
-_CUTS = re.compile(r"[/?#@:;&=,\s]+")
+_CUTS = re.compile(r"[/?#@:;&=,\s\\]+")
 
 
 def _pieces(secret: str) -> Iterator[str]:
@@ -86,8 +161,8 @@ def _is_password_key(key: str) -> bool:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with the password of its user information replaced by ``***``."""
-    return _URL.sub(_mask_url, url)
+    """``url`` with every credential removed (see :func:`redact`)."""
+    return redact(url)
 
 
 def redact(text: Any) -> str:
@@ -95,67 +170,117 @@ def redact(text: Any) -> str:
     text = str(text)
     if not text:
         return text
-    if "@" in text:
-        text = _URL.sub(_mask_url, text)
-    if "=" in text:
-        text = _PARAM.sub(lambda m: f"{m['head']}{MASK}", text)
-    if ":" in text:
-        text = _DICT_ITEM.sub(lambda m: f"{m['head']}'{MASK}'", text)
-    for secret in configured_secrets():
+    # The configured secrets first: a pattern that masked part of one (a password
+    # holding a space) would leave the rest of it for no rule to find.
+    secrets, before_at = _configured()
+    for secret in secrets:
         if secret in text:
             text = text.replace(secret, MASK)
-    return text
+    if before_at is not None and "@" in text:
+        text = before_at.sub(MASK, text)
+    return _mask_patterns(text)
 
 
 def configured_secrets() -> tuple[str, ...]:
     """Every password the settings give distlocks' backends and Django's databases,
-    longest first (so a password that contains another is masked whole)."""
+    longest first (so a password that contains another is masked whole), and every
+    piece of a configured location that could be a credential."""
+    return _configured()[0]
+
+
+def _configured() -> tuple[tuple[str, ...], re.Pattern[str] | None]:
+    """The configured secrets, and a pattern of the user information of configured
+    locations where it stands before an "@" (for those too short to mask anywhere)."""
     try:
         from django.conf import settings
 
         if not settings.configured:
-            return ()
+            return (), None
         sources = (
             getattr(settings, "DISTLOCKS_BACKENDS", None),
             getattr(settings, "DATABASES", None),
             getattr(settings, "CACHES", None),
         )
     except Exception:
-        return ()
+        return (), None
     # Keyed by the setting objects themselves (kept alive by the cache, so an id is
     # never reused by a replacement setting while the cache still names it).
     cached = _cache.get("secrets")
     if cached is not None and all(a is b for a, b in zip(cached[0], sources, strict=True)):
-        return cached[1]
+        return cached[1], cached[2]
     found: set[str] = set()
+    userinfos: set[str] = set()
     for source in sources:
-        found.update(_secrets_in(source))
+        found.update(_secrets_in(source, userinfos=userinfos))
     # Very short strings would mask ordinary words; the patterns above cover the
-    # places where a short password appears (a URL, a parameter, a dict item).
-    secrets = tuple(sorted((s for s in found if len(s) >= 4), key=len, reverse=True))
-    _cache["secrets"] = (sources, secrets)
-    return secrets
+    # places where a short password appears (a URL, a parameter, a dict item, the
+    # user information of a configured location).
+    secrets = tuple(
+        sorted(
+            (s for s in found if len(s) >= 4 and s.strip()),
+            key=len,
+            reverse=True,
+        )
+    )
+    before_at = None
+    if userinfos:
+        choices = "|".join(map(re.escape, sorted(userinfos, key=len, reverse=True)))
+        before_at = re.compile(rf"(?:^|(?<=[\s'\"`<>(){{}}\[\]/:\\@,;=]))(?:{choices})(?=@)")
+    _cache["secrets"] = (sources, secrets, before_at)
+    return secrets, before_at
 
 
-_cache: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {}
+_cache: dict[str, tuple[tuple[Any, ...], tuple[str, ...], re.Pattern[str] | None]] = {}
 
 
-def _secrets_in(value: Any, depth: int = 0) -> Iterator[str]:
+def _secrets_in(value: Any, depth: int = 0, *, userinfos: set[str]) -> Iterator[str]:
     if depth > 6:
         return
     if isinstance(value, Mapping):
         for key, item in value.items():
             if isinstance(key, str) and _is_password_key(key) and isinstance(item, str):
                 yield from _pieces(item)
+                yield from _location_secrets(item, userinfos)
             elif isinstance(key, str) and key.lower() in _CREDENTIAL_LIST_KEYS:
                 yield from _credentials(item)
+                yield from _secrets_in(item, depth + 1, userinfos=userinfos)
             else:
-                yield from _secrets_in(item, depth + 1)
+                yield from _secrets_in(item, depth + 1, userinfos=userinfos)
     elif isinstance(value, str):
         yield from _secrets_of_text(value)
-    elif isinstance(value, Iterable) and not isinstance(value, bytes):
+        yield from _location_secrets(value, userinfos)
+    elif isinstance(value, bytes):
+        yield from _secrets_in(value.decode(errors="replace"), depth + 1, userinfos=userinfos)
+    elif isinstance(value, Iterable):
         for item in value:
-            yield from _secrets_in(item, depth + 1)
+            yield from _secrets_in(item, depth + 1, userinfos=userinfos)
+
+
+# Where user information may start in a location, whatever its shape.
+_STARTS = frozenset("/:\\@,;= \t")
+
+
+def _location_secrets(text: str, userinfos: set[str]) -> Iterator[str]:
+    """What of a configured ``text`` could be a credential, however malformed: every
+    substring between its start (or a "/", ":", "\\", "@", "," ...) and its last "@",
+    and the pieces of each comma-separated item's part before its last "@" but a
+    scheme or a plain user name. The substrings also go to ``userinfos``."""
+    if "@" not in text:
+        return
+    left = text[: text.rfind("@")]
+    for index in range(len(left)):
+        if index == 0 or left[index - 1] in _STARTS:
+            candidate = left[index:]
+            if candidate and candidate.lower() not in _NOT_SECRETS:
+                userinfos.add(candidate)
+                yield candidate
+                yield unquote(candidate)
+    for item in text.split(","):
+        head = item[: item.rfind("@")] if "@" in item else ""
+        for piece in _pieces(head.strip()):
+            # A scheme, a user name such as "root", a port or an address is no secret.
+            if piece.lower() not in _NOT_SECRETS and not re.fullmatch(r"[\d.]*", piece):
+                yield piece
 
 
 def _credentials(value: Any) -> Iterator[str]:
@@ -235,6 +360,15 @@ def redact_exception(exc: BaseException | None) -> None:
                     link = RedactedError.of(link)
                     setattr(exc, attribute, link)
                 pending.append(link)
+
+
+def redact_handled() -> None:
+    """:func:`redact_exception` on the exception being handled, if any: a
+    :class:`~distlocks.exceptions.LockError` made in an ``except`` block is raised
+    from (or in the context of) that driver error."""
+    handled = sys.exc_info()[1]
+    if handled is not None:
+        redact_exception(handled)
 
 
 class RedactedError(Exception):

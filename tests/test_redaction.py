@@ -12,12 +12,17 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.test import Client, override_settings
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from distlocks import lock
 from distlocks.checks import check_settings
 from distlocks.exceptions import LockError
 from distlocks.handler import backends
+from distlocks.redaction import redact
 from tests.test_livelocks_admin import _staff
+from tests.test_secret_search import secret_locations
 
 SECRET = "s3cretpw"
 REDIS = "distlocks.backends.redis.RedisBackend"
@@ -179,8 +184,6 @@ def test_the_command(bad: str, caplog: pytest.LogCaptureFixture) -> None:
 
 @override_settings(DEBUG=False)
 def test_a_password_in_databases_is_redacted_too(settings: Any) -> None:
-    from distlocks.redaction import redact
-
     password = settings.DATABASES["default"].get("PASSWORD") or ""
     if len(password) < 4:
         pytest.skip("the test database has no password to look for")
@@ -215,3 +218,67 @@ def test_log_records_of_distlocks_loggers_are_redacted(caplog: pytest.LogCapture
     assert caplog.records
     assert SECRET not in caplog.text
     assert "renewal failed" in caplog.text and "10.0.0.1" in caplog.text
+
+
+# -- issue 24, item 5: a LOCATION missing a character of "://", and its whole class ----
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        # One character of "://" missing: the user information is masked whole, the
+        # scheme, host and port stay readable.
+        ("redis//:pw@127.0.0.1:6379/0", "redis//***@127.0.0.1:6379/0"),
+        ("redis:/:pw@127.0.0.1:6379/0", "redis:/***@127.0.0.1:6379/0"),
+        ("rediss//:pw@h:6380", "rediss//***@h:6380"),
+        ("redis:pw@h", "redis:***@h"),
+        ("redis:\\\\:pw@h", "redis:\\\\***@h"),
+        ("LOCATION 'redis//user:pw@[::1]:1/0' is bad", "LOCATION 'redis//***@[::1]:1/0' is bad"),
+        # No scheme, several "@", percent-encoding: everything before the last "@".
+        ("u:p@ss@h:1", "***@h:1"),
+        ("%70w@h", "***@h"),
+        ("x/pw@h", "***@h"),
+        # A well-formed URL keeps its user name.
+        ("redis://user:pw@h:1/0", "redis://user:***@h:1/0"),
+        ("see url=redis://:pw@h:1/0", "see url=redis://:***@h:1/0"),
+        # A name before an "@" that cannot hold a password is left alone.
+        ("held by celery@worker-1.example", "held by celery@worker-1.example"),
+        ("no at sign here: redis://h:1/0", "no at sign here: redis://h:1/0"),
+    ],
+)
+def test_malformed_locations_are_masked_and_stay_readable(text: str, shown: str) -> None:
+    assert redact(text) == shown
+
+
+def test_a_short_secret_of_a_configured_location_is_masked_before_its_at(settings: Any) -> None:
+    """A location with no separator ("pw@host") matches no pattern: its user
+    information is known from the settings, and masked where it stands before "@"."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "short": {"BACKEND": REDIS, "LOCATION": "pw@127.0.0.1:1"},
+        "plain": {"BACKEND": REDIS, "LOCATION": "Kq7longsecret@127.0.0.1:1"},
+    }
+    assert redact("LOCATION 'pw@127.0.0.1:1' is bad") == "LOCATION '***@127.0.0.1:1' is bad"
+    assert redact("a parser quoted Kq7longsecret alone") == "a parser quoted *** alone"
+    # Elsewhere the same letters are not a secret.
+    assert redact("pw is short for password") == "pw is short for password"
+
+
+@hypothesis_settings(max_examples=300, deadline=None)
+@given(
+    case=secret_locations(), wrap=st.sampled_from(["{}", "{!r}", "LOCATION {!r}: bad", "[{!r}]"])
+)
+def test_no_configured_malformed_location_shows_its_secret(
+    case: tuple[str, str], wrap: str
+) -> None:
+    """Whatever its shape, a configured location shown whole (or quoted, or in a list)
+    shows nothing of its secret, and what follows its last "@" (host, port, path)
+    stays readable."""
+    core, location = case
+    with override_settings(
+        DISTLOCKS_BACKENDS={"default": {"BACKEND": REDIS, "LOCATION": location}}
+    ):
+        text = redact(wrap.format(location))
+        assert core[1:] not in text
+        if wrap == "{}":
+            assert text.endswith("@" + location.rpartition("@")[2])
