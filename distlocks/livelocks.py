@@ -53,6 +53,7 @@ from distlocks.backends.base import (
 )
 from distlocks.conf import conf
 from distlocks.handler import backend_configs, backends
+from distlocks.logs import log_expected
 from distlocks.redaction import escape_control, redact
 
 logger = logging.getLogger(__name__)
@@ -517,6 +518,9 @@ class Snapshot:
     errors: dict[str, str] = field(default_factory=dict)
     #: Aliases whose listing stopped at the limit.
     truncated: list[str] = field(default_factory=list)
+    #: alias -> what its backend said about the listing itself, for the operator (a
+    #: Redis listing index found lost and rebuilt, say); its locks are listed all the same.
+    notes: dict[str, list[str]] = field(default_factory=dict)
     #: Every alias asked for, in settings order.
     aliases: list[str] = field(default_factory=list)
     #: The moment, threshold and process checks the statuses were worked out with (the
@@ -632,8 +636,9 @@ def collect(
         if sources[alias] is None or first[sources[alias]] == alias
     ]
 
-    def read(alias: str) -> tuple[list[Row], bool, str]:
-        """The rows of one backend, whether the limit cut them short, and its error."""
+    def read(alias: str) -> tuple[list[Row], bool, str, list[str]]:
+        """The rows of one backend, whether the limit cut them short, its error and
+        its notes."""
         where = sources[alias]
         also = "\x00".join(
             other
@@ -641,22 +646,28 @@ def collect(
             if other != alias and where is not None and sources[other] == where
         )
         found: list[Row] = []
+        notes: list[str] = []
         append = found.append
         try:
             for item in _listing(get(alias)):
-                if len(found) >= limit:
-                    return found, True, ""
                 if type(item) is tuple:
+                    if len(found) >= limit:
+                        return found, True, "", notes
                     append(_summary_row(item, alias, also, now_us, context))
                     continue
+                if isinstance(item, str):
+                    notes.append(escape_control(redact(item)))
+                    continue
+                if len(found) >= limit:
+                    return found, True, "", notes
                 assert isinstance(item, LockInfo)
                 status, reason = classify(item, now=now, stuck_after=stuck_after, pid_gone=pid_gone)
                 append(_row(item, status, reason, also))
         except Exception as exc:
             # The page and the command must still answer: report this backend, go on.
-            logger.warning("Could not list the locks of backend %r", alias, exc_info=True)
-            return found, False, describe_error(exc)
-        return found, False, ""
+            log_expected(logger, exc, "Could not list the locks of backend %r", alias)
+            return found, False, describe_error(exc), notes
+        return found, False, "", notes
 
     if len(readers) > 1:
         with concurrent.futures.ThreadPoolExecutor(
@@ -673,11 +684,13 @@ def collect(
             if error:
                 snapshot.errors[alias] = error
             continue
-        found, truncated, error = results[alias]
+        found, truncated, error, notes = results[alias]
         if truncated:
             snapshot.truncated.append(alias)
         if error:
             snapshot.errors[alias] = error
+        if notes:
+            snapshot.notes[alias] = notes
         snapshot.rows.extend(found)
     classes = [where[0] for where in first]
     if len(set(classes)) < len(classes):

@@ -171,6 +171,22 @@ class IndexMachine(RuleBasedStateMachine):
         info = self.indexed.all_keys(name).lock.removesuffix(":lock") + ":sem:info"
         wait_for(lambda: not self.indexed.client.exists(info), what="the permit expired")
 
+    @rule(what=st.sampled_from(["hash", "marker", "permits", "hash, then an acquire"]))
+    def lose_index(self, what: str) -> None:
+        """The index loses a key (DEL, or eviction under an ``allkeys-*`` policy): the
+        next listing finds out, says so and lists every lock all the same."""
+        listed("indexed")  # built and whole before the loss
+        client = self.indexed.client
+        if what == "marker":
+            client.delete(self.indexed.index_marker_key)
+        elif what == "permits":
+            client.delete(self.indexed.index_permits_key)
+        else:
+            client.delete(self.indexed.index_key)
+            if what == "hash, then an acquire":
+                self.acquire("e", orphan=False, thread="t")  # the hash comes back, partly
+        self.lost = True
+
     def teardown(self) -> None:
         """The next example starts from an empty prefix (and builds its index again)."""
         client = self.indexed.client
@@ -178,16 +194,24 @@ class IndexMachine(RuleBasedStateMachine):
         if keys:
             client.delete(*keys)
 
+    lost = False
+
     @invariant()
     def listings_agree(self) -> None:
+        snapshot = livelocks.collect(["indexed"])
+        # A listing that found its index lost says so; one that did not says nothing.
+        assert bool(snapshot.notes.get("indexed")) == self.lost, snapshot.notes
+        self.lost = False
         from_index = listed("indexed")
+        assert not livelocks.collect(["indexed"]).notes  # rebuilt: whole again
         assert from_index == listed("scanned")
         locks = sorted((n, o, t) for n, o, t, _, kind, *_ in from_index if kind == "lock")
         assert locks == sorted((n, o, t) for n, (o, t) in self.held.items())
         permits = sorted((kind, o) for _, o, _, _, kind, *_ in from_index if kind != "lock")
         assert permits == sorted(self.permits)
-        # Every entry of an expired or released lock was dropped: one per held lock.
-        assert self.indexed.client.hlen(self.indexed.index_key) == len(self.held)
+        # Every entry of an expired or released lock was dropped: one per held lock
+        # (and the index's epoch field).
+        assert self.indexed.client.hlen(self.indexed.index_key) == len(self.held) + 1
         statuses = {n: s for n, _, _, s, kind, *_ in from_index if kind == "lock"}
         assert set(statuses.values()) <= {livelocks.OK, livelocks.ORPHANED}
 
@@ -224,10 +248,11 @@ def test_locks_taken_before_the_index_are_listed(pair: tuple[RedisBackend, Redis
     assert [(n, o) for n, o, _, _, kind, *_ in shown if kind != "lock"] == [("p", "permit-owner")]
     assert shown == listed("scanned")
     assert indexed.client.exists(indexed.index_marker_key)
-    assert indexed.client.hlen(indexed.index_key) == len(NAMES)  # the ghost was dropped
+    # The ghost was dropped; the index's epoch field came with the build.
+    assert indexed.client.hlen(indexed.index_key) == len(NAMES) + 1
     # From now on the scripts keep it: a release drops the entry.
     assert indexed.release("a", owners["a"])
-    assert indexed.client.hlen(indexed.index_key) == len(NAMES) - 1
+    assert indexed.client.hlen(indexed.index_key) == len(NAMES)
     assert listed("indexed") == listed("scanned")
 
 
@@ -307,6 +332,7 @@ def test_no_index_on_a_cluster(redis_cluster: Any) -> None:
 def test_the_rows_shown_get_their_waiters(pair: tuple[RedisBackend, RedisBackend]) -> None:
     """The index holds no waiter counts: the page's rows get theirs in one round trip."""
     indexed, _ = pair
+    listed("indexed")  # builds the index (the first listing reads every key)
     assert indexed.acquire("a", "me", LONG, holder()).acquired
     assert indexed.acquire("b{x}", "me", LONG, holder()).acquired
     # Another owner tries "a" while waiting: it registers as a waiter.
