@@ -1,4 +1,7 @@
-"""The ZooKeeper backend on a 3-server ensemble on loopback, through server faults.
+"""The ZooKeeper backend on a 3-server ensemble on loopback, through server faults:
+leaders killed while processes race, a holder through a leader change, a holder cut
+off from every server while the leader goes (a proxy in front of each server), and an
+acquisition made while no leader can be elected.
 
 Skipped, saying what to install, where java or the ZooKeeper jars are missing.
 """
@@ -7,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +24,7 @@ from distlocks import get_backend, lock
 from distlocks.exceptions import LockBackendUnavailable
 from distlocks.testing.zookeeper_server import ZooKeeperEnsemble, zookeeper_missing
 from tests import zookeeper_workers
+from tests.faults.proxy import FaultProxy
 
 pytestmark = [
     pytest.mark.skipif(bool(zookeeper_missing()), reason=zookeeper_missing()),
@@ -144,3 +150,108 @@ def test_a_holder_keeps_its_lock_through_a_leader_change(
     lease.release()
     thread.join(10)
     assert blocked.is_set()
+
+
+def zk_alias(settings: Any, alias: str, location: str, **options: Any) -> str:
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        alias: {"BACKEND": BACKEND, "LOCATION": location, "OPTIONS": options},
+    }
+    return alias
+
+
+def connected(alias: str) -> bool:
+    """Whether the backend answers (its client is connected again)."""
+    try:
+        get_backend(alias).contenders("-")
+    except LockBackendUnavailable:
+        return False
+    return True
+
+
+@pytest.fixture
+def proxies(ensemble: ZooKeeperEnsemble) -> Iterator[list[FaultProxy]]:
+    """A proxy in front of each server of the ensemble, to cut a client off."""
+    started = [FaultProxy(node.port).start() for node in ensemble.nodes]
+    yield started
+    for proxy in started:
+        proxy.close()
+
+
+def test_a_holder_cut_off_while_the_leader_goes_leaves_no_node_behind(
+    settings: Any, ensemble: ZooKeeperEnsemble, proxies: list[FaultProxy], name: str
+) -> None:
+    """The holder is cut off from every server while the leader goes. Its renewal
+    cannot tell whether its session lives: it declares the lease lost once the
+    session may have expired. The session lives on (the cut ends in time, and the
+    new leader gives every session a full timeout), so would its node, blocking
+    the lock for as long as the process lives; it is deleted once the holder is
+    back, and another client gets the lock."""
+    session_timeout, ttl = 6, 18  # renewals every 6 s: the first one after the cut
+    holder = zk_alias(
+        settings, "zkh", ",".join(f"127.0.0.1:{proxy.port}" for proxy in proxies),
+        session_timeout=session_timeout, connect_timeout=0.3, socket_timeout=0.3,
+    )  # fmt: skip
+    other = zk_alias(settings, "zko", ensemble.location, session_timeout=session_timeout)
+    lease = lock(name, backend=holder, ttl=ttl, timeout=10).acquire()
+    session = get_backend(holder).session_id()
+    # Only kazoo's pings for 2/3 of the session: the renewal cannot trust them.
+    quiet_until = time.monotonic() + session_timeout * 2 / 3 + 0.5
+    wait_for(lambda: time.monotonic() >= quiet_until, timeout=10)
+    assert lease.held()
+    for proxy in proxies:
+        proxy.drop()
+        proxy.reset()
+    ensemble.leader().kill()
+    wait_for(lambda: not lease.held(), timeout=30)
+    for proxy in proxies:
+        proxy.heal()
+    assert "no longer had it at renewal" in lease.lost_reason
+    assert not lease.release()
+    ensemble.wait_for_quorum()
+    wait_for(lambda: connected(holder), timeout=30)
+    # The scenario of this test: the holder's session outlived the cut.
+    assert get_backend(holder).session_id() == session
+    with lock(name, backend=other, ttl=ttl, timeout=30) as after:
+        assert after.fencing_token > lease.fencing_token
+    assert lease.owner not in get_backend(other).contenders(name)
+
+
+def test_an_acquire_waits_out_an_election(
+    settings: Any, ensemble: ZooKeeperEnsemble, name: str
+) -> None:
+    """The leader dies and one of the two others is paused: no leader can be elected
+    until it resumes. An acquire with a timeout made meanwhile waits it out, instead
+    of failing at its first attempt, and leaves one node."""
+    alias = zk_alias(settings, "zke", ensemble.location, session_timeout=6, connect_timeout=1,
+                     socket_timeout=1)  # fmt: skip
+    backend = get_backend(alias)
+    with lock(name, backend=alias, ttl=6, timeout=10):
+        pass
+    leader = ensemble.leader()
+    paused = next(node for node in ensemble.nodes if node is not leader)
+    leader.kill()
+    assert paused.pid
+    os.kill(paused.pid, signal.SIGSTOP)
+    outcome: list[Any] = []
+
+    def acquire() -> None:
+        try:
+            outcome.append(lock(name, backend=alias, ttl=6, timeout=60).acquire())
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=acquire)
+    try:
+        thread.start()
+        # Longer than a few attempts (each waits connect_timeout for a connection).
+        resume_at = time.monotonic() + 4
+        wait_for(lambda: bool(outcome) or time.monotonic() >= resume_at, timeout=10)
+    finally:
+        os.kill(paused.pid, signal.SIGCONT)
+    thread.join(90)
+    assert len(outcome) == 1 and not isinstance(outcome[0], Exception), outcome
+    lease = outcome[0]
+    assert lease.held()
+    assert backend.contenders(name) == [lease.owner]
+    lease.release()
