@@ -61,7 +61,7 @@ from distlocks.backends.base import (
     holder_details,
     moment,
 )
-from distlocks.backends.redis_primitives import RedisPermits
+from distlocks.backends.redis_primitives import FENCE_GRACE_MS, RedisPermits
 from distlocks.conf import conf
 from distlocks.exceptions import LockBackendUnavailable, LockError
 from distlocks.redaction import redact, redact_url
@@ -102,13 +102,17 @@ local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
 # of the lease on the name (``lease_end_ms``, server ms; 0 when none is live) and the
 # moment the clock passes its value (later than now when grants came faster than one
 # per microsecond, or Redlock raised it to a token minted by a master whose clock is
-# ahead). Every script that grants, renews or force-releases calls it.
+# ahead). Every script that grants, renews or force-releases calls it. It also keeps
+# the counter FENCE_GRACE_MS past its last change: a read right after a release or a
+# force release (the force-release report, fencing_counter()) still finds it, and a
+# small step back of the server clock right after a short lease is covered.
 _NEXT_TOKEN = """
 local function keep_fence(fence, lease_end_ms, now_ms)
   local value = redis.call('GET', fence)
   if not value then return end
   -- 2 ms spare: the division rounds, and the expiry counts from the command's time.
-  local at = math.max(lease_end_ms, math.floor(tonumber(value) / 1000) + 2)
+  local at = math.max(lease_end_ms, math.floor(tonumber(value) / 1000) + 2,
+                      now_ms + FENCE_GRACE_MS)
   redis.call('PEXPIRE', fence, math.max(1, at - now_ms))
 end
 local function next_token(fence, now, lease_end_ms)
@@ -118,7 +122,7 @@ local function next_token(fence, now, lease_end_ms)
   keep_fence(fence, lease_end_ms, now[1] * 1000 + math.floor(now[2] / 1000))
   return token
 end
-"""
+""".replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
 
 # Forget waiters whose registration expired (they crashed or gave up silently).
 _PRUNE = """

@@ -16,13 +16,16 @@ every key of one name shares the lock's Redis Cluster hash slot)::
     {prefix}:{<name>}:rw:rwait      zset: waiting readers -> end of registration
     {prefix}:{<name>}:rw:wsig       list: wake-ups for writers
     {prefix}:{<name>}:rw:rsig       list: wake-ups for readers
-    {prefix}:{<name>}:rw:fence      the write fencing counter (never expires)
+    {prefix}:{<name>}:rw:fence      the write fencing counter (expires once no lease on
+                                    the name is live and the clock has passed it)
 
 Each operation is one Lua script. Holders are scored by the end of their lease on
 the server's clock, so every script first drops the permits that ran out: a
 crashed holder's permit comes back when its lease ends, without anyone's help.
-The keys expire with the last permit. A release pushes a wake-up for the waiters
-that may now go in (BLPOP), as a lock's release does.
+The keys expire with the last permit; the write counter of a read-write lock once
+no token it could hand out next can repeat one issued (see ``keep_fence`` below and
+the plain lock's counter in :mod:`distlocks.backends.redis`). A release pushes a
+wake-up for the waiters that may now go in (BLPOP), as a lock's release does.
 
 With the backend's listing index, a grant also adds the info hash to the set
 ``{prefix}:listing:permits``, which a listing reads instead of walking every key; a
@@ -63,6 +66,10 @@ if TYPE_CHECKING:
 
 
 logger = logging.getLogger(__name__)
+
+#: How long a fencing counter is kept past its last change at the least (ms), by the
+#: plain lock's scripts (distlocks.backends.redis) and the read-write lock's below.
+FENCE_GRACE_MS = 5000
 
 _COMMON = """
 local now = redis.call('TIME')
@@ -242,12 +249,28 @@ return listing(KEYS[1], KEYS[2], redis.call('ZCARD', KEYS[3]))
 _RW = (
     _COMMON
     + """
+-- The write counter (KEYS[8]) is kept until the last lease on the name ends and the
+-- server clock has passed its value; then a counter started afresh from the clock is
+-- above every token issued before (2 ms spare for the rounding), and for the grace
+-- the plain lock's counter gets too. Called after every change of the leases' ends
+-- and of the counter.
+local function keep_fence()
+  local value = redis.call('GET', KEYS[8])
+  if not value then return end
+  local at = math.max(math.floor(tonumber(value) / 1000) + 2, now_ms + FENCE_GRACE_MS)
+  local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+  if #last > 0 then at = math.max(at, math.ceil(tonumber(last[2]))) end
+  redis.call('PEXPIRE', KEYS[8], math.max(1, at - now_ms))
+end
+
 -- The next write token: as for a lock, one more than the last and never below the
--- server clock in microseconds, so a lost counter cannot make tokens go back.
+-- server clock in microseconds, so a lost (or expired) counter cannot make tokens
+-- go back.
 local function next_token(fence)
   local token = math.max(tonumber(redis.call('GET', fence) or '0') + 1,
                          now[1] * 1000000 + now[2])
   redis.call('SET', fence, string.format('%d', token))
+  keep_fence()
   return token
 end
 
@@ -275,7 +298,7 @@ local function wake_rw()
   local readers = redis.call('ZCARD', KEYS[5])
   for _ = 1, math.min(readers, 1000) do signal(KEYS[7], readers) end
 end
-"""
+""".replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
 )
 
 # ARGV: kind ('read' or 'write'), owner, ttl ms, holder JSON, registration ms.
@@ -290,6 +313,7 @@ if redis.call('ZSCORE', KEYS[1], owner) then
   -- A retried request whose first reply was lost: it is ours.
   redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
   tidy(KEYS[1], KEYS[2], KEYS[3])
+  keep_fence()
   if KEYS[9] then redis.call('SADD', KEYS[9], KEYS[2]) end
   local token = 0
   if writer == owner then
@@ -330,6 +354,7 @@ end
 redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
 redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], kind, token, ttl))
 tidy(KEYS[1], KEYS[2], KEYS[3])
+keep_fence()
 if KEYS[9] then redis.call('SADD', KEYS[9], KEYS[2]) end
 return {1, token, ttl}
 """
@@ -365,6 +390,7 @@ end
 redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[3]), ARGV[2])
 renewed(KEYS[2], ARGV[2], tonumber(ARGV[3]))
 tidy(KEYS[1], KEYS[2], KEYS[3])
+keep_fence()
 return 1
 """
 )

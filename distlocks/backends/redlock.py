@@ -53,8 +53,8 @@ from urllib.parse import urlsplit
 from django.core.checks import CheckMessage, Warning
 
 from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
+from distlocks.backends.redis import _NEXT_TOKEN, RELEASE, RedisBackend
 from distlocks.backends.redis import ACQUIRE as SINGLE_ACQUIRE
-from distlocks.backends.redis import RELEASE, RedisBackend
 from distlocks.exceptions import LockBackendUnavailable, LockError
 from distlocks.redaction import redact_url
 
@@ -99,6 +99,7 @@ end
 # must then miss it), while a stale request leaves it as it is and is refused.
 ACQUIRE = (
     _OURS
+    + _NEXT_TOKEN
     + """
 local attempt = ARGV[#ARGV]
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
@@ -107,6 +108,9 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   end
   redis.call('HSET', KEYS[1], 'attempt', attempt)
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  local t = redis.call('TIME')
+  local t_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+  keep_fence(KEYS[2], t_ms + tonumber(ARGV[2]), t_ms)
   if tonumber(ARGV[8]) > 0 or ARGV[9] == '1' then
     -- As a fresh grant does: the owner is no longer waiting here.
     redis.call('ZREM', KEYS[3], ARGV[1])
@@ -128,16 +132,24 @@ return reply
 # KEYS: lock hash, fence counter. ARGV: owner, token, attempt id.
 # Second round of a grant: while this attempt's own entry is still there, raise the
 # fencing counter to the grant's token (the largest of the quorum) and record that
-# token in the lock hash, so every master of the quorum reports the same one.
-CONFIRM = """
+# token in the lock hash, so every master of the quorum reports the same one. The
+# token may come from a master whose clock is ahead of this one's: keep_fence() keeps
+# the counter until this master's clock has passed it too (and the entry has ended).
+CONFIRM = (
+    _NEXT_TOKEN
+    + """
 local entry = redis.call('HMGET', KEYS[1], 'owner', 'attempt')
 if entry[1] ~= ARGV[1] or entry[2] ~= ARGV[3] then return 0 end
 if tonumber(redis.call('GET', KEYS[2]) or '0') < tonumber(ARGV[2]) then
   redis.call('SET', KEYS[2], ARGV[2])
 end
 redis.call('HSET', KEYS[1], 'token', ARGV[2])
+local t = redis.call('TIME')
+local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+keep_fence(KEYS[2], now_ms + math.max(0, redis.call('PTTL', KEYS[1])), now_ms)
 return 1
 """
+)
 
 # KEYS and ARGV as the single-node release, plus ARGV[3]: an attempt id.
 # The release of what an attempt got and does not count on, which may reach a master
@@ -151,28 +163,42 @@ if not ours(KEYS[1], ARGV[1], ARGV[3]) then return 0 end
     + RELEASE
 )
 
-# KEYS: lock hash. ARGV: owner, expiry ms, ttl ms.
+# KEYS: lock hash, fence counter. ARGV: owner, expiry ms, ttl ms.
 # Compare-and-expire, as the single-node script, but the server keeps the lock for
 # the ttl plus the drift allowance while the hash records the ttl asked for. The entry
 # becomes the lease's: no give-back or request of an attempt can touch it any more,
-# so every entry this counts stays the lease's until it is released or expires.
-EXTEND = """
+# so every entry this counts stays the lease's until it is released or expires. The
+# counter is kept at least as long as the entry.
+EXTEND = (
+    _NEXT_TOKEN
+    + """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+local t = redis.call('TIME')
+local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+keep_fence(KEYS[2], now_ms + tonumber(ARGV[2]), now_ms)
 redis.call('HSET', KEYS[1], 'ttl', ARGV[3], 'attempt', 'lease')
 redis.call('HINCRBY', KEYS[1], 'renewals', 1)
 return 1
 """
+)
 
-# KEYS: lock hashes. ARGV: owner, expiry ms, ttl ms, for each key in turn.
+# KEYS: lock hashes, then their fence counters in the same order. ARGV: owner, expiry
+# ms, ttl ms, for each lock hash in turn.
 # EXTEND for the renewer's batch: one call per master; each entry is still
 # compare-and-expire on its own. Returns 1 or 0 per key.
-EXTEND_MANY = """
+EXTEND_MANY = (
+    _NEXT_TOKEN
+    + """
 local out = {}
-for i = 1, #KEYS do
+local n = #KEYS / 2
+local t = redis.call('TIME')
+local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+for i = 1, n do
   local at = 3 * (i - 1)
   if redis.call('HGET', KEYS[i], 'owner') == ARGV[at + 1] then
     redis.call('PEXPIRE', KEYS[i], ARGV[at + 2])
+    keep_fence(KEYS[n + i], now_ms + tonumber(ARGV[at + 2]), now_ms)
     redis.call('HSET', KEYS[i], 'ttl', ARGV[at + 3], 'attempt', 'lease')
     redis.call('HINCRBY', KEYS[i], 'renewals', 1)
     out[i] = 1
@@ -182,6 +208,7 @@ for i = 1, #KEYS do
 end
 return out
 """
+)
 
 _SCRIPTS = {
     "acquire": ACQUIRE,
@@ -749,8 +776,8 @@ class RedlockBackend(BaseBackend):
         args = [owner, _ms(ttl + self.drift(ttl)), _ms(ttl)]
 
         def extend(index: int) -> bool:
-            lock_key = self.masters[index].all_keys(name).lock
-            return bool(self._run(index, "extend", "extend", name, [lock_key], args))
+            keys = self.masters[index].all_keys(name)
+            return bool(self._run(index, "extend", "extend", name, [keys.lock, keys.fence], args))
 
         return self._by_quorum("extend", name, extend)
 
@@ -768,7 +795,9 @@ class RedlockBackend(BaseBackend):
                 args += (owner, _ms(ttl + self.drift(ttl)), _ms(ttl))
 
             def extend(index: int, chunk: Sequence[Any] = chunk, args: list[Any] = args) -> Any:
-                keys = [self.masters[index].all_keys(name).lock for name, _, _ in chunk]
+                master = self.masters[index]
+                keys = [master.all_keys(name).lock for name, _, _ in chunk]
+                keys += [master.all_keys(name).fence for name, _, _ in chunk]
                 what = f"{len(chunk)} leases"
                 return self._run(index, "extend_many", "renew", what, keys, args)
 
