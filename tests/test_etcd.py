@@ -154,8 +154,10 @@ def test_waiters_are_served_in_arrival_order_one_wake_up_per_release(
 
 
 def test_a_blocked_waiter_sends_nothing(own_etcd: EtcdServer) -> None:
-    """The waiter watches; it does not poll (a 30 s lease is renewed only every 10 s)."""
+    """The waiter watches; it does not poll (its waiter key's lease, made 30 s here, is
+    renewed only every 10 s)."""
     backend = backend_for(own_etcd.location)
+    backend.WAIT_TTL = 30.0
     holder = backend.acquire("quiet", "holder", 30, current_holder())
     assert holder.acquired
     waiting = threading.Event()
@@ -190,21 +192,30 @@ def _watching(server: EtcdServer) -> bool:
     return match is not None and float(match.group(1)) >= 1
 
 
-def test_a_waiter_whose_lease_ran_out_is_not_granted_on_it(etcd: EtcdBackend, name: str) -> None:
-    """The Jepsen lesson of etcd 3.4.3: a lock granted after a wait must be on a live lease."""
+@pytest.mark.parametrize("ended", ["both", "lock"])
+def test_a_waiter_whose_lease_ran_out_is_not_granted_on_it(
+    etcd: EtcdBackend, name: str, ended: str
+) -> None:
+    """The Jepsen lesson of etcd 3.4.3: a lock granted after a wait must be on a live
+    lease. A waiter has two: the lock's (ttl), and the short one its waiter key is on."""
     holder = current_holder()
     assert etcd.acquire(name, "holder", 30, holder).acquired
     assert not etcd.acquire(name, "waiter", 30, holder, wait=10).acquired
     queued = etcd._entries[(name, "waiter")]
-    # The waiter's lease ends while it waits (as after a long pause past its ttl).
+    old_lease = queued.lease
+    assert queued.wait_lease and queued.wait_lease != old_lease
+    # The waiter's leases end while it waits (as after a long pause past them); or only
+    # the lock's (a wait longer than the ttl): then it keeps its place.
     etcd._call("/v3/lease/revoke", {"ID": str(queued.lease)}, "test", name)
-    assert etcd.queue(name) == []
+    if ended == "both":
+        etcd._call("/v3/lease/revoke", {"ID": str(queued.wait_lease)}, "test", name)
+    assert etcd.queue(name) == ([] if ended == "both" else ["waiter"])
     assert etcd.release(name, "holder")
     result = etcd.acquire(name, "waiter", 30, holder, wait=10)
     assert result.acquired and result.remaining == 30
     info = etcd.inspect(name)
     assert info is not None and info.owner == "waiter"
-    assert int(info.extra["lease"], 16) != queued.lease
+    assert int(info.extra["lease"], 16) != old_lease
     assert info.expires_in is not None and info.expires_in.total_seconds() > 25
     assert etcd.release(name, "waiter")
 

@@ -207,6 +207,59 @@ def test_waiters_get_the_lock_in_turn_when_the_leader_is_killed(
     cluster.restart(leader)
 
 
+def test_an_acquire_waits_out_an_election_within_its_timeout(
+    settings: Any, cluster: EtcdCluster, name: str
+) -> None:
+    """The leader and one follower are SIGSTOPped: the third member has no leader and
+    answers that it cannot serve, the other two do not answer, for 4 s. A caller that
+    asked with timeout=15 meanwhile keeps trying (before: LockBackendUnavailable after
+    one pass over the members, about 3 s in) and gets the lock once the follower is
+    back and a new leader is elected."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "etcde": config(cluster.location),
+    }
+    leader = cluster.leader()
+    follower, third = [m for m in cluster.members if m is not leader]
+    stopped = [leader, follower]
+    outcome: list[Any] = []
+
+    def caller() -> None:
+        started = time.monotonic()
+        try:
+            outcome.append(lock(name, backend="etcde", ttl=5, timeout=15).acquire())
+        except Exception as exc:
+            outcome.append(exc)
+        outcome.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=caller)
+    try:
+        for member in stopped:
+            assert member.process is not None
+            os.kill(member.process.pid, signal.SIGSTOP)
+        wait_for(lambda: knows_no_leader(third), 10, "the third member without a leader")
+        thread.start()
+        # The election lasts 4 s (the scenario, not an assertion): the caller must keep
+        # trying all along. Then a quorum can form again.
+        thread.join(4)
+        assert process_alive(third.process.pid) if third.process else False
+        assert follower.process is not None
+        os.kill(follower.process.pid, signal.SIGCONT)
+        stopped.remove(follower)
+        thread.join(20)
+        assert not thread.is_alive()
+        assert outcome and not isinstance(outcome[0], Exception), outcome
+        lease = outcome[0]
+        assert lease.held()
+        lease.release()
+    finally:
+        for member in stopped:
+            if member.process is not None:
+                os.kill(member.process.pid, signal.SIGCONT)
+        thread.join(20)
+        cluster.wait_for_quorum()
+
+
 # -- a holder paused past its lease ----------------------------------------------------
 
 

@@ -138,8 +138,10 @@ def test_a_waiter_whose_lease_ran_out_is_granted_only_on_a_live_one(
 ) -> None:
     assert etcd.permit_acquire("write", name, "holder", 10, HOLDER).acquired
     assert not etcd.permit_acquire("write", name, "waiter", 10, HOLDER, wait=10).acquired
-    dead = etcd._permit_table()[("write", name, "waiter")].lease
-    etcd._revoke_quietly(dead)  # its lease ran out while it was paused
+    queued = etcd._permit_table()[("write", name, "waiter")]
+    dead = queued.lease
+    for lease in queued.leases():  # its leases ran out while it was paused
+        etcd._revoke_quietly(lease)
     assert etcd.permit_queue("write", name) == [("write", "holder")]
     assert etcd.permit_release("write", name, "holder")
     result = etcd.permit_acquire("write", name, "waiter", 10, HOLDER, wait=10)

@@ -45,7 +45,7 @@ import threading
 import time
 import urllib.parse
 import weakref
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, NoReturn, TypeVar
 
 from django.core.exceptions import ImproperlyConfigured
@@ -87,6 +87,12 @@ _TXN_BATCH = 100
 _IDLE_DEATHS = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
 
 
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """Mark a clean-up task's outcome as seen (its caller may have been cancelled)."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _new_lease_id() -> int:
     """A lease id for a grant (etcd takes the client's): random, positive, 62 bits."""
     return secrets.randbits(62) or 1
@@ -119,6 +125,15 @@ class _Entry:
     wait_rev: int = 0
     #: The lock key's create_revision once held (0: not held).
     lock_rev: int = 0
+    #: The short lease the waiter key lives on while queued (0: none), and its
+    #: seconds (0: not known to be granted). A waiter that dies goes with it within
+    #: seconds, whatever its ttl; the lock key goes on ``lease`` only when granted.
+    wait_lease: int = 0
+    wait_ttl: int = 0
+
+    def leases(self) -> list[int]:
+        """Every lease of this entry, to renew or revoke."""
+        return [lease for lease in (self.lease, self.wait_lease) if lease]
 
 
 # -- transport steps: what the protocol generators yield to a driver -------------------
@@ -190,16 +205,188 @@ _SEEN, _ENDED = "seen", "ended"
 #: The first and the longest pause before watching again after a stream that ended
 #: at once without an event (doubled each time in between).
 WATCH_RETRY_FIRST, WATCH_RETRY_MAX = 0.05, 1.0
+#: The first and the longest pause before a step is repeated during an election.
+ELECTION_RETRY_FIRST, ELECTION_RETRY_MAX = 0.1, 1.0
 
 
 @dataclasses.dataclass
 class _LoopSide:
     """One event loop's connections: those kept alive (most recently used last) and
-    the limits on requests in flight and on open watches."""
+    the limit on requests in flight, the waiters' shared watch and running clean-ups."""
 
     calls: asyncio.Semaphore
-    watches: asyncio.Semaphore
+    hub: _Hub
     idle: list[_etcd_http.Connection] = dataclasses.field(default_factory=list)
+    #: Clean-ups running as tasks of their own (kept here until done).
+    cleanups: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
+
+
+#: A hub's wake-up when the waiter must read the queue again before it watches (its
+#: revision is older than the hub's stream covers, or the history was compacted); and
+#: when the waiter's own lease is gone.
+_AGAIN, _GONE = "again", "gone"
+
+
+@dataclasses.dataclass(eq=False)
+class _Waiter:
+    """One caller waiting, in a hub, for the deletion of a key after ``revision``."""
+
+    future: asyncio.Future[str]
+    revision: int
+    #: Its waiter key's lease, renewed by the hub while it waits (0: none).
+    lease: int
+
+
+class _Hub:
+    """One event loop's waiters share one watch stream: every deletion under the
+    backend's lock and waiter keys (with the permit keys between them) from the
+    revision the first waiter read, dispatched to the waiters of each key. So a loop
+    needs one connection for any number of waiters, not one each. The stream runs
+    while anyone waits, and is opened again from the last revision seen when it ends.
+
+    A waiter registers with the revision it read its queue at: the deletions after it
+    are either still to come on the stream, or among the ones seen already, which the
+    hub remembers (the last :attr:`RECENT` keys). The waiters' own leases are renewed
+    together, one request for all, every third of their length."""
+
+    RECENT = 8192
+
+    def __init__(self, backend: EtcdBackend) -> None:
+        self.backend = backend
+        self.waiters: dict[str, list[_Waiter]] = {}
+        self.leases: dict[int, _Waiter] = {}
+        #: Revision of the last deletion seen of each key (oldest first).
+        self.recent: dict[str, int] = {}
+        #: Every deletion after ``floor`` is in ``recent`` or still to come.
+        self.floor = 0
+        #: The revision the next stream starts at.
+        self.resume = 0
+        self.stream: asyncio.Task[None] | None = None
+        self.renewer: asyncio.Task[None] | None = None
+
+    async def wait(self, key: str, revision: int, until: float, lease: int) -> str | bool:
+        """:data:`_SEEN` once ``key`` is deleted after ``revision``, :data:`_AGAIN` (read
+        the queue again, then wait), :data:`_GONE` (the waiter's lease ran out), False
+        at ``until`` (monotonic); LockBackendUnavailable when no member serves."""
+        loop = asyncio.get_running_loop()
+        if self.stream is None:
+            self.floor, self.resume = revision, revision + 1
+            self.recent.clear()
+            self.stream = loop.create_task(self._run())
+        elif revision < self.floor:
+            return _AGAIN
+        seen = self.recent.get(key, 0)
+        if seen > revision:
+            return _SEEN
+        waiter = _Waiter(loop.create_future(), revision, lease)
+        self.waiters.setdefault(key, []).append(waiter)
+        if lease:
+            self.leases[lease] = waiter
+            if self.renewer is None:
+                self.renewer = loop.create_task(self._renew())
+        try:
+            async with asyncio.timeout(max(0.0, until - time.monotonic())):
+                return await waiter.future
+        except TimeoutError:
+            return False
+        finally:
+            self._forget(key, waiter)
+
+    def _forget(self, key: str, waiter: _Waiter) -> None:
+        waiters = self.waiters.get(key, [])
+        with contextlib.suppress(ValueError):
+            waiters.remove(waiter)
+        if not waiters:
+            self.waiters.pop(key, None)
+        if waiter.lease and self.leases.get(waiter.lease) is waiter:
+            del self.leases[waiter.lease]
+        if not self.leases and self.renewer is not None:
+            self.renewer.cancel()
+            self.renewer = None
+        if not self.waiters and self.stream is not None:
+            # Nobody waits: the stream closes (its connection with it).
+            self.stream.cancel()
+            self.stream = None
+
+    def _wake(self, waiter: _Waiter, outcome: str | BaseException) -> None:
+        if waiter.future.done():
+            return
+        if isinstance(outcome, BaseException):
+            waiter.future.set_exception(outcome)
+        else:
+            waiter.future.set_result(outcome)
+
+    def _wake_all(self, outcome: str | BaseException) -> None:
+        for waiters in list(self.waiters.values()):
+            for waiter in waiters:
+                self._wake(waiter, outcome)
+
+    def deliver(self, events: list[dict[str, Any]]) -> None:
+        """Deletions seen on the stream (in revision order)."""
+        for event in events:
+            kv = event.get("kv") or {}
+            key = _unb64(kv.get("key")).decode(errors="replace")
+            revision = _int(kv.get("mod_revision"))
+            self.recent.pop(key, None)
+            self.recent[key] = revision
+            self.resume = max(self.resume, revision + 1)
+            for waiter in self.waiters.get(key, ()):
+                if revision > waiter.revision:
+                    self._wake(waiter, _SEEN)
+        while len(self.recent) > self.RECENT:
+            oldest = next(iter(self.recent))
+            self.floor = max(self.floor, self.recent.pop(oldest))
+
+    async def _run(self) -> None:
+        backend = self.backend
+        pause = 0.0
+        try:
+            while True:
+                try:
+                    outcome = await backend._arun(backend._watch_all_g(self.resume, self))
+                except LockBackendUnavailable as exc:
+                    if not getattr(exc, "election", False):
+                        raise
+                    outcome = _ENDED  # no member has a leader now: again, after a pause
+                if isinstance(outcome, int):
+                    # Compacted past the revision asked for: what was missed is unknown,
+                    # so every waiter reads its queue again.
+                    self.floor, self.resume = outcome - 1, outcome
+                    self.recent.clear()
+                    self._wake_all(_AGAIN)
+                    pause = 0.0
+                    continue
+                # Ended without a word: it is opened again from the last revision seen,
+                # after a pause (a member, or something in front of it, that ends every
+                # stream must not make a busy loop); the waiters meanwhile read their
+                # queues once more, so that a stream that never delivers strands none.
+                self._wake_all(_AGAIN)
+                pause = min(WATCH_RETRY_MAX, max(WATCH_RETRY_FIRST, pause * 2))
+                await asyncio.sleep(pause)
+        except LockError as exc:
+            self._wake_all(exc)
+        finally:
+            if self.stream is asyncio.current_task():
+                self.stream = None
+
+    async def _renew(self) -> None:
+        backend = self.backend
+        while True:
+            await asyncio.sleep(max(0.2, backend.WAIT_TTL / 3))
+            leases = list(self.leases)
+            if not leases:
+                continue
+            try:
+                left = await backend._arun(backend._keepalive_g(leases, "wait for", "*"))
+            except LockError:
+                # Retried at the next turn; a lease that runs out meanwhile only costs
+                # its waiter its place.
+                logger.debug("Could not renew the etcd waiters' leases", exc_info=True)
+                continue
+            for lease, seconds in zip(leases, left, strict=True):
+                waiter = self.leases.get(lease)
+                if seconds <= 0 and waiter is not None:
+                    self._wake(waiter, _GONE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -497,7 +684,10 @@ class EtcdBackend(EtcdPermits, BaseBackend):
             self._loops = weakref.WeakKeyDictionary()
 
     def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
+        # etcd's "require leader" metadata: a member without a leader (an election)
+        # refuses at once with gRPC UNAVAILABLE "no leader", which the caller waits out
+        # within its timeout, instead of holding the request until its own timeout.
+        headers = {"Content-Type": "application/json", "Grpc-Metadata-Hasleader": "true"}
         if self._auth_token:
             headers["Authorization"] = self._auth_token
         return headers
@@ -598,9 +788,9 @@ class EtcdBackend(EtcdPermits, BaseBackend):
     #: Requests one event loop has in flight at most (each on a connection of its own);
     #: more wait for one to finish, up to ASYNC_QUEUE_TIMEOUT.
     ASYNC_CALLS = 64
-    #: Watches (waiting callers) one event loop has open at most; a waiter beyond them
-    #: waits for a free one within its own wait, then tries the lock again.
-    ASYNC_WATCHES = 256
+    #: Seconds of the lease a waiter key lives on while queued (renewed every third of
+    #: it): how long a waiter that died holds up the ones behind it.
+    WAIT_TTL = 3.0
     ASYNC_QUEUE_TIMEOUT = 30.0
 
     def _loop_side(self) -> _LoopSide:
@@ -608,9 +798,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         loop = asyncio.get_running_loop()
         side = self._loops.get(loop)
         if side is None:
-            side = self._loops[loop] = _LoopSide(
-                asyncio.Semaphore(self.ASYNC_CALLS), asyncio.Semaphore(self.ASYNC_WATCHES)
-            )
+            side = self._loops[loop] = _LoopSide(asyncio.Semaphore(self.ASYNC_CALLS), _Hub(self))
         return side
 
     async def _arun(
@@ -781,6 +969,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         count = len(self.endpoints)
         tried: set[int] = set()
         fresh = False
+        answered = False  # a member answered that it cannot serve now (an election)
         while True:
             index: int | None = None
             if fresh:
@@ -809,7 +998,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                     # not applied, or is retry-safe like a timeout: see docs).
                     yield _Discard(reply.conn)
                     tried.add(reply.index)
-                    last, fresh = refused, True
+                    last, fresh, answered = refused, True, True
                     continue
                 try:
                     self._raise_answer(status, data, action, name, path, body)
@@ -836,7 +1025,9 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                 ) from exc
             return answer
         assert last is not None
-        raise self._unavailable(action, name, last) from last
+        error = self._unavailable(action, name, last)
+        error.election = answered  # type: ignore[attr-defined]
+        raise error from last
 
     def _raise_answer(
         self, status: int, data: bytes, action: str, name: str, path: str, body: Any
@@ -875,6 +1066,33 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                 f"{name!r}): check OPTIONS['user'] / ['password'] or the LOCATION's user"
             ) from exc.__cause__
         self._auth_token = str(answer.get("token", ""))
+
+    def _retrying_g(
+        self,
+        deadline: float,
+        make: Callable[[], Generator[Any, Any, T]],
+        action: str,
+        name: str,
+    ) -> Generator[Any, Any, T]:
+        """Run the steps ``make()`` builds, again after a pause (0.1 s doubling to 1 s)
+        while the cluster is electing a leader (a member answered that it cannot serve
+        now) and ``deadline`` (monotonic) leaves time for it; the steps must be safe to
+        repeat. A cluster nobody answers for fails at once, as before."""
+        pause = ELECTION_RETRY_FIRST
+        while True:
+            try:
+                return (yield from make())
+            except LockBackendUnavailable as exc:
+                if not getattr(exc, "election", False) or time.monotonic() + pause >= deadline:
+                    raise
+                logger.info(
+                    "etcd %s has no leader now (%s %r); trying again within the timeout",
+                    self.location,
+                    action,
+                    name,
+                )
+            yield _Pause(pause)
+            pause = min(ELECTION_RETRY_MAX, pause * 2)
 
     def _unavailable(self, action: str, name: str, exc: BaseException) -> LockBackendUnavailable:
         detail = redact(f"{type(exc).__name__}: {exc}")
@@ -1121,46 +1339,129 @@ class EtcdBackend(EtcdPermits, BaseBackend):
     async def _abandon(
         self, name: str, owner: str, unanswered: list[_etcd_http.Connection]
     ) -> None:
-        """A cancelled acquire: revoke its lease, which takes with it the waiter key and
-        a lock key the interrupted transaction may have written. The lease id is known
-        before the grant is sent, so even a grant whose answer never came is revoked;
-        the answer of the interrupted request is read first (on its connection, within
-        the socket timeout), so that its grant cannot land after the revocation."""
+        """A cancelled acquire: revoke its leases, which takes with them the waiter key
+        and a lock key the interrupted transaction may have written. The lease ids are
+        known before the grants are sent, so even a grant whose answer never came is
+        revoked; the answer of the interrupted request is read first (on its connection,
+        within the socket timeout), so that its grant cannot land after the revocation.
+        It runs as a task of its own: cancelling the caller again does not stop it."""
         entry = self._entries.pop((name, owner), None)
+        leases = entry.leases() if entry is not None else []
+
+        def revoke() -> Generator[Any, Any, None]:
+            for lease in leases:
+                yield from self._revoke_quietly_g(lease)
+
+        await asyncio.shield(self._clean_up(revoke, unanswered))
+
+    def _clean_up(
+        self,
+        steps: Callable[[], Generator[Any, Any, None]],
+        unanswered: Sequence[_etcd_http.Connection] = (),
+    ) -> asyncio.Task[None]:
+        """Run the clean-up ``steps`` (a protocol generator, made anew if it has to be
+        run again) as a task of its own, kept by the loop's side until done: a caller
+        cancelled while it runs leaves it running, bounded by :meth:`_clean_up_deadline`.
+        If the task itself is cancelled (the loop is going away), a thread finishes it."""
+        side = self._loop_side()
+        task = asyncio.get_running_loop().create_task(self._clean_up_task(steps, list(unanswered)))
+        side.cleanups.add(task)
+        task.add_done_callback(side.cleanups.discard)
+        task.add_done_callback(_retrieved)
+        return task
+
+    def _clean_up_deadline(self) -> float:
+        """Seconds a clean-up may take: a connection and two answers per endpoint."""
+        return (self.connect_timeout + 2 * self.socket_timeout) * len(self.endpoints)
+
+    async def _clean_up_task(
+        self,
+        steps: Callable[[], Generator[Any, Any, None]],
+        unanswered: list[_etcd_http.Connection],
+    ) -> None:
+        seconds = self._clean_up_deadline()
         try:
-            for conn in unanswered:
-                try:
-                    async with asyncio.timeout(self.socket_timeout):
-                        await conn.finish()
-                except (OSError, EOFError, http.client.HTTPException):
-                    pass  # not answered: the lease runs out by itself if it was granted
-                finally:
-                    conn.close()
-            if entry is not None:
-                await self._arun(self._revoke_quietly_g(entry.lease))
-        except BaseException:
-            # Cancelled again (or the loop is going away): finish it off the loop.
+            async with asyncio.timeout(seconds):
+                for conn in unanswered:
+                    try:
+                        async with asyncio.timeout(self.socket_timeout):
+                            await conn.finish()
+                    except (OSError, EOFError, ValueError, http.client.HTTPException):
+                        pass  # not answered: a lease it granted runs out by itself
+                    except TimeoutError:
+                        pass
+                    finally:
+                        conn.close()
+                await self._arun(steps())
+        except asyncio.CancelledError:
+            # Only the loop going away cancels this task: finish it off the loop.
             for conn in unanswered:
                 conn.close()
-            if entry is not None:
-                threading.Thread(
-                    target=self._revoke_quietly, args=(entry.lease,), daemon=True
-                ).start()
+            threading.Thread(target=self._sync_quietly, args=(steps,), daemon=True).start()
             raise
+        except TimeoutError:
+            raise LockBackendUnavailable(
+                self.alias,
+                f"clean-up not finished within {seconds:g} s on etcd {self.location}; "
+                f"its leases end by themselves",
+            ) from None
+
+    def _sync_quietly(self, steps: Callable[[], Generator[Any, Any, None]]) -> None:
+        try:
+            self._sync(steps())
+        except Exception:
+            logger.warning("An etcd clean-up failed (its leases end by themselves)", exc_info=True)
 
     def _acquire_g(
+        self, name: str, owner: str, ttl: float, holder: Holder, wait: float, fair: bool
+    ) -> Generator[Any, Any, AcquireResult]:
+        """One acquisition attempt; an election (a member answering that it has no
+        leader, or that the leader changed) is waited out within ``wait`` seconds: every
+        step is safe to repeat (the lease ids are the client's, the transaction finds a
+        lock its lost reply granted by the owner in the key)."""
+        began = time.monotonic()
+        last = began
+
+        def attempt() -> Generator[Any, Any, AcquireResult]:
+            nonlocal last
+            last = time.monotonic()
+            return self._acquire_once_g(name, owner, ttl, holder, wait, fair)
+
+        result = yield from self._retrying_g(began + wait, attempt, "acquire", name)
+        if result.acquired and result.remaining is not None and last > began:
+            # The caller counts the lease from when it called; the attempt that got it
+            # renewed (or granted) the lease only when it began.
+            result = dataclasses.replace(result, remaining=result.remaining + (last - began))
+        return result
+
+    def _acquire_once_g(
         self, name: str, owner: str, ttl: float, holder: Holder, wait: float, fair: bool
     ) -> Generator[Any, Any, AcquireResult]:
         action = "acquire"
         entry = self._entries.get((name, owner))
         if entry is not None and entry.lease_ttl:
-            # Back from a wait (or a retry): renew the lease first and make sure it is
-            # still alive, so the lease handed out is good for its whole ttl (a lock
+            # Back from a wait (or a retry): renew the leases first and make sure they
+            # are still alive, so the lease handed out is good for its whole ttl (a lock
             # granted on a lease that ran out while queued is the bug Jepsen found in
             # etcd 3.4.3's lock).
-            left = (yield from self._keepalive_g([entry.lease], action, name))[0]
-            if left <= 0:
-                entry = None  # expired while queued: its waiter key went with it
+            leases = entry.leases()
+            left = dict(
+                zip(leases, (yield from self._keepalive_g(leases, action, name)), strict=True)
+            )
+            if entry.wait_lease and left[entry.wait_lease] <= 0:
+                # The waiter key went with its lease (a pause longer than it): queue again.
+                entry.wait_lease = entry.wait_ttl = entry.wait_rev = 0
+            if left[entry.lease] <= 0:
+                if not entry.wait_lease:
+                    self._entries.pop((name, owner), None)
+                    entry = None
+                else:
+                    # The lock's lease ran out during a wait longer than the ttl (no key
+                    # is on it): a new one, the place in the queue kept.
+                    entry.lease, entry.lease_ttl = _new_lease_id(), 0
+                    entry.lease, entry.lease_ttl = yield from self._grant_g(
+                        ttl, action, name, entry.lease
+                    )
         if entry is None or not entry.lease_ttl:
             # Known (to a cancelled caller's clean-up) before the grant is sent.
             entry = _Entry(_new_lease_id(), 0)
@@ -1180,19 +1481,35 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                 if outcome is None:
                     continue  # something was set up (fence, floor, queue place): again
                 if outcome.acquired:
+                    if entry.wait_lease:
+                        # The grant deleted the waiter key: its lease has no use left.
+                        lease, entry.wait_lease, entry.wait_ttl = entry.wait_lease, 0, 0
+                        yield from self._revoke_quietly_g(lease)
                     return AcquireResult(True, outcome.fencing_token, remaining)
                 if wait > 0:
                     return outcome
                 # Try once: nothing of this attempt stays on the server.
                 self._entries.pop((name, owner), None)
-                yield from self._revoke_quietly_g(entry.lease)
+                yield from self._revoke_all_g(entry)
                 return outcome
         except _LeaseGone:
-            # The lease ran out between the renewal and the transaction (a long pause):
+            # A lease ran out between the renewal and the transaction (a long pause):
             # the next attempt starts afresh.
             self._entries.pop((name, owner), None)
+            yield from self._revoke_all_g(entry)
             return AcquireResult(False, 0, None)
         raise LockError(f"Could not take lock {name!r} on backend {self.alias!r}: no progress.")
+
+    def _revoke_all_g(self, entry: _Entry) -> Generator[Any, Any, None]:
+        for lease in entry.leases():
+            yield from self._revoke_quietly_g(lease)
+
+    def _wait_lease_g(self, name: str, entry: _Entry) -> Generator[Any, Any, None]:
+        """Grant the short lease the waiter key will live on (its id known before)."""
+        entry.wait_lease, entry.wait_ttl = _new_lease_id(), 0
+        entry.wait_lease, entry.wait_ttl = yield from self._grant_g(
+            self.WAIT_TTL, "acquire", name, entry.wait_lease
+        )
 
     def _attempt_g(
         self, name: str, owner: str, entry: _Entry, value: str, queue: bool, fair: bool
@@ -1211,10 +1528,18 @@ class EtcdBackend(EtcdPermits, BaseBackend):
             {"requestRange": {"key": lock}},
             {"requestRange": {"key": fence}},
         ]
-        if queue:
+        # Queue only on the waiter's own short lease (granted when first needed).
+        queued_now = queue and entry.wait_ttl > 0
+        if queued_now:
             failure += [
                 # Queue (a put keeps the create_revision of a key that exists).
-                {"requestPut": {"key": wait_key, "value": _b64(value), "lease": str(entry.lease)}},
+                {
+                    "requestPut": {
+                        "key": wait_key,
+                        "value": _b64(value),
+                        "lease": str(entry.wait_lease),
+                    }
+                },
                 self._queue_range(self.wait_prefix(name)),
             ]
         answer = yield from self._txn_g(
@@ -1235,7 +1560,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
             entry.wait_rev, entry.lock_rev = 0, revision
             return AcquireResult(True, token_of(revision, fence_kv))
         lock_kvs, fence_kvs = _kvs(responses[0]), _kvs(responses[1])
-        if queue:
+        if queued_now:
             queued = _kvs(responses[3])
             mine = self.wait_key(name, owner)
             keys = [_unb64(kv["key"]).decode() for kv in queued]
@@ -1252,6 +1577,9 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                 return (yield from self._adopt_g(name, owner, entry, held, fence_kvs))
             if not fence_kvs:
                 yield from self._create_fence_g(name)
+            if queue and not queued_now:
+                yield from self._wait_lease_g(name, entry)
+                return None  # queue, on it
             if queue:
                 return AcquireResult(False, 0, None)
             return AcquireResult(False, 0, (yield from self._remaining_of_g(held, name)))
@@ -1262,6 +1590,9 @@ class EtcdBackend(EtcdPermits, BaseBackend):
             return None
         # Free, but others queue before this caller.
         if queue and first:
+            return None
+        if queue and not queued_now:
+            yield from self._wait_lease_g(name, entry)
             return None
         return AcquireResult(False, 0, None)
 
@@ -1383,6 +1714,8 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         any more: False."""
         entry = self._entries.pop((name, owner), None)
         if entry is not None and entry.lock_rev:
+            if entry.wait_lease:
+                yield from self._revoke_quietly_g(entry.wait_lease)
             try:
                 yield from self._call_g(
                     "/v3/lease/revoke", {"ID": str(entry.lease)}, "release", name
@@ -1391,7 +1724,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                 return False
             return True
         if entry is not None:
-            yield from self._revoke_quietly_g(entry.lease)
+            yield from self._revoke_all_g(entry)
         # Not this process's (or forgotten): find the owner's lock on the server and
         # delete it only if it is still that incarnation on that lease.
         lock = _b64(self.lock_key(name))
@@ -1422,17 +1755,25 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         self._sync(self._leave_queue_g(name, owner))
 
     async def aleave_queue(self, name: str, owner: str) -> None:
-        await self._arun(self._leave_queue_g(name, owner))
+        entry = self._entries.pop((name, owner), None)
+        # A task of its own, so that cancelling the caller (again) cannot interrupt it.
+        await asyncio.shield(self._clean_up(lambda: self._leave_g(name, owner, entry)))
 
     def _leave_queue_g(self, name: str, owner: str) -> Generator[Any, Any, None]:
         entry = self._entries.pop((name, owner), None)
+        yield from self._leave_g(name, owner, entry)
+
+    def _leave_g(self, name: str, owner: str, entry: _Entry | None) -> Generator[Any, Any, None]:
+        """Leave the queue of ``name``: revoke ``entry``'s leases, or delete ``owner``'s
+        waiter key when this process knows none. Safe to repeat."""
         if entry is not None:
-            # Revoking the lease deletes the waiter key, and a lock key a lost reply
-            # may have granted on it: nothing of this attempt stays.
-            with contextlib.suppress(_LeaseGone):
-                yield from self._call_g(
-                    "/v3/lease/revoke", {"ID": str(entry.lease)}, "leave the queue of", name
-                )
+            # Revoking the leases deletes the waiter key, and a lock key a lost reply
+            # may have granted: nothing of this attempt stays.
+            for lease in entry.leases():
+                with contextlib.suppress(_LeaseGone):
+                    yield from self._call_g(
+                        "/v3/lease/revoke", {"ID": str(lease)}, "leave the queue of", name
+                    )
             return
         yield from self._call_g(
             "/v3/kv/deleterange",
@@ -1548,7 +1889,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         for key, value in list(self._entries.items()):
             if value is entry:
                 self._entries.pop(key, None)
-        yield from self._revoke_quietly_g(entry.lease)
+        yield from self._revoke_all_g(entry)
 
     def _move_g(
         self, name: str, owner: str, entry: _Entry, ttl: float
@@ -1599,21 +1940,21 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         if timeout <= 0:
             return
         self._check_pid()
-        watches = self._loop_side().watches
-        if watches.locked():
-            # Every watch of this loop is taken: wait for one within this wait (the
-            # caller tries the lock again after it either way).
-            try:
-                async with asyncio.timeout(timeout):
-                    await watches.acquire()
-            except TimeoutError:
+        deadline = time.monotonic() + timeout
+        entry = self._entries.get((name, owner)) if owner else None
+        hub = self._loop_side().hub
+        while True:
+            watched, revision = await self._arun(
+                self._retrying_g(
+                    deadline, lambda: self._ahead_g(name, owner, entry), "wait for", name
+                )
+            )
+            if not watched:
                 return
-        else:
-            await watches.acquire()
-        try:
-            await self._arun(self._wait_g(name, timeout, owner))
-        finally:
-            watches.release()
+            lease = entry.wait_lease if entry is not None and entry.wait_rev else 0
+            outcome = await hub.wait(watched, revision, deadline, lease)
+            if outcome != _AGAIN or time.monotonic() >= deadline:
+                return  # seen, the deadline, or the waiter's lease gone: acquire says
 
     def _wait_g(self, name: str, timeout: float, owner: str) -> Generator[Any, Any, None]:
         """Until the key just before ``owner``'s waiter key is deleted (the lock key, for
@@ -1622,11 +1963,15 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         waiter's lease is renewed every third of its length meanwhile."""
         deadline = time.monotonic() + max(0.0, timeout)
         entry = self._entries.get((name, owner)) if owner else None
-        renew_every = max(0.5, entry.lease_ttl / 3) if entry is not None else 0.0
+        if entry is not None and not (entry.wait_rev and entry.wait_ttl):
+            entry = None  # not queued: nothing of its own to renew
+        renew_every = max(0.2, entry.wait_ttl / 3) if entry is not None else 0.0
         renew_at = time.monotonic() + renew_every
         pause = 0.0  # before watching again after a stream that ended without an event
         while True:
-            watched, revision = yield from self._ahead_g(name, owner, entry)
+            watched, revision = yield from self._retrying_g(
+                deadline, lambda: self._ahead_g(name, owner, entry), "wait for", name
+            )
             if not watched:
                 return
             slice_end = min(deadline, renew_at) if entry is not None else deadline
@@ -1643,7 +1988,7 @@ class EtcdBackend(EtcdPermits, BaseBackend):
             if time.monotonic() >= deadline:
                 return
             if entry is not None and time.monotonic() >= renew_at:
-                left = yield from self._keepalive_g([entry.lease], "wait for", name)
+                left = yield from self._keepalive_g([entry.wait_lease], "wait for", name)
                 if left[0] <= 0:
                     return  # the waiter's lease ran out: acquire queues it again
                 renew_at = time.monotonic() + renew_every
@@ -1680,6 +2025,70 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         of its own, closed after."""
         return bool(self._sync(self._watch_delete_g(key, start_revision, until, name)))
 
+    def _open_watch_g(self, payload: bytes, name: str) -> Generator[Any, Any, None]:
+        """Open a watch stream through the first member that serves it (the driver keeps
+        it for the _NextLine steps that follow); LockBackendUnavailable when none does,
+        marked ``election`` when one answered that it cannot serve now."""
+        last: BaseException | None = None
+        answered = False
+        count = len(self.endpoints)
+        for offset in range(count):
+            index = (self._preferred + offset) % count
+            reply = yield _OpenWatch("/v3/watch", payload, self._headers(), index)
+            if reply.error is not None:
+                last = reply.error
+                continue
+            if reply.status != 200:
+                refused = _unavailable_answer(reply.status, reply.data)
+                if refused is None:
+                    self._raise_answer(reply.status, reply.data, "wait for", name, "", None)
+                last, answered = refused, True  # this member cannot serve now: the next
+                continue
+            return
+        assert last is not None
+        error = self._unavailable("wait for", name, last)
+        error.election = answered  # type: ignore[attr-defined]
+        raise error from last
+
+    def _watch_all_g(self, start_revision: int, hub: _Hub) -> Generator[Any, Any, str | int]:
+        """The hub's stream: every deletion under the lock and waiter keys from
+        ``start_revision`` on, handed to ``hub.deliver``, until the stream ends
+        (:data:`_ENDED`) or the history was compacted (the revision it starts at now)."""
+        first = f"{self.prefix}/lock/"
+        payload = json.dumps(
+            {
+                "create_request": {
+                    "key": _b64(first),
+                    "range_end": _prefix_end(f"{self.prefix}/wait/"),
+                    "start_revision": str(start_revision),
+                    "filters": ["NOPUT"],
+                }
+            }
+        ).encode()
+        yield from self._open_watch_g(payload, "*")
+        while True:
+            line, error = yield _NextLine(3600.0)
+            if error is not None:
+                if isinstance(error, ConnectionError | http.client.IncompleteRead):
+                    return _ENDED
+                raise self._unavailable("wait for", "*", error) from error
+            if line is None:
+                continue  # quiet for an hour: keep listening
+            if not line:
+                return _ENDED
+            try:
+                result = _watch_result(line)
+            except ValueError as exc:
+                raise self._unavailable("wait for", "*", exc) from exc
+            compacted = _int(result.get("compact_revision"))
+            if compacted:
+                return compacted
+            if result.get("canceled"):
+                return _ENDED  # the member dropped it (lost its leader): open it again
+            events = result.get("events")
+            if isinstance(events, list) and events:
+                hub.deliver(events)
+
     def _watch_delete_g(
         self, key: str, start_revision: int, until: float, name: str
     ) -> Generator[Any, Any, str | bool]:
@@ -1695,24 +2104,12 @@ class EtcdBackend(EtcdPermits, BaseBackend):
                 }
             }
         ).encode()
-        last: BaseException | None = None
-        count = len(self.endpoints)
-        for offset in range(count):
-            index = (self._preferred + offset) % count
-            reply = yield _OpenWatch("/v3/watch", payload, self._headers(), index)
-            if reply.error is not None:
-                last = reply.error
-                continue
-            if reply.status != 200:
-                refused = _unavailable_answer(reply.status, reply.data)
-                if refused is None:
-                    self._raise_answer(reply.status, reply.data, "wait for", name, "", None)
-                last = refused  # this member cannot serve now: the next one
-                continue
-            break
-        else:
-            assert last is not None
-            raise self._unavailable("wait for", name, last) from last
+        try:
+            yield from self._open_watch_g(payload, name)
+        except LockBackendUnavailable as exc:
+            if getattr(exc, "election", False):
+                return _ENDED  # no member has a leader now: look again, after a pause
+            raise
         while True:
             left = until - time.monotonic()
             if left <= 0:

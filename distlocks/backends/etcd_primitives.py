@@ -84,6 +84,18 @@ class _Permit:
     granted: bool = False
     #: A revision at which a try-once semaphore request found room (0: none yet).
     counted: int = 0
+    #: The short lease a queued request's key lives on until it holds (0: none), and
+    #: its seconds: a waiter that dies goes within seconds, whatever its ttl.
+    wait_lease: int = 0
+    wait_ttl: int = 0
+
+    def leases(self) -> list[int]:
+        return [lease for lease in (self.lease, self.wait_lease) if lease]
+
+    @property
+    def on(self) -> int:
+        """The lease the request key is on now."""
+        return self.wait_lease if self.wait_lease and not self.granted else self.lease
 
 
 def _range(key: str, end: str, **more: Any) -> dict[str, Any]:
@@ -164,6 +176,7 @@ class EtcdPermits:
         socket_timeout: float
         token_floor: int
         _preferred: int
+        WAIT_TTL: float
 
         def _check_pid(self) -> None: ...
 
@@ -280,9 +293,19 @@ class EtcdPermits:
         # alive, so a permit granted now is good for its whole ttl (granting on a lease
         # that ran out while queued is the bug Jepsen found in etcd 3.4.3's lock). A
         # lease gone took the request key with it: queue again.
-        if entry is not None and self._keepalive([entry.lease], "acquire", name)[0] <= 0:
-            table.pop(slot, None)
-            entry = None
+        if entry is not None:
+            leases = entry.leases()
+            left = dict(zip(leases, self._keepalive(leases, "acquire", name), strict=True))
+            if entry.wait_lease and left[entry.wait_lease] <= 0:
+                entry.wait_lease = entry.wait_ttl = entry.created = 0  # its key went
+            if left[entry.lease] <= 0:
+                if entry.wait_lease:
+                    # The permit's lease ran out during a wait longer than its ttl (no
+                    # key is on it): a new one, the place in the queue kept.
+                    entry.lease, entry.lease_ttl = self._grant(ttl, "acquire", name)
+                else:
+                    table.pop(slot, None)
+                    entry = None
         counted = 0
         if entry is None and kind == SEMAPHORE and wait <= 0:
             # Tried once: count first, so a full semaphore costs one read, no lease.
@@ -301,29 +324,43 @@ class EtcdPermits:
                 if entry.created:
                     outcome = self._judge_own(kind, name, owner, entry, limit)
                 else:
-                    outcome = self._first_try(kind, name, owner, entry, value, limit, wait > 0)
+                    # Queued only on the short lease; until there is one, tried once.
+                    queue = wait > 0 and entry.wait_lease != 0
+                    outcome = self._first_try(kind, name, owner, entry, value, limit, queue)
                 if outcome is None:
                     continue  # something changed (queue, fence): look again at once
                 if outcome.acquired:
                     entry.granted = True
+                    if entry.wait_lease:
+                        # The key moved to the permit's lease: the short one is done.
+                        self._revoke_quietly(entry.wait_lease)
+                        entry.wait_lease = entry.wait_ttl = 0
                     return AcquireResult(True, outcome.fencing_token, remaining)
+                if wait > 0 and not entry.created and not entry.wait_lease:
+                    # Not granted at once: queue, on a short lease of its own.
+                    entry.wait_lease, entry.wait_ttl = self._grant(self.WAIT_TTL, "acquire", name)
+                    continue
                 if wait <= 0:
                     # Tried once: nothing of this attempt stays on the server.
                     table.pop(slot, None)
-                    self._revoke_quietly(entry.lease)
+                    for lease in entry.leases():
+                        self._revoke_quietly(lease)
                 return outcome
         except _etcd._LeaseGone:
-            # The lease ran out between the renewal and the transaction (a long pause):
+            # A lease ran out between the renewal and the transaction (a long pause):
             # the next attempt starts afresh.
             table.pop(slot, None)
+            for lease in entry.leases():
+                self._revoke_quietly(lease)
             return AcquireResult(False, 0, None)
         except LockError:
             if wait <= 0:
                 # Maybe applied with only the reply lost: let nothing stay.
                 table.pop(slot, None)
-                threading.Thread(
-                    target=self._revoke_quietly, args=(entry.lease,), daemon=True
-                ).start()
+                for lease in entry.leases():
+                    threading.Thread(
+                        target=self._revoke_quietly, args=(lease,), daemon=True
+                    ).start()
             raise
         raise LockError(
             f"Could not take a {kind} permit of {name!r} on backend {self.alias!r}: "
@@ -351,10 +388,12 @@ class EtcdPermits:
                 "lease": str(entry.lease),
             }
         }
+        # A request that queues is put on its short lease (moved when it holds).
+        queued_put = {"requestPut": {**put["requestPut"], "lease": str(entry.wait_lease)}}
         mine = {"requestRange": {"key": _etcd._b64(key), "keys_only": True}}
         if kind == SEMAPHORE and queue:
             # Put unconditionally; the queue then decides (judged at once).
-            answer = self._txn("acquire", name, [], [put, mine])
+            answer = self._txn("acquire", name, [], [queued_put, mine])
             return self._queued(entry, answer, 1)
         if kind == SEMAPHORE:
             # Room: fewer than ``limit`` requests, none created since they were counted.
@@ -402,7 +441,7 @@ class EtcdPermits:
             success += [fence_put, {"requestRange": {"key": _etcd._b64(fence)}}]
         failure: list[dict[str, Any]]
         if queue:
-            failure = [put, mine]
+            failure = [queued_put, mine]
         else:
             failure = [
                 _range(blockers, _end_of(blockers), keys_only=True, limit=1),
@@ -412,6 +451,7 @@ class EtcdPermits:
         if answer.get("succeeded"):
             revision = _etcd._revision(answer)
             entry.created = revision
+            entry.granted = True  # on the permit's own lease already
             token = 0
             if kind == WRITE:
                 self._fence_written(name)
@@ -472,7 +512,7 @@ class EtcdPermits:
     ) -> AcquireResult | None:
         """Judge a queued request; a writer with nothing ahead is granted here."""
         key = self.request_key(kind, name, owner)
-        mine = [_created(key, entry.created), _on_lease(key, entry.lease)]
+        mine = [_created(key, entry.created), _on_lease(key, entry.on)]
         if kind == WRITE:
             return self._grant_write(name, key, entry, mine)
         answer = self._txn(
@@ -482,9 +522,20 @@ class EtcdPermits:
             entry.created = 0  # the key went (evicted): queue again, at the back
             return None
         blockers = _etcd._kvs(answer["responses"][0])
-        if len(blockers) < (limit if kind == SEMAPHORE else 1):
-            return AcquireResult(True, 0)
-        return AcquireResult(False, 0, None)
+        if len(blockers) >= (limit if kind == SEMAPHORE else 1):
+            return AcquireResult(False, 0, None)
+        if entry.on != entry.lease:
+            # It holds: move the key onto the permit's lease, if it is still the same.
+            moved = self._txn("acquire", name, mine, [self._onto(key, entry.lease)])
+            if not moved.get("succeeded"):
+                entry.created = 0
+                return None
+        return AcquireResult(True, 0)
+
+    @staticmethod
+    def _onto(key: str, lease: int) -> dict[str, Any]:
+        """Put ``key`` on ``lease``, its value and create_revision kept."""
+        return {"requestPut": {"key": _etcd._b64(key), "ignore_value": True, "lease": str(lease)}}
 
     def _grant_write(
         self, name: str, key: str, entry: _Permit, mine: list[dict[str, Any]]
@@ -503,7 +554,12 @@ class EtcdPermits:
             "acquire",
             name,
             [*mine, nobody_ahead, fence_cmp],
-            [fence_put, {"requestRange": {"key": _etcd._b64(fence)}}],
+            [
+                fence_put,
+                {"requestRange": {"key": _etcd._b64(fence)}},
+                # Granted: the key goes onto the permit's lease in the same step.
+                self._onto(key, entry.lease),
+            ],
             [
                 {"requestRange": {"key": _etcd._b64(key), "keys_only": True}},
                 self._blocker_ranges(WRITE, name, entry.created, 1),
@@ -521,7 +577,7 @@ class EtcdPermits:
             return None
         if ahead:
             return AcquireResult(False, 0, None)
-        if _etcd._int(own[0].get("lease")) != entry.lease:
+        if _etcd._int(own[0].get("lease")) != entry.on:
             # On another lease (an earlier attempt's): putting the key again moves it to
             # this one, in its place.
             entry.created = 0
@@ -594,10 +650,13 @@ class EtcdPermits:
         entry = self._permit_table().pop((kind, name, owner), None)
         key = self.request_key(kind, name, owner)
         if entry is not None and entry.created:
-            lease, created = entry.lease, entry.created
+            lease, created = entry.on, entry.created
+            if entry.wait_lease and lease != entry.wait_lease:
+                self._revoke_quietly(entry.wait_lease)
         else:
             if entry is not None:
-                self._revoke_quietly(entry.lease)
+                for old in entry.leases():
+                    self._revoke_quietly(old)
             kv = self._own_kv(kind, name, owner, "release")
             if kv is None:
                 return False
@@ -609,6 +668,8 @@ class EtcdPermits:
             [{"requestDeleteRange": {"key": _etcd._b64(key)}}],
         )
         self._revoke_quietly(lease)
+        if entry is not None and entry.lease != lease:
+            self._revoke_quietly(entry.lease)
         return bool(answer.get("succeeded")) and (entry is None or entry.granted)
 
     def permit_leave(self, kind: str, name: str, owner: str) -> None:
@@ -616,8 +677,9 @@ class EtcdPermits:
         lost reply may have granted on it)."""
         entry = self._permit_table().pop((kind, name, owner), None)
         if entry is not None:
-            with contextlib.suppress(_etcd._LeaseGone):
-                self._call("/v3/lease/revoke", {"ID": str(entry.lease)}, "leave the queue of", name)
+            for lease in entry.leases():
+                with contextlib.suppress(_etcd._LeaseGone):
+                    self._call("/v3/lease/revoke", {"ID": str(lease)}, "leave the queue of", name)
             return
         self._call(
             "/v3/kv/deleterange",
@@ -690,7 +752,8 @@ class EtcdPermits:
             if results[index] is False:
                 entry = table.pop((kind, name, owner), None)
                 if entry is not None:
-                    self._revoke_quietly(entry.lease)
+                    for lease in entry.leases():
+                        self._revoke_quietly(lease)
         return results
 
     def _entry_for(self, kind: str, name: str, owner: str) -> _Permit | None:
@@ -770,7 +833,8 @@ class EtcdPermits:
             ]
             if len(blockers) < (limit if kind == SEMAPHORE else 1):
                 return  # it holds now
-            slice_end = min(deadline, time.monotonic() + max(0.5, entry.lease_ttl / 3))
+            renew_every = max(0.2, (entry.wait_ttl or entry.lease_ttl) / 3)
+            slice_end = min(deadline, time.monotonic() + renew_every)
             watched: list[tuple[str, str | None]] = [(k, None) for k in blockers]
             if len(blockers) > MAX_WATCHED:
                 family = self.family_prefix(kind, name)
@@ -784,7 +848,7 @@ class EtcdPermits:
                 time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
             if time.monotonic() >= deadline:
                 return
-            if self._keepalive([entry.lease], "wait for", name)[0] <= 0:
+            if self._keepalive([entry.on], "wait for", name)[0] <= 0:
                 return  # the lease ran out: the next attempt queues again
 
     def _watch_deletes(
