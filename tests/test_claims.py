@@ -8,22 +8,30 @@ SIGSTOPped worker process, is at the end.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from distlocks import lock
+from distlocks import get_backend, lock
 from distlocks.claims import claim
 from distlocks.exceptions import LockLost, StaleFencingToken
 from distlocks.fencing import unfenced
 from distlocks.signals import fencing_rejected
 from tests.testapp.models import Account, Counter, Parcel, PlainCounter
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -229,3 +237,99 @@ def test_without_the_claim_the_same_interleaving_loses_an_update(alias: str, db_
     b_row.value += 1
     b_row.save(fencing_token=2)  # accepted too, computed from B's read before A's write
     assert Counter.objects.using(alias).get(pk=counter.pk).value == 1  # two writes, +1
+
+
+# -- the proof on real Celery workers -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def claim_workers(pg_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Two prefork workers (one process each) of tests.claim_celery_app, one per queue:
+    the frozen holder's and its successor's."""
+    from tests.claim_celery_app import app
+
+    logs = tmp_path_factory.mktemp("claim-workers")
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
+    procs = []
+    for queue in ("claims-a", "claims-b"):
+        log = (logs / f"{queue}.log").open("w")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "tests.claim_celery_app", "worker",
+                 "--pool", "prefork", "--concurrency", "1", "-Q", queue, "-n", f"{queue}@%h",
+                 "--without-gossip", "--without-mingle", "--loglevel", "INFO",
+                 "--prefetch-multiplier", "1"],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        )  # fmt: skip
+
+    def ready() -> bool:
+        for proc in procs:
+            assert proc.poll() is None, _tails(logs)
+        return len(app.control.ping(timeout=0.5)) >= 2
+
+    try:
+        wait_for(ready, limit=90, what="two claim workers answering ping")
+        yield logs
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+
+
+def _tails(logs: Path) -> str:
+    return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs.glob("*.log"))
+
+
+def _report(client: redis.Redis, key: str, logs: Path) -> bytes:
+    """The next report a task step pushed to ``key`` (waited for, with a deadline)."""
+    reply = client.blpop([key], timeout=90)
+    assert reply is not None, f"no {key} within 90 s\n{_tails(logs)}"
+    return bytes(reply[1])
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("use_claim", [True, False], ids=["claimed", "not-claimed"])
+def test_a_frozen_task_cannot_overwrite_its_successors_work(
+    claim_workers: Path, redis_client: redis.Redis, use_claim: bool
+) -> None:
+    """Task A (ttl 2 s, renewed) reads the counter, and its worker process is frozen
+    (SIGSTOP) until its lease has expired; task B takes the lock and reads; A is
+    resumed and writes read + 1, then B writes read + 10.
+
+    With the claim, A's write is refused and B's value stands (10). Without it, both
+    writes are accepted and A's increment is lost (the control: 10 instead of 11)."""
+    from tests import claim_tasks
+
+    run = uuid.uuid4().hex
+    counter = Counter.objects.create(value=0)
+    name = claim_tasks.increment.lock_name((run, "A", counter.pk, 1, use_claim))
+    claim_tasks.increment.apply_async((run, "A", counter.pk, 1, use_claim), queue="claims-a")
+    a = json.loads(_report(redis_client, f"{run}:A:read", claim_workers))
+    os.kill(a["pid"], signal.SIGSTOP)
+    try:
+        # Frozen, its renewals stop: the lease runs out on the server.
+        wait_for(lambda: get_backend().inspect(name) is None, limit=60, what="A's lease to end")
+        claim_tasks.increment.apply_async((run, "B", counter.pk, 10, use_claim), queue="claims-b")
+        b = json.loads(_report(redis_client, f"{run}:B:read", claim_workers))
+        assert b["token"] > a["token"]
+    finally:
+        os.kill(a["pid"], signal.SIGCONT)
+    redis_client.rpush(f"{run}:A:go", 1)
+    a_outcome = _report(redis_client, f"{run}:A:done", claim_workers)
+    redis_client.rpush(f"{run}:B:go", 1)
+    b_outcome = _report(redis_client, f"{run}:B:done", claim_workers)
+    counter.refresh_from_db()
+    if use_claim:
+        assert (a_outcome, b_outcome, counter.value) == (b"stale", b"ok", 10)
+        assert counter.fencing_token == b["token"]
+    else:
+        # The lost update the claim prevents: A's +1 was accepted, then overwritten.
+        assert (a_outcome, b_outcome, counter.value) == (b"ok", b"ok", 10)
