@@ -238,3 +238,46 @@ def test_an_acquire_with_a_timeout_waits_out_a_short_outage(
     assert lease.held()
     assert backend.contenders(name) == [lease.owner]
     lease.release()
+
+
+def test_a_create_left_without_an_answer_is_found_before_another(
+    settings: Any, server: ZooKeeperServer, proxy: FaultProxy, name: str
+) -> None:
+    """The create of the contender node reaches the server, but its answer comes after
+    the caller stopped waiting for it. The acquire tries again: it first looks for the
+    node by its owner-tagged name, finds it and takes it over, sending no second
+    create."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zks": zk_config(f"127.0.0.1:{proxy.port}", session_timeout=10, connect_timeout=0.3,
+                         socket_timeout=0.3),
+        "zkd": zk_config(server.location),
+    }  # fmt: skip
+    backend = get_backend("zks")
+    with lock(name, backend="zks", ttl=10, timeout=1):
+        pass  # connected, and the name's fence node made
+    create = b'"owner":"slow-owner"'  # in the create's node data, nowhere else
+    proxy.watch(create)
+    proxy.set_latency(1.0)  # each way: longer than socket_timeout
+    outcome: list[Any] = []
+
+    def acquire() -> None:
+        try:
+            outcome.append(backend.acquire(name, "slow-owner", 10, HOLDER, wait=30))
+        except Exception as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=acquire)
+    thread.start()
+    try:
+        # The create reached the server; its answer is still on its way back.
+        wait_for(lambda: get_backend("zkd").contenders(name) == ["slow-owner"])
+        assert not outcome
+    finally:
+        proxy.set_latency(0)
+    thread.join(40)
+    assert len(outcome) == 1 and not isinstance(outcome[0], Exception), outcome
+    assert outcome[0].acquired
+    assert proxy.seen[create] == 1
+    assert get_backend("zkd").contenders(name) == ["slow-owner"]
+    assert backend.release(name, "slow-owner")
