@@ -17,8 +17,17 @@ $(BIN)/python:
 
 # Reinstall when pyproject.toml changes.
 $(STAMP): pyproject.toml | $(BIN)/python
+	@echo "Installing distlocks and its development tools into $(VENV) (a minute or two the first time)..."
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
+
+# The demo needs less than the test suite (no linters, type checker, browser driver,
+# docs or plotting); a venv that has the dev extra already has all of it.
+DEMO_STAMP := $(VENV)/.installed-demo
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then touch $(DEMO_STAMP); else \
+		echo "Installing distlocks and what the demo needs into $(VENV) (about a minute the first time)..."; \
+		$(BIN)/python -m pip install --quiet -e '.[demo]' && touch $(DEMO_STAMP); fi
 
 install: $(STAMP)
 
@@ -74,7 +83,8 @@ test-matrix: test
 fuzz: $(STAMP)
 	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest tests/stateful $(FUZZ_ARGS)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
+	@echo "Starting the demo: throwaway Redis, PostgreSQL and etcd, then the site, a Celery worker and two beats..."
 	$(BIN)/python -m demo_project.run
 
 lint: $(STAMP)

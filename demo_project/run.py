@@ -59,6 +59,8 @@ WORKER_NAME = "demo-worker@%h"
 WORKER_CONCURRENCY = 2
 #: The beat schedulers, by the DEMO_NODE each one puts on the tasks it sends.
 BEAT_NODES = ("node-a", "node-b")
+#: Set for runserver: manage.py then ends with its parent (see end_with_parent()).
+END_WITH_PARENT = "DEMO_END_WITH_PARENT"
 #: What a Celery worker and a beat log once they are up (at --loglevel INFO).
 WORKER_READY = " ready."
 BEAT_READY = "beat: Starting..."
@@ -136,10 +138,19 @@ def start_runserver(port: int, *, insecure: bool) -> subprocess.Popen[bytes]:
     if insecure:
         # With DEBUG off, runserver serves the admin's CSS only when asked to.
         args.append("--insecure")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # DEMO_END_WITH_PARENT: manage.py asks for the parent-death signal in the
+    # reloader's child too (it is not ours to start), so a runner killed outright
+    # (SIGKILL) leaves no runserver behind: runner -> reloader -> serving child.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", END_WITH_PARENT: "1"}
     # A session of its own, so that stopping it reaches the reloader's child too
     # (killpg), and a terminal's Ctrl-C reaches only us: we decide the order.
-    return subprocess.Popen(args, cwd=BASE_DIR, env=env, start_new_session=True)
+    return subprocess.Popen(
+        args,
+        cwd=BASE_DIR,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_terminate_with_parent(),
+    )
 
 
 def wait_until_listening(child: subprocess.Popen[bytes], port: int) -> bool:
@@ -250,8 +261,11 @@ def celery_commands(schedule_dir: Path) -> list[CeleryCommand]:
 def stop_children(children: Sequence[subprocess.Popen[Any]]) -> None:
     """Stop each child and its process group (runserver's reloader child, a worker's
     pool processes): SIGINT, then SIGTERM, then SIGKILL to those still running."""
-    # A second Ctrl-C must not cut this short and leave processes behind.
+    # A second Ctrl-C or SIGTERM must not cut this short and leave processes behind.
+    # (make forwards a SIGTERM it receives to its child: a process manager's SIGTERM
+    # to the group reaches this process twice, the second one while it stops.)
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _ignore_stop_signals()
     try:
         running = list(children)
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
@@ -396,7 +410,15 @@ def banner(
     )
 
 
+def _ignore_stop_signals() -> None:
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def _exit_on_signal(signum: int, frame: object) -> None:
+    # Once: the clean-up this starts must not be interrupted by the next one.
+    _ignore_stop_signals()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

@@ -740,7 +740,7 @@ def _free_port() -> int:
 class DemoProcess:
     """``python -m demo_project.run`` with its output collected line by line."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], *, new_session: bool = False) -> None:
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.output: list[str] = []
         #: runserver processes seen; a test that fails midway must not leave them running.
@@ -754,6 +754,8 @@ class DemoProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            # A group of its own, as `make demo` run by a process manager has.
+            start_new_session=new_session,
         )
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -795,8 +797,8 @@ class DemoProcess:
 
 
 @contextlib.contextmanager
-def demo_process(env: dict[str, str]) -> Iterator[DemoProcess]:
-    demo = DemoProcess(env)
+def demo_process(env: dict[str, str], *, new_session: bool = False) -> Iterator[DemoProcess]:
+    demo = DemoProcess(env, new_session=new_session)
     try:
         yield demo
     finally:
@@ -976,6 +978,54 @@ def test_run_twice_on_given_servers_resets_the_admin_and_leaves_servers_up() -> 
         assert client.ping()
     finally:
         client.close()
+
+
+def _wait_for_login_page(demo: DemoProcess, base: str) -> None:
+    """Until the admin login page answers (the moment a process manager may stop it)."""
+    deadline = time.monotonic() + SUBPROCESS_TIMEOUT
+    while time.monotonic() < deadline:
+        assert demo.process.poll() is None, demo.text
+        with contextlib.suppress(OSError):
+            if _get(f"{base}admin/login/")[0] == 200:
+                return
+        time.sleep(0.05)
+    raise AssertionError("the admin login page never answered")
+
+
+def _demo_tree(demo: DemoProcess) -> tuple[list[int], list[int]]:
+    """(runserver and the reloader's child, the Celery processes' sessions)."""
+    children = _children(demo.process.pid)
+    runserver = [pid for pid, cmd in children.items() if "runserver" in cmd]
+    site = runserver + [pid for pid in runserver for pid in _children(pid)]
+    celery = [pid for pid, cmd in children.items() if "-m celery -A demo_project" in cmd]
+    demo.site_pids.extend(site)
+    demo.groups.extend(celery)
+    return site, celery
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigterm-group-and-make", "sigkill-runner"])
+def test_stopping_the_demo_at_once_leaves_nothing_running(how: str) -> None:
+    """A process manager's SIGTERM to the group as soon as the login page answers (which
+    `make` forwards to the runner a second time), or a SIGKILL of the runner: runserver,
+    the reloader's child and Celery all end, whatever the moment."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}/"
+    with demo_process(demo_env(DEMO_PORT=str(port)), new_session=True) as demo:
+        _wait_for_login_page(demo, base)
+        site, celery = _demo_tree(demo)
+        assert len(site) == 2, (site, demo.text)
+        if how == "sigkill-runner":
+            demo.process.kill()
+        else:
+            os.killpg(demo.process.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(demo.process.pid, signal.SIGTERM)
+        demo.process.wait(90)
+        assert not wait_gone(site + celery, limit=60), demo.text
+        assert not wait_gone(_session_members({*site, *celery}), limit=30)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
 
 if __name__ == "__main__":
