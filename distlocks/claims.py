@@ -80,7 +80,8 @@ def claim(lease: BaseLease | int, *targets: Any) -> int:
                     f"claim() cannot claim a sliced queryset of {target.model.__name__} "
                     f"(an UPDATE takes no LIMIT): filter it instead, e.g. by pk__in."
                 )
-            db = target._db or router.db_for_write(target.model)
+            # The alias the queryset's own update() would write to.
+            db = getattr(target, "_db", None) or router.db_for_write(target.model)
             querysets.append((target, db))
         elif isinstance(target, models.Model):
             model = type(target)
