@@ -403,8 +403,10 @@ class Lease(BaseLease):
 
         Inside ``transaction.atomic()`` (on any database alias this thread uses), the
         lock is freed only when the transaction commits or rolls back: this call
-        returns False, the lease stays held and renewed (``release_pending`` is True)
-        and the ``lock_released`` signal fires at the real release. Off with
+        returns True (the release is accepted; calls made before the transaction
+        ends return False, as for a lease already released), the lease stays held
+        and renewed meanwhile (``release_pending`` is True), and the
+        ``lock_released`` signal fires at the real release. Off with
         ``release_on_commit=False`` or ``DISTLOCKS_RELEASE_ON_COMMIT = False``.
         Raises :class:`~distlocks.exceptions.LockBackendUnavailable` if the server
         cannot be reached; the lease then ends by expiry.
@@ -418,6 +420,8 @@ class Lease(BaseLease):
             return False
         with self._mutex:
             step = self._release_step(deferrable)
+            if step == DEFER:
+                return True  # accepted: the transaction's end frees it
             if step == FREE_LOST:
                 self._backend.release_quietly(self.name, self.owner)
             if step != RELEASE or not self._released(self._backend.release(self.name, self.owner)):

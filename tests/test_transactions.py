@@ -73,15 +73,18 @@ def test_release_inside_atomic_waits_for_the_commit(alias: str, name: str, relea
     with transaction.atomic():
         with lock(name, backend=alias, ttl=30) as lease:
             pass
+        explicit = lock(f"{name}:explicit", backend=alias, ttl=30).acquire()
+        assert explicit.release() is True  # accepted (code reading False as "lost" stays right)
+        assert explicit.release_pending
         assert lease.held()
         assert lease.release_pending
         assert lease.state == "held"
         assert not taken_elsewhere(alias, name)
         assert released.leases == []
         assert lease.release() is False  # idempotent while pending: nothing more to do
-    assert lease.state == "released"
+    assert lease.state == explicit.state == "released"
     assert not lease.release_pending
-    assert released.leases == [lease]
+    assert released.leases == [lease, explicit]
     assert taken_elsewhere(alias, name)
 
 
