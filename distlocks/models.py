@@ -202,6 +202,34 @@ class FencedQuerySet(models.QuerySet):
                 obj.fencing_token = value
             raise
 
+    bulk_create.alters_data = True  # type: ignore[attr-defined]
+
+    async def abulk_create(
+        self,
+        objs: Any,
+        batch_size: int | None = None,
+        ignore_conflicts: bool = False,
+        update_conflicts: bool = False,
+        update_fields: Any = None,
+        unique_fields: Any = None,
+        *,
+        fencing_token: int | BaseLease | None = None,
+    ) -> list[Any]:
+        """:meth:`bulk_create`, from async code (it takes ``fencing_token`` too)."""
+        from asgiref.sync import sync_to_async
+
+        return await sync_to_async(self.bulk_create)(
+            objs,
+            batch_size,
+            ignore_conflicts,
+            update_conflicts,
+            update_fields,
+            unique_fields,
+            fencing_token=fencing_token,
+        )
+
+    abulk_create.alters_data = True  # type: ignore[attr-defined]
+
     def delete(self) -> tuple[int, dict[str, int]]:
         if fencing.is_unfenced():
             return models.QuerySet.delete(self)
@@ -210,6 +238,9 @@ class FencedQuerySet(models.QuerySet):
             f"the token of the lock you hold (rows a newer holder wrote are kept), or wrap "
             f"a maintenance delete in distlocks.fencing.unfenced()."
         )
+
+    delete.alters_data = True  # type: ignore[attr-defined]
+    delete.queryset_only = True  # type: ignore[attr-defined]
 
     def fenced_delete(self, fencing_token: int | BaseLease) -> FencedUpdate:
         """``delete()`` of the rows whose stored token is not above ``fencing_token``;
@@ -228,6 +259,10 @@ class FencedQuerySet(models.QuerySet):
                 sender=self.model, model=self.model, pk=None, offered=token, stored=None
             )
         return FencedUpdate(updated=per_model.get(self.model._meta.label, 0), stale=stale)
+
+    # As Django's delete(): not on the manager, so that deleting every row takes .all().
+    fenced_delete.alters_data = True  # type: ignore[attr-defined]
+    fenced_delete.queryset_only = True  # type: ignore[attr-defined]
 
 
 class FencedModel(models.Model):

@@ -255,6 +255,37 @@ class TestBulkCreate:
         assert stored(using, obj.pk, "owner", "balance", "fencing_token") == ("holder", 0, 20)
         assert stored(using, 424242, "owner", "fencing_token") == ("new", 21)
 
+    def test_an_async_upsert_takes_a_token_too(self, using: str) -> None:
+        import asyncio
+
+        from asgiref.sync import sync_to_async
+
+        obj = account(using, 20)
+        manager = Account.objects.using(using)
+        features = connections[using].features
+        kwargs: dict[str, Any] = {
+            "update_conflicts": True,
+            "update_fields": ["owner"],
+            "unique_fields": ["id"] if features.supports_update_conflicts_with_target else None,
+        }
+
+        async def upserts() -> None:
+            try:
+                with pytest.raises(FencingTokenRequired):
+                    await manager.abulk_create([Account(pk=obj.pk, owner="x")], **kwargs)
+                with pytest.raises(StaleFencingToken):
+                    await manager.abulk_create(
+                        [Account(pk=obj.pk, owner="x")], fencing_token=5, **kwargs
+                    )
+                await manager.abulk_create(
+                    [Account(pk=obj.pk, owner="y")], fencing_token=21, **kwargs
+                )
+            finally:  # the connections of the thread sync_to_async ran them in
+                await sync_to_async(connections.close_all)()
+
+        asyncio.run(asyncio.wait_for(upserts(), 60))
+        assert stored(using, obj.pk, "owner", "fencing_token") == ("y", 21)
+
     def test_an_upsert_under_a_lease(self, using: str) -> None:
         obj = account(using, 20)
         with lock(obj.get_fencing_lock_name()) as lease:
@@ -315,7 +346,9 @@ class TestDelete:
 
     def test_fenced_delete(self, using: str) -> None:
         old, newer = account(using, 10), account(using, 30)
-        result = Account.objects.using(using).fenced_delete(20)
+        assert not hasattr(Account.objects, "fenced_delete")  # as delete(): .all() first
+        assert not hasattr(Account.objects, "delete")
+        result = Account.objects.using(using).all().fenced_delete(20)
         assert (result.updated, result.stale) == (1, 1)
         assert stored(using, old.pk, "fencing_token") is None
         assert stored(using, newer.pk, "fencing_token") == (30,)
