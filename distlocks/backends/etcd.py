@@ -11,7 +11,8 @@ Keys, under ``OPTIONS["prefix"]`` (default ``distlocks``), the name percent-enco
 
     <prefix>/lock/<name>           the holder: owner and holder metadata (JSON), on its lease
     <prefix>/fence/<name>          the fence key: the name's token base (20 digits), no lease
-    <prefix>/wait/<name>/<owner>   one waiter, on its lease; the queue is create_revision order
+    <prefix>/wait/<name>/<owner>   one waiter, on a short lease of its own (WAIT_TTL) while it
+                                   waits; the queue is create_revision order
 
 * acquire is one transaction on a lease granted for it: put-if-absent of the lock key and
   a rewrite of the fence key (value kept). The token is the revision of that transaction,
@@ -19,7 +20,11 @@ Keys, under ``OPTIONS["prefix"]`` (default ``distlocks``), the name percent-enco
   ``OPTIONS["token_floor"]`` if that is higher (:func:`token_of`).
 * a waiter puts its waiter key and watches only the key just before it in the queue (the
   lock key, for the first waiter); only the first waiter may take the lock, checked in
-  the same transaction. A caller that waited renews its lease before taking the lock.
+  the same transaction. A caller that waited renews its leases before taking the lock.
+  The waiter key is on a short lease, so a waiter that dies frees its place in seconds;
+  the lock key goes on the ttl lease only in the granting transaction. The waiters of
+  one event loop share one watch stream (:class:`_Hub`); an election is waited out
+  within the caller's timeout (:meth:`EtcdBackend._retrying_g`).
 * release and force release are compare-and-delete transactions; force release is bound
   to the token shown and rewrites the fence key, so the counter moves past the victim.
 * extend renews the lease (keepalive) and checks, in a transaction, that the lock key is
@@ -263,6 +268,10 @@ class _Hub:
         self.resume = 0
         self.stream: asyncio.Task[None] | None = None
         self.renewer: asyncio.Task[None] | None = None
+        #: The pause after streams that ended without a word (doubling), and when the
+        #: next may open: kept across streams, which stop whenever nobody waits.
+        self.pause = 0.0
+        self.not_before = 0.0
 
     async def wait(self, key: str, revision: int, until: float, lease: int) -> str | bool:
         """:data:`_SEEN` once ``key`` is deleted after ``revision``, :data:`_AGAIN` (read
@@ -339,9 +348,10 @@ class _Hub:
 
     async def _run(self) -> None:
         backend = self.backend
-        pause = 0.0
         try:
             while True:
+                await asyncio.sleep(max(0.0, self.not_before - time.monotonic()))
+                opened = time.monotonic()
                 try:
                     outcome = await backend._arun(backend._watch_all_g(self.resume, self))
                 except LockBackendUnavailable as exc:
@@ -354,15 +364,16 @@ class _Hub:
                     self.floor, self.resume = outcome - 1, outcome
                     self.recent.clear()
                     self._wake_all(_AGAIN)
-                    pause = 0.0
                     continue
                 # Ended without a word: it is opened again from the last revision seen,
                 # after a pause (a member, or something in front of it, that ends every
                 # stream must not make a busy loop); the waiters meanwhile read their
                 # queues once more, so that a stream that never delivers strands none.
+                if time.monotonic() - opened > WATCH_RETRY_MAX:
+                    self.pause = 0.0  # it served a while: not one that ends at once
+                self.pause = min(WATCH_RETRY_MAX, max(WATCH_RETRY_FIRST, self.pause * 2))
+                self.not_before = time.monotonic() + self.pause
                 self._wake_all(_AGAIN)
-                pause = min(WATCH_RETRY_MAX, max(WATCH_RETRY_FIRST, pause * 2))
-                await asyncio.sleep(pause)
         except LockError as exc:
             self._wake_all(exc)
         finally:
@@ -1420,15 +1431,15 @@ class EtcdBackend(EtcdPermits, BaseBackend):
         step is safe to repeat (the lease ids are the client's, the transaction finds a
         lock its lost reply granted by the owner in the key)."""
         began = time.monotonic()
-        last = began
+        last, attempts = began, 0
 
         def attempt() -> Generator[Any, Any, AcquireResult]:
-            nonlocal last
-            last = time.monotonic()
+            nonlocal last, attempts
+            last, attempts = time.monotonic(), attempts + 1
             return self._acquire_once_g(name, owner, ttl, holder, wait, fair)
 
         result = yield from self._retrying_g(began + wait, attempt, "acquire", name)
-        if result.acquired and result.remaining is not None and last > began:
+        if result.acquired and result.remaining is not None and attempts > 1:
             # The caller counts the lease from when it called; the attempt that got it
             # renewed (or granted) the lease only when it began.
             result = dataclasses.replace(result, remaining=result.remaining + (last - began))
@@ -2003,13 +2014,18 @@ class EtcdBackend(EtcdPermits, BaseBackend):
             name,
             [],
             [
-                {"requestRange": {"key": _b64(lock), "keys_only": True}},
+                {"requestRange": {"key": _b64(lock)}},
                 self._queue_range(self.wait_prefix(name)),
             ],
         )
         revision = _revision(answer)
         responses = answer.get("responses", [])
-        held = bool(_kvs(responses[0]))
+        holders = _kvs(responses[0])
+        if owner and holders and self._owner_of(holders[0]) == owner:
+            # Ours already: an acquire whose outcome was unknown (a timeout during an
+            # election) was applied after all. Acquire again at once: it adopts it.
+            return "", revision
+        held = bool(holders)
         queue = [_unb64(kv["key"]).decode() for kv in _kvs(responses[1])]
         mine = self.wait_key(name, owner) if owner else ""
         if entry is None or not entry.wait_rev or mine not in queue:

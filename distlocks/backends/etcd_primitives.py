@@ -20,8 +20,11 @@ Since the ones ahead only go, a request judged to hold on a consistent read of t
 queue holds until its own key goes. A request that cannot hold at once (and may wait)
 puts its key and watches only the keys that keep it out: the ``limit`` requests just
 ahead of a semaphore request, the nearest write ahead of a reader, the request just
-ahead of a writer. A try-once request writes nothing unless it is granted: its put is
-conditional, in one transaction, on the queue it was judged by.
+ahead of a writer. A request that queues is put on a short waiter lease of its own and
+moved onto its ttl lease once it holds (checked to be the same key on the waiter lease),
+so a waiter that dies frees its place within seconds. A try-once request writes nothing
+unless it is granted: its put is conditional, in one transaction, on the queue it was
+judged by.
 
 A write is granted by a transaction that checks, on the server, that its key is still
 the same one on the same lease and that nothing is ahead of it, and rewrites the fence
