@@ -699,6 +699,113 @@ def collect(
     return snapshot
 
 
+@dataclass
+class Tally:
+    """The live locks of some backends counted, not kept: what metrics need of a
+    listing (see :func:`tally`), exact at any number of locks."""
+
+    #: Every alias asked for, in settings order.
+    aliases: list[str] = field(default_factory=list)
+    #: alias -> status -> number of locks (every status present).
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: alias -> seconds the longest-held of its locks has been held (0.0 if none).
+    oldest: dict[str, float] = field(default_factory=dict)
+    #: alias -> message, for each backend that could not be read.
+    errors: dict[str, str] = field(default_factory=dict)
+    #: alias -> notes of its backend about the listing (see :attr:`Snapshot.notes`).
+    notes: dict[str, list[str]] = field(default_factory=dict)
+    #: alias -> locks counted (read from its backend: aliases of one server have none).
+    seen: dict[str, int] = field(default_factory=dict)
+
+
+def tally(aliases: Iterable[str] | None = None, *, now: dt.datetime | None = None) -> Tally:
+    """Count the live locks of ``aliases`` (default: every configured backend) by
+    status, and find the longest-held, without keeping them: each lock is classified
+    as :func:`collect` classifies it, counted and dropped, so memory does not grow
+    with the number of locks and no limit applies (a scrape of 120,000 locks counts
+    120,000). Aliases of one server are counted once, under the first, as
+    :func:`collect` lists them."""
+    now = now or dt.datetime.now(dt.UTC)
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=dt.UTC)
+    gone: dict[int, bool] = {}
+
+    def pid_gone(pid: int) -> bool:
+        if pid not in gone:
+            gone[pid] = _pid_gone(pid)
+        return gone[pid]
+
+    context = _Context(now, conf.STUCK_AFTER, pid_gone)
+    now_us = (now - _EPOCH) // _MICROSECOND
+    result = Tally(aliases=list(configured_aliases() if aliases is None else aliases))
+    sources = {alias: _source(alias) for alias in result.aliases}
+    first: dict[Any, str] = {}
+    for alias in result.aliases:
+        where = sources[alias]
+        if where is not None and where not in first:
+            first[where] = alias
+    readers = [a for a in result.aliases if sources[a] is None or first[sources[a]] == a]
+    classes = [where[0] for where in first]
+    # Two aliases of one class that look different may still be one server: the
+    # locks counted are then remembered (name and owner only), as collect() merges.
+    counted: set[tuple[str, str]] | None = set() if len(set(classes)) < len(classes) else None
+
+    def count(alias: str) -> tuple[dict[str, int], float, str, list[str], int]:
+        counts = dict.fromkeys(STATUSES, 0)
+        oldest = 0.0
+        notes: list[str] = []
+        seen = 0
+        try:
+            for item in _listing(get(alias)):
+                if type(item) is tuple:
+                    row = _summary_row(item, alias, "", now_us, context)
+                    status, acquired, key = row[_STATUS], row[_ACQUIRED], (row[_NAME], row[_OWNER])
+                elif isinstance(item, str):
+                    notes.append(escape_control(redact(item)))
+                    continue
+                else:
+                    assert isinstance(item, LockInfo)
+                    status = classify(item, now=now, stuck_after=context.stuck_after,
+                                      pid_gone=pid_gone)[0]  # fmt: skip
+                    acquired, key = _micros(item.acquired_at), (item.name, item.owner)
+                if counted is not None:
+                    if key in counted:
+                        continue
+                    counted.add(key)
+                seen += 1
+                counts[status] += 1
+                if acquired is not None and (now_us - acquired) / 1_000_000 > oldest:
+                    oldest = (now_us - acquired) / 1_000_000
+        except Exception as exc:
+            log_expected(logger, exc, "Could not list the locks of backend %r", alias)
+            return counts, oldest, describe_error(exc), notes, seen
+        return counts, oldest, "", notes, seen
+
+    if len(readers) > 1 and counted is None:
+        with concurrent.futures.ThreadPoolExecutor(
+            max_workers=min(len(readers), MAX_READERS), thread_name_prefix="distlocks-count"
+        ) as pool:
+            results = dict(zip(readers, pool.map(count, readers), strict=True))
+    else:
+        # In settings order, so a lock seen through two aliases counts under the first.
+        results = {alias: count(alias) for alias in readers}
+    for alias in result.aliases:
+        result.counts[alias] = dict.fromkeys(STATUSES, 0)
+        result.oldest[alias] = 0.0
+        if alias not in results:
+            error = results[first[sources[alias]]][2]
+            if error:
+                result.errors[alias] = error
+            continue
+        counts, oldest, error, notes, seen = results[alias]
+        result.counts[alias], result.oldest[alias], result.seen[alias] = counts, oldest, seen
+        if error:
+            result.errors[alias] = error
+        if notes:
+            result.notes[alias] = notes
+    return result
+
+
 class SnapshotCache:
     """The last snapshot of each set of aliases, reused for ``ttl`` seconds.
 

@@ -98,16 +98,17 @@ class LiveLocksCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         live, oldest, up = self._families()
-        snapshot = livelocks.collect()
-        for alias, counts in snapshot.counts().items():
-            healthy = alias not in snapshot.errors
+        # Counted as the listing streams by, nothing kept (livelocks.tally): exact at
+        # any number of locks, in memory that does not grow with them.
+        counted = livelocks.tally()
+        for alias in counted.aliases:
+            healthy = alias not in counted.errors
             up.add_metric([alias], 1.0 if healthy else 0.0)
             if not healthy:
                 continue  # no numbers rather than misleading zeros
-            for status, count in counts.items():
+            for status, count in counted.counts[alias].items():
                 live.add_metric([alias, status], float(count))
-            held = [item.held_for for item in snapshot.locks if item.backend == alias]
-            oldest.add_metric([alias], max((h for h in held if h is not None), default=0.0))
+            oldest.add_metric([alias], counted.oldest[alias])
         return (live, oldest, up)
 
 

@@ -447,25 +447,6 @@ redis.call('SADD', KEYS[2], ARGV[1] .. ':' .. ARGV[3])
 redis.call('SET', KEYS[3], '1')
 return 1
 """
-# KEYS: listing index, permits set, marker. ARGV: epoch field, cursor, count.
-# One chunk of a listing (HSCAN) read in one step with the index's epoch and the
-# server's time: {epoch, cursor, {field, value, ...}, seconds, microseconds, built}. The
-# epoch is '' (and nothing is read) unless the index is whole: its hash has its epoch
-# field, not a rebuild's unfinished one, its permits set the matching member, the
-# marker is set. built: 1 if it was built once (the marker or an epoch field is left).
-INDEX_READ = """
-local t = redis.call('TIME')
-local epoch = redis.call('HGET', KEYS[1], ARGV[1])
-if not epoch or string.sub(epoch, 1, 1) == '~' or redis.call('EXISTS', KEYS[3]) == 0
-    or redis.call('SISMEMBER', KEYS[2], ARGV[1] .. ':' .. epoch) == 0 then
-  local built = 0
-  if epoch or redis.call('EXISTS', KEYS[3]) == 1 then built = 1 end
-  return {'', '0', {}, t[1], t[2], built}
-end
-local found = redis.call('HSCAN', KEYS[1], ARGV[2], 'COUNT', ARGV[3])
-return {epoch, found[1], found[2], t[1], t[2], 1}
-"""
-
 SCRIPTS = {
     "acquire": ACQUIRE,
     "release": RELEASE,
@@ -478,7 +459,6 @@ SCRIPTS = {
     "index": INDEX,
     "index_begin": INDEX_BEGIN,
     "index_done": INDEX_DONE,
-    "index_read": INDEX_READ,
 }
 
 
@@ -2009,25 +1989,32 @@ class RedisBackend(RedisPermits, BaseBackend):
 
     def _indexed_summaries(self) -> Iterator[tuple[Any, ...] | LockInfo | str]:
         """:meth:`iter_lock_summaries` from the listing index, a chunk (``HSCAN`` of
-        :attr:`INDEX_CHUNK` fields) at a time: each read in one script with the
+        :attr:`INDEX_CHUNK` fields) at a time: each read in one transaction with the
         server's clock, which tells the entries of held locks (expiry after that
-        moment) from those to check, and with the index's epoch, which tells a whole
-        index from one lost (before the listing, or between two of its chunks): the
-        listing then goes on by a walk over every key, and says so."""
+        moment) from those to check, and with the index's epoch and marker, which tell
+        a whole index from one lost (before the listing, between two of its chunks, or
+        its permits set before they are read): the listing then goes on by a walk over
+        every key, and says so."""
         doubtful: list[Any] = []
         expired: list[Any] = []
         texts: dict[Any, Any] = {}
         # Names listed or to be checked: HSCAN may return a field twice, and a listing
         # that goes on by a walk skips those it listed.
         seen: set[str] = set()
-        keys = [self.index_key, self.index_permits_key, self.index_marker_key]
         epoch: Any = None
-        cursor: Any = 0
+        cursor = 0
         while True:
             with self._errors("list", self.key_prefix):
-                found, cursor, flat, seconds, micros, built = self._run(
-                    "index_read", keys, [self.INDEX_EPOCH_FIELD, cursor, self.INDEX_CHUNK]
-                )
+                # MULTI/EXEC: the epoch, the marker and the chunk are of one moment.
+                pipe = self.client.pipeline(transaction=True)
+                pipe.hget(self.index_key, self.INDEX_EPOCH_FIELD)
+                pipe.exists(self.index_marker_key)
+                pipe.hscan(self.index_key, cursor, count=self.INDEX_CHUNK)
+                pipe.time()
+                found, marked, (cursor, entries), (seconds, micros) = pipe.execute()
+            built = found is not None or marked
+            if found is not None and (not marked or _decode(found).startswith("~")):
+                found = None  # not whole: marker lost, or a rebuild not finished
             if not found and epoch is None and not built:
                 # Never built here (a new server or prefix, an upgrade), or every trace
                 # of it lost: built now, by the walk that lists the locks.
@@ -2058,8 +2045,7 @@ class RedisBackend(RedisPermits, BaseBackend):
             server_ms = int(seconds) * 1000 + int(micros) // 1000
             shift = (now - _EPOCH) // _MILLISECOND - server_ms  # server clock -> ours
             due, past = server_ms + self.INDEX_MARGIN_MS, server_ms - self.INDEX_MARGIN_MS
-            for at in range(0, len(flat), 2):
-                raw_name, value = flat[at], flat[at + 1]
+            for raw_name, value in entries.items():
                 name = raw_name.decode() if type(raw_name) is bytes else raw_name
                 if name in seen or name == self.INDEX_EPOCH_FIELD:
                     continue
@@ -2111,7 +2097,7 @@ class RedisBackend(RedisPermits, BaseBackend):
                     continue
                 seen.add(name)
                 yield summary
-            if int(cursor) == 0:
+            if not cursor:
                 break
         # Entries due now are checked; so are those whose expiry is past, up to a limit
         # (those left are of locks that expired: the next listings drop them).
@@ -2120,6 +2106,20 @@ class RedisBackend(RedisPermits, BaseBackend):
             values = self._settle(check[start : start + self.LIST_BATCH])
             now = dt.datetime.now(dt.UTC)
             yield from _summaries(values, (now - _EPOCH) // _MILLISECOND, texts)
+        with self._errors("list", self.key_prefix):
+            whole = self.client.sismember(
+                self.index_permits_key, f"{self.INDEX_EPOCH_FIELD}:{_decode(epoch)}"
+            )
+        if not whole:
+            note = (
+                f"The permits set of the listing index of backend {self.alias!r} was lost "
+                f"(deleted or evicted): this listing read every key for them instead, and "
+                f"rebuilt the index."
+            )
+            logger.warning("%s", note)
+            yield note
+            yield from self._rebuilding_summaries(seen, texts)
+            return
         yield from self.indexed_permits()
 
     def count_waiters(self, names: Sequence[str]) -> list[int]:
