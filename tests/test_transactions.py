@@ -15,7 +15,7 @@ from django.test import Client, override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from distlocks import alock, lock, lock_many, signals
+from distlocks import alock, lock, lock_many, rwlock, semaphore, signals
 from distlocks.exceptions import LockNotAcquired
 from tests import transaction_workers
 from tests.testapp.models import PlainCounter
@@ -190,6 +190,27 @@ def test_reentrant_lock_inside_a_transaction(alias: str, name: str) -> None:
         assert outer.release_pending
     assert outer.state == "released"
     assert taken_elsewhere(alias, name)
+
+
+@committing
+@pytest.mark.parametrize("alias", ["locmem", "redis", "pg"])
+def test_semaphores_and_read_write_locks_wait_too(alias: str, name: str) -> None:
+    with transaction.atomic():
+        with semaphore(name, limit=1, backend=alias, ttl=30) as permit:
+            pass
+        assert permit.release_pending
+        with semaphore(name, limit=1, backend=alias, ttl=30, timeout=0) as again:
+            assert again is permit  # its own pending permit, handed back
+        catalog = rwlock(f"{name}:rw", backend=alias)
+        with catalog.read(ttl=30) as reader:
+            pass
+        assert reader.release_pending
+        # The write side is another kind: it waits for the COMMIT (documented).
+        with pytest.raises(LockNotAcquired):
+            catalog.write(ttl=30, timeout=0).acquire()
+    assert permit.state == reader.state == "released"
+    with catalog.write(ttl=30, timeout=0), semaphore(name, limit=1, backend=alias, timeout=0):
+        pass
 
 
 @committing
