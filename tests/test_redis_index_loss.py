@@ -141,3 +141,24 @@ def test_rebuild_listing_index_sets_the_epoch(pair: tuple[RedisBackend, RedisBac
     assert indexed.INDEX_EPOCH_FIELD.encode() + b":" + epoch in members
     assert indexed.client.exists(indexed.index_marker_key)
     assert uuid.UUID(epoch.decode())
+
+
+@pytest.mark.django_db
+def test_the_live_locks_page_says_the_index_was_lost(
+    pair: tuple[RedisBackend, RedisBackend], admin_client: Any
+) -> None:
+    """The page lists the locks of a lost index, and says what happened to it."""
+    indexed, _ = pair
+    for name in ["a", "b", "c", "d"]:
+        assert indexed.acquire(name, f"o-{name}", LONG, holder()).acquired
+    listed("indexed")
+    indexed.client.delete(indexed.index_key)
+    livelocks.snapshots.clear()
+    page = admin_client.get("/admin/distlocks/livelock/", {"backend": "indexed", "refresh": 1})
+    text = page.content.decode()
+    assert page.status_code == 200
+    assert all(f"o-{name}" in text or f">{name}<" in text for name in "abcd")
+    assert "The listing index of backend" in text and "rebuilt the index" in text
+    livelocks.snapshots.clear()
+    again = admin_client.get("/admin/distlocks/livelock/", {"backend": "indexed", "refresh": 1})
+    assert "The listing index of backend" not in again.content.decode()
