@@ -395,68 +395,90 @@ def _reference_lines(name: str, family: str, section: dict[str, Any]) -> list[tu
     return lines
 
 
-def draw_chart(report: dict[str, Any], path: Path) -> None:
-    """One panel per workload and server: median (bar) and p99 (tick) per implementation."""
+def chart_paths(report: dict[str, Any], path: Path) -> dict[str, Path]:
+    """Workload name -> the file of its chart: ``<stem>-<workload>.png`` beside ``path``."""
+    return {name: path.with_name(f"{path.stem}-{name}.png") for name in report["workloads"]}
+
+
+def draw_chart(report: dict[str, Any], path: Path) -> list[Path]:
+    """One chart per workload (``<stem>-<workload>.png`` beside ``path``), one panel per
+    server in it: median (bar) and p99 (tick) per implementation. Each is drawn at the
+    width of a documentation page (about 700 px), so its text stays readable there.
+    Returns the files written; ``path`` itself (the combined chart of earlier versions,
+    unreadable at page width) is removed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    path.unlink(missing_ok=True)
+    machine = report["machine"]
+    caption = (
+        f"{report['started_at'][:19]}Z, {machine['cpu_model']} x{machine['cores']}, "
+        f"{machine['python']}"
+    )
+    written = []
+    for name, out in chart_paths(report, path).items():
+        section = report["workloads"][name]
+        families = dict.fromkeys(row["family"] for row in section["results"].values())
+        panels = [
+            (family, [(n, r) for n, r in section["results"].items() if r["family"] == family])
+            for family in families
+        ]
+        if not panels:
+            continue
+        heights = [1.1 + 0.32 * len(rows) for _, rows in panels]
+        fig, axes = plt.subplots(
+            len(panels),
+            1,
+            figsize=(7, sum(heights) + 0.4),
+            squeeze=False,
+            gridspec_kw={"height_ratios": heights},
+        )
+        for ax, (family, rows) in zip(axes.flat, panels, strict=True):
+            _draw_panel(ax, name, family, section, rows)
+        fig.text(0.99, 0.005, caption, ha="right", va="bottom", fontsize=7, color="#555555")
+        fig.tight_layout(rect=(0, 0.03, 1, 1))
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        written.append(out)
+    return written
+
+
+def _draw_panel(
+    ax: Any, name: str, family: str, section: dict[str, Any], rows: list[tuple[str, Any]]
+) -> None:
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    panels = []
-    for name, section in report["workloads"].items():
-        families = dict.fromkeys(row["family"] for row in section["results"].values())
-        for family in families:
-            rows = [(n, r) for n, r in section["results"].items() if r["family"] == family]
-            panels.append((name, family, section, rows))
-    if not panels:
-        # Every workload was skipped: no chart, and none left over from an earlier run.
-        path.unlink(missing_ok=True)
-        return
-    columns = 2 if len(panels) > 1 else 1
-    rows_n = math.ceil(len(panels) / columns)
-    fig, axes = plt.subplots(rows_n, columns, figsize=(7 * columns, 3.2 * rows_n), squeeze=False)
-    for ax in axes.flat[len(panels) :]:
-        ax.set_visible(False)
-    for ax, (name, family, section, rows) in zip(axes.flat, panels, strict=False):
-        labels = [impl for impl, _ in rows]
-        colors = [_COLORS.get(row["role"], "#999999") for _, row in rows]
-        positions = list(range(len(rows)))
-        if section["metric"] == "throughput":
-            values = [row["ops_per_s"] or 0 for _, row in rows]
-            ax.barh(positions, values, color=colors)
-            unit = section.get("unit", "acquire+release")
-            ax.set_xlabel(f"{unit} per second (higher is better)")
-            for pos, value in zip(positions, values, strict=True):
-                ax.text(value, pos, f" {value:,.0f}", va="center", fontsize=8)
-            ax.set_xlim(0, max(values) * 1.25 if any(values) else 1)
-        else:
-            medians = [row["median_us"] or 0 for _, row in rows]
-            p99s = [row["p99_us"] or 0 for _, row in rows]
-            ax.barh(positions, medians, color=colors)
-            ax.scatter(p99s, positions, marker="|", s=200, color="black", label="p99", zorder=3)
-            ax.set_xlabel("microseconds (lower is better; bar = median, | = p99)")
-            positive = [v for v in medians if v > 0]
-            if positive and min(positive) * 20 < max(p99s):
-                ax.set_xscale("log")
-                # Plain microseconds on the decades only: minor labels would overlap.
-                ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
-                ax.xaxis.set_minor_formatter(NullFormatter())
-            for pos, value in zip(positions, medians, strict=True):
-                ax.text(value, pos, f" {value:,.0f}", va="bottom", fontsize=8)
-            for value, label in _reference_lines(name, family, section):
-                ax.axvline(value, color="red", linestyle="--", linewidth=1, label=label)
-            ax.legend(loc="lower right", fontsize=7)
-        ax.set_yticks(positions, labels, fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(f"{FAMILY_NAMES.get(family, family)}: {section['title']}", fontsize=10)
-        ax.grid(axis="x", alpha=0.3)
-    machine = report["machine"]
-    fig.suptitle(
-        f"distlocks benchmarks, {report['started_at'][:19]}Z, {machine['cpu_model']} "
-        f"x{machine['cores']}, {machine['python']}, {_servers(machine)}",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    labels = [impl for impl, _ in rows]
+    colors = [_COLORS.get(row["role"], "#999999") for _, row in rows]
+    positions = list(range(len(rows)))
+    if section["metric"] == "throughput":
+        values = [row["ops_per_s"] or 0 for _, row in rows]
+        ax.barh(positions, values, color=colors)
+        unit = section.get("unit", "acquire+release")
+        ax.set_xlabel(f"{unit} per second (higher is better)", fontsize=9)
+        for pos, value in zip(positions, values, strict=True):
+            ax.text(value, pos, f" {value:,.0f}", va="center", fontsize=9)
+        ax.set_xlim(0, max(values) * 1.3 if any(values) else 1)
+    else:
+        medians = [row["median_us"] or 0 for _, row in rows]
+        p99s = [row["p99_us"] or 0 for _, row in rows]
+        ax.barh(positions, medians, color=colors)
+        ax.scatter(p99s, positions, marker="|", s=200, color="black", label="p99", zorder=3)
+        ax.set_xlabel("microseconds (lower is better; bar = median, | = p99)", fontsize=9)
+        positive = [v for v in medians if v > 0]
+        if positive and min(positive) * 20 < max(p99s):
+            ax.set_xscale("log")
+            # Plain microseconds on the decades only: minor labels would overlap.
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+            ax.xaxis.set_minor_formatter(NullFormatter())
+        for pos, value in zip(positions, medians, strict=True):
+            ax.text(value, pos, f" {value:,.0f}", va="bottom", fontsize=9)
+        for value, label in _reference_lines(name, family, section):
+            ax.axvline(value, color="red", linestyle="--", linewidth=1, label=label)
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_yticks(positions, labels, fontsize=9)
+    ax.invert_yaxis()
+    ax.set_title(f"{FAMILY_NAMES.get(family, family)}: {section['title']}", fontsize=10, wrap=True)
+    ax.grid(axis="x", alpha=0.3)

@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--render",
         type=Path,
         metavar="JSON",
-        help="measure nothing: print the table of a saved run and redraw latest.md/.png",
+        help="measure nothing: print the table of a saved run and redraw latest.md and the "
+        "charts (latest-<workload>.png)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="report every round")
     args = parser.parse_args(argv)
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         written = [f"{stamp}.json", "latest.json"]
     print(format_text(report))
     (out_dir / "latest.md").write_text(format_markdown(report))
-    draw_chart(report, out_dir / "latest.png")
-    written += ["latest.md"] + (["latest.png"] if report["workloads"] else [])
+    charts = draw_chart(report, out_dir / "latest.png")
+    written += ["latest.md"] + [chart.name for chart in charts]
     print(f"\nWrote {', '.join(written)} in {out_dir}.")
     return 0

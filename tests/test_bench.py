@@ -337,7 +337,14 @@ def test_markdown_and_chart_are_written(smoke_run: tuple[str, Path]) -> None:
     markdown = (out / "latest.md").read_text()
     for name in WORKLOADS:
         assert f"(`{name}`)" in markdown
-    assert (out / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # One chart per workload, each narrow enough to be read at the width of a docs page.
+    for name in WORKLOADS:
+        chart = out / f"latest-{name}.png"
+        head = chart.read_bytes()[:24]
+        assert head[:8] == b"\x89PNG\r\n\x1a\n", name
+        width = int.from_bytes(head[16:20], "big")
+        assert 600 <= width <= 800, (name, width)
+    assert not (out / "latest.png").exists()
 
 
 def test_percentile_interpolates() -> None:
