@@ -106,3 +106,15 @@ def test_locmem_waits_log_nothing_at_warning(caplog: pytest.LogCaptureFixture) -
         acquire_lease(backend, "x", ttl=30, timeout=0.05, fair=True)
     assert backend.release_quietly("x", "not-the-owner") is False
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_permit_given_back_in_the_background_while_redis_is_down(
+    down_alias: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a permit request whose answer timed out, the permit is given back in the
+    background; with the server down that fails, on one line."""
+    from distlocks.backends.base import SEMAPHORE
+
+    caplog.set_level(logging.DEBUG, logger="distlocks")
+    get_backend(down_alias)._permit_release_quietly(SEMAPHORE, "sem", "me")
+    _check_one_line(caplog, "Could not give back a semaphore permit of 'sem'")

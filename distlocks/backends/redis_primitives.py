@@ -58,6 +58,7 @@ from distlocks.backends.base import (
     permit_family,
 )
 from distlocks.exceptions import LockBackendUnavailable
+from distlocks.logs import log_expected
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
@@ -595,8 +596,8 @@ class RedisPermits:
     def _permit_release_quietly(self, kind: str, name: str, owner: str) -> None:
         try:
             self.permit_release(kind, name, owner)
-        except Exception:
-            logger.warning("Could not give back a %s permit of %r", kind, name, exc_info=True)
+        except Exception as exc:
+            log_expected(logger, exc, "Could not give back a %s permit of %r", kind, name)
 
     def _owner_args(self, kind: str, owner: str, *more: Any) -> list[Any]:
         return [owner, *more] if kind == SEMAPHORE else [kind, owner, *more]
