@@ -28,7 +28,7 @@ from distlocks import fencing, lock
 from distlocks.exceptions import FencedRowDeleted, FencingTokenRequired, StaleFencingToken
 from distlocks.fencing import unfenced
 from distlocks.models import MAX_TOKEN
-from tests.testapp.models import Account
+from tests.testapp.models import Account, Parcel
 
 #: What a backend can issue, and the first token none can.
 TOO_BIG = [MAX_TOKEN + 1, 2**63 - 1]
@@ -352,6 +352,18 @@ class TestDelete:
         assert (result.updated, result.stale) == (1, 1)
         assert stored(using, old.pk, "fencing_token") is None
         assert stored(using, newer.pk, "fencing_token") == (30,)
+
+    def test_a_cascade_is_not_fenced(self, using: str) -> None:
+        """The documented gap: Django's collector sets the children's key to NULL with
+        its own UPDATE, which carries no token and leaves theirs as it is."""
+        owner = account(using, 10)
+        parcel = Parcel(code="p", account=owner)
+        parcel.save(using=using, fencing_token=50)
+        owner.delete(using=using, fencing_token=10)
+        row = Parcel._base_manager.using(using).values_list("account", "fencing_token")
+        assert row.get(pk=parcel.pk) == (None, 50)
+        with unfenced():
+            Parcel.objects.using(using).all().delete()
 
     def test_unfenced_delete_is_a_bypass(self, using: str) -> None:
         obj = account(using, 10)
