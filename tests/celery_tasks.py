@@ -7,12 +7,28 @@ must stay busy until the test says so wait on a Redis list (the gate).
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+import redis
+from django.conf import settings
 
 from distlocks.contrib.celery import single_execution
 from tests.celery_app import app
 from tests.testapp.models import TaskRun
-from tests.testapp.tasks import _end, _start, _wait_gate
+from tests.testapp.tasks import GATE_LIMIT, _end, _start
+
+
+def _wait_gate(gate: str) -> None:
+    """Until the test opens ``gate`` (or GATE_LIMIT passes). BLPOP a second at a time:
+    a worker process's sockets may carry a default timeout shorter than the wait."""
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    deadline = time.monotonic() + GATE_LIMIT
+    try:
+        while time.monotonic() < deadline and client.blpop([gate], timeout=1) is None:
+            pass
+    finally:
+        client.close()
 
 
 @single_execution(app=app, bind=True, key="burst:{run}", unique_while="queued_or_running")
@@ -53,7 +69,7 @@ def collect(results: list[Any]) -> list[Any]:
     return results
 
 
-@single_execution(app=app, bind=True, key="redelivered:{run}", ttl=2, acks_late=True)
+@single_execution(app=app, bind=True, key="redelivered:{run}", ttl=5, acks_late=True)
 def redelivered(self: Any, run: str, gate: str) -> str:
     """Published twice under one id (as the broker does after the visibility timeout):
     the second delivery meets the first still running."""
@@ -63,7 +79,7 @@ def redelivered(self: Any, run: str, gate: str) -> str:
     return "the real result"
 
 
-@single_execution(app=app, bind=True, key="retry-claim:{run}", ttl=2, max_retries=3)
+@single_execution(app=app, bind=True, key="retry-claim:{run}", ttl=5, max_retries=3)
 def retry_once(self: Any, run: str, gate: str, countdown: float) -> str:
     """The first attempt retries after ``countdown``; later attempts (and copies) wait
     on the gate, so a copy enqueued during the countdown would still be running when
@@ -78,7 +94,7 @@ def retry_once(self: Any, run: str, gate: str, countdown: float) -> str:
 
 
 @single_execution(
-    app=app, bind=True, key="model:{run}", ttl=2, unique_while="queued_or_running",
+    app=app, bind=True, key="model:{run}", ttl=5, unique_while="queued_or_running",
     acks_late=True, reject_on_worker_lost=True, max_retries=2,
 )  # fmt: skip
 def modelled(self: Any, run: str, gate: str, retries: int) -> str:

@@ -30,6 +30,15 @@ from celery import Celery
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
+from hypothesis import HealthCheck
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 from kombu.exceptions import OperationalError
 
 from distlocks import get_backend, lock
@@ -755,7 +764,7 @@ def test_a_redelivery_of_the_running_id_writes_no_state(
     wait_for(lambda: _rows(run), limit=60, what="the first delivery to start")
     celery_tasks.redelivered.apply_async((run, gate), task_id=task_id)
     try:
-        # The second delivery waits for the lease (ttl 2 s) of the first, still alive.
+        # The second delivery waits for the lease (ttl 5 s) of the first, still alive.
         wait_for(lambda: _active(task_id) == 2, limit=60, what="the second delivery")
         wait_for(lambda: _active(task_id) == 1, limit=60, what="the second delivery to end")
         assert result.state in ("PENDING", "STARTED"), result.state  # no state written
@@ -790,3 +799,129 @@ def test_a_retry_is_never_lost_to_a_copy(workers: list[int], redis_client: redis
     assert [(r.task_id, r.attempt) for r in rows] == [(result.id, 0), (result.id, 1)]
     assert rows[1].fencing_token > rows[0].fencing_token
     assert get_backend("default").inspect(name) is None
+
+
+# -- a model of the rules, driven against real workers --------------------------------
+
+
+class SingleExecutionMachine(RuleBasedStateMachine):
+    """Enqueues (with retries and countdowns), duplicates, worker kills and finishes
+    of one key, against a model: every call made while a copy is queued or running
+    gets that copy's id, a new call after it finished gets a new one, runs of the key
+    never overlap, and every id ends SUCCESS with the result of its last attempt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.run, self.gate = uuid.uuid4().hex, f"gate:{uuid.uuid4().hex}"
+        self.client = redis.Redis.from_url(settings.REDIS_URL)
+        self.active: str | None = None
+        self.retries: dict[str, int] = {}  # id -> retries its call asked for
+        self.kills: dict[str, int] = {}
+        self.killed: dict[int, float] = {}  # pid -> when it was killed (monotonic)
+
+    def _current(self) -> TaskRun:
+        """The active task's run in progress at its last attempt (waited for)."""
+        assert self.active is not None
+        last = self.retries[self.active]
+
+        def found() -> TaskRun | None:
+            return (
+                TaskRun.objects.filter(
+                    run=self.run, task_id=self.active, attempt=last, ended__isnull=True
+                )
+                .exclude(pid__in=list(self.killed))
+                .first()
+            )
+
+        wait_for(found, limit=60, what="the active task's run")
+        row = found()
+        assert row is not None
+        return row
+
+    @rule(retries=st.integers(0, 1), countdown=st.sampled_from([None, 0.5]))
+    def enqueue(self, retries: int, countdown: float | None) -> None:
+        result = celery_tasks.modelled.apply_async(
+            (self.run, self.gate, retries), countdown=countdown
+        )
+        if self.active is not None:
+            assert result.id == self.active, "a duplicate got another id than the copy's"
+        else:
+            assert result.id not in self.retries, "a finished task's id was given again"
+            self.active = result.id
+            self.retries[result.id] = retries
+
+    @rule(size=st.integers(2, 8))
+    def burst(self, size: int) -> None:
+        """Concurrent calls: all get one id, the copy's (or one new copy's)."""
+        ids = set(_burst(lambda: celery_tasks.modelled.delay(self.run, self.gate, 0).id, size))
+        assert len(ids) == 1, ids
+        (task_id,) = ids
+        if self.active is not None:
+            assert task_id == self.active, "a duplicate got another id than the copy's"
+        else:
+            assert task_id not in self.retries, "a finished task's id was given again"
+            self.active = task_id
+            self.retries[task_id] = 0
+
+    @precondition(lambda self: self.active is not None)
+    @rule()
+    def kill_its_worker(self) -> None:
+        row = self._current()
+        os.kill(row.pid, signal.SIGKILL)
+        self.killed[row.pid] = time.monotonic()
+        assert wait_gone([row.pid]) == []
+        assert self.active is not None
+        self.kills[self.active] = self.kills.get(self.active, 0) + 1
+        # acks_late + reject_on_worker_lost: the same message runs again once the
+        # dead process's lease has run out.
+        self._current()
+
+    @precondition(lambda self: self.active is not None)
+    @rule()
+    def finish(self) -> None:
+        self._current()
+        _gate(self.client, self.gate)
+        task_id, self.active = self.active, None
+        assert task_id is not None
+        value = celery_tasks.modelled.AsyncResult(task_id).get(timeout=60)
+        assert value == f"done:{task_id}:{self.retries[task_id]}"
+
+    def teardown(self) -> None:
+        try:
+            if self.active is not None:
+                self.finish()
+            self._check()
+        finally:
+            self.client.close()
+
+    def _check(self) -> None:
+        rows = _rows(self.run)
+        for task_id, retries in self.retries.items():
+            result = celery_tasks.modelled.AsyncResult(task_id)
+            assert result.state == "SUCCESS", (task_id, result.state)
+            mine = [r for r in rows if r.task_id == task_id]
+            # Every attempt ran; the last one ran to its end exactly once, plus one
+            # unfinished run per kill.
+            assert {r.attempt for r in mine} == set(range(retries + 1))
+            assert sum(1 for r in mine if r.attempt == retries and r.ended) == 1
+            assert sum(1 for r in mine if r.ended is None) == self.kills.get(task_id, 0)
+        assert {r.task_id for r in rows} <= set(self.retries)  # no run of an unknown id
+        # At most one run of the key at a time (a killed run ends when it was killed).
+        ends = [(r.started, r.ended or self.killed[r.pid]) for r in rows]
+        ends.sort()
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ends)), ends
+
+
+@pytest.mark.django_db
+@pytest.mark.slow
+def test_single_execution_against_a_model_of_its_rules(workers: list[int]) -> None:
+    run_state_machine_as_test(
+        SingleExecutionMachine,
+        settings=hsettings(
+            max_examples=3,
+            stateful_step_count=6,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+        ),
+    )

@@ -454,34 +454,41 @@ class SingleExecutionTask(_TaskBase):
         # Locks taken inside the task record it too (the admin page shows it).
         scope = holder_extra.set({**holder_extra.get(), **extra})
         try:
+            single = self._single
             marker: Lease | None = None
-            lease: Lease | None = None
-            redelivered = False
+            if single.unique_while == "queued_or_running" and task_id:
+                # Take the marker over first (its owner is this task id): through a
+                # redelivery's wait for a dead worker's lease, the key stays covered.
+                marker = self._hold_marker(name, task_id)
             try:
                 lease, redelivered = self._take_run_lock(name, task_id, attempt)
+            except BaseException:
+                _end_marker(marker)
+                raise
             finally:
-                if self._single.unique_while is not None and task_id and not redelivered:
-                    marker = self._settle_marker(name, task_id, lease)
+                if single.unique_while == "queued" and task_id:
+                    # The run lock (or the duplicate holding it) now covers this key.
+                    self._lock_backend().release_quietly(
+                        name + QUEUED_SUFFIX, _marker_owner(task_id)
+                    )
             if lease is None:
                 if redelivered:
                     # Our own earlier delivery is alive and holds the lock: this one
-                    # writes no state, so the real run's result is the one stored.
+                    # writes no state, so the real run's result is the one stored. The
+                    # marker is that delivery's too: leave it to its renewal.
+                    _end_marker(marker, keep=single.lease_ttl)
                     raise Ignore()
+                _end_marker(marker)
                 return self._duplicate(name, attempt)
             return self._run(lease, marker, name, args, kwargs)
         finally:
             holder_extra.reset(scope)
 
-    def _settle_marker(self, name: str, task_id: str, lease: Lease | None) -> Lease | None:
-        """After the run lock was tried: give the queue marker back, or with
-        ``"queued_or_running"`` keep it (renewed) for as long as the run lasts."""
-        backend = self._lock_backend()
-        marker, owner = name + QUEUED_SUFFIX, _marker_owner(task_id)
-        if lease is None or self._single.unique_while == "queued":
-            # "queued": the run lock (or the duplicate holding it) now covers this key.
-            backend.release_quietly(marker, owner)
-            return None
-        held = _hold(backend, marker, owner, lease.ttl)
+    def _hold_marker(self, name: str, task_id: str) -> Lease | None:
+        """The queue marker of ``task_id``, held (renewed like the run lock) for as long
+        as its run lasts, with ``"queued_or_running"``."""
+        marker = name + QUEUED_SUFFIX
+        held = _hold(self._lock_backend(), marker, _marker_owner(task_id), self._single.lease_ttl)
         if held is None:
             logger.warning(
                 "Task %s[%s]: its queue marker %r ran out and was taken by another call; "
@@ -720,12 +727,16 @@ def _hold(backend: BaseBackend, name: str, owner: str, ttl: float) -> Lease | No
     return lease
 
 
-def _end_marker(marker: Lease | None) -> None:
-    """Give back the queue marker kept for a run that has ended."""
+def _end_marker(marker: Lease | None, keep: float | None = None) -> None:
+    """Give back the queue marker kept for a run that has ended (with ``keep``: stop
+    renewing it and let it run out that many seconds from now)."""
     if marker is None:
         return
     try:
-        marker.release()
+        if keep is None:
+            marker.release()
+        else:
+            marker.release_after(keep)
     except LockError:  # it runs out by itself within the run lock's ttl
         logger.warning("Could not release queue marker %r", marker.name, exc_info=True)
 
