@@ -271,6 +271,41 @@ def test_every_open_transaction_must_end(name: str) -> None:
 
 
 @committing
+def test_connections_a_thread_opens_later_are_seen(name: str) -> None:
+    """The release path remembers, per thread, once every alias is initialized there:
+    an alias first used after an earlier release, and a connection replaced later
+    (Django's live server thread does it), still count."""
+    seen: list[bool] = []
+
+    def work() -> None:
+        try:
+            with lock(name, backend="locmem"):  # nothing initialized in this thread yet
+                pass
+            with transaction.atomic(using="sqlite"):  # the first use of "sqlite"
+                with lock(name, backend="locmem") as lease:
+                    pass
+                seen.append(lease.release_pending)
+            for alias in connections.settings:  # now every alias is initialized
+                with transaction.atomic(using=alias):
+                    with lock(name, backend="locmem") as lease:
+                        pass
+                    seen.append(lease.release_pending)
+            connections["sqlite"].close()
+            connections["sqlite"] = connections.create_connection("sqlite")
+            with transaction.atomic(using="sqlite"):
+                with lock(name, backend="locmem") as lease:
+                    pass
+                seen.append(lease.release_pending)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(60)
+    assert seen == [True] * (2 + len(connections.settings))
+
+
+@committing
 def test_a_connection_closed_inside_the_transaction_releases(name: str) -> None:
     """Django drops the transaction (and its commit hooks) with the connection."""
     with transaction.atomic():
