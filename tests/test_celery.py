@@ -925,3 +925,24 @@ def test_single_execution_against_a_model_of_its_rules(workers: list[int]) -> No
             database=None,
         ),
     )
+
+
+def test_a_retried_attempt_that_finds_a_copy_is_never_skipped() -> None:
+    """Issue 25.4, the late case: the retry's kept lock ran out and a copy holds the
+    key. With on_duplicate="skip" the retried attempt must not end SUCCESS/None (its
+    work was never done): it retries, and fails with the reason when retries run out."""
+    run = uuid.uuid4().hex
+    calls.clear()
+    skip = _policy_task("skip")
+    token = holder_extra.set({"celery_task_id": "a-copy", "celery_attempt": "0"})
+    try:
+        with lock(f"policy:{run}", ttl=30, timeout=0):
+            fresh = skip.apply((run,))
+            retried = skip.apply((run,), retries=1)
+    finally:
+        holder_extra.reset(token)
+    assert fresh.state == "SUCCESS" and fresh.result is None  # a fresh copy is skipped
+    assert retried.state == "FAILURE", retried.state
+    assert isinstance(retried.result, AlreadyRunning)
+    assert retried.result.holder_task_id == "a-copy"
+    assert calls == []
