@@ -15,7 +15,7 @@ from django.test import Client, override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from distlocks import alock, lock, lock_many, rwlock, semaphore, signals
+from distlocks import alock, get_backend, lock, lock_many, rwlock, semaphore, signals
 from distlocks.exceptions import LockNotAcquired
 from tests import transaction_workers
 from tests.testapp.models import PlainCounter
@@ -211,6 +211,21 @@ def test_semaphores_and_read_write_locks_wait_too(alias: str, name: str) -> None
     assert permit.state == reader.state == "released"
     with catalog.write(ttl=30, timeout=0), semaphore(name, limit=1, backend=alias, timeout=0):
         pass
+
+
+@committing
+@pytest.mark.parametrize("alias", ["locmem", "redis"])
+def test_a_pending_lease_lost_meanwhile_is_reported_not_raised(alias: str, name: str) -> None:
+    """Force-released while its release waits: leaving atomic() does not raise (the
+    transaction has committed); the loss is reported as any loss is."""
+    lost: list[Any] = []
+    with transaction.atomic():
+        with lock(name, backend=alias, ttl=30, on_lost=lost.append) as lease:
+            pass
+        assert get_backend(alias).force_release(name, lease.fencing_token)
+        assert taken_elsewhere(alias, name)
+    assert lease.state == "lost" and lost == [lease]
+    assert "release" in lease.lost_reason
 
 
 @committing
