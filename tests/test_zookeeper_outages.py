@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from distlocks import get_backend, lock
-from distlocks.backends.base import Holder
+from distlocks import get_backend, lock, semaphore
+from distlocks.backends.base import SEMAPHORE, Holder
 from distlocks.exceptions import LockBackendUnavailable
 from distlocks.testing.zookeeper_server import ZooKeeperServer, zookeeper_missing
 from tests.faults.proxy import FaultProxy
@@ -111,8 +111,18 @@ def test_the_session_timeout_the_server_grants_is_the_one_counted(
 # -- a lease declared lost while its session lives on ---------------------------------
 
 
+def holders(alias: str, kind: str, name: str) -> list[str]:
+    """The owners of the nodes of lock ``name`` (``kind`` "lock") or of semaphore
+    ``name``, in queue order."""
+    backend = get_backend(alias)
+    if kind == "lock":
+        return backend.contenders(name)
+    return [info.owner for info in backend.permit_holders(SEMAPHORE, name)]
+
+
+@pytest.mark.parametrize("kind", ["lock", SEMAPHORE])
 def test_a_lease_declared_lost_while_its_session_lives_on_leaves_no_node_behind(
-    settings: Any, server: ZooKeeperServer, proxy: FaultProxy, name: str
+    settings: Any, server: ZooKeeperServer, proxy: FaultProxy, name: str, kind: str
 ) -> None:
     """The holder is cut off. kazoo pinged the server a moment ago, but the holder
     cannot know when: its renewal must assume the server last heard from it up to
@@ -130,7 +140,10 @@ def test_a_lease_declared_lost_while_its_session_lives_on_leaves_no_node_behind(
         "zkd": zk_config(server.location),
     }  # fmt: skip
     backend = get_backend("zkp")
-    assert backend.acquire(name, "holder", session_timeout, HOLDER).acquired
+    if kind == "lock":
+        assert backend.acquire(name, "holder", session_timeout, HOLDER).acquired
+    else:
+        assert backend.permit_acquire(kind, name, "holder", session_timeout, HOLDER).acquired
     session = backend.session_id()
     # Only kazoo's pings from now on, for longer than 2/3 of the session.
     quiet_until = time.monotonic() + session_timeout * 2 / 3 + 0.5
@@ -141,7 +154,10 @@ def test_a_lease_declared_lost_while_its_session_lives_on_leaves_no_node_behind(
 
     def renewal_gives_up() -> bool:
         try:
-            outcomes.append(backend.extend(name, "holder", session_timeout))
+            if kind == "lock":
+                outcomes.append(backend.extend(name, "holder", session_timeout))
+            else:
+                outcomes.append(backend.permit_extend(kind, name, "holder", session_timeout))
         except LockBackendUnavailable:
             outcomes.append("unavailable")  # not yet: tried again, as the renewer does
         return outcomes[-1] is False
@@ -151,9 +167,7 @@ def test_a_lease_declared_lost_while_its_session_lives_on_leaves_no_node_behind(
     wait_for(lambda: connected("zkp"))
     # The session outlived the cut (the scenario of this test).
     assert backend.session_id() == session
-    wait_for(lambda: get_backend("zkd").contenders(name) == [])
-    with lock(name, backend="zkd", ttl=5, timeout=0):
-        pass
+    wait_for(lambda: holders("zkd", kind, name) == [])
 
 
 # -- what a failed clean-up logs -------------------------------------------------------------
@@ -204,8 +218,9 @@ def test_releases_after_an_outage_log_one_line(
 # -- acquisitions that meet an outage -----------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", ["lock", SEMAPHORE])
 def test_an_acquire_with_a_timeout_waits_out_a_short_outage(
-    settings: Any, server: ZooKeeperServer, proxy: FaultProxy, name: str
+    settings: Any, server: ZooKeeperServer, proxy: FaultProxy, name: str, kind: str
 ) -> None:
     """The server cannot be reached for a while, well within the caller's timeout: the
     acquire tries again until it can, instead of failing at the first attempt."""
@@ -214,7 +229,6 @@ def test_an_acquire_with_a_timeout_waits_out_a_short_outage(
         "zko": zk_config(f"127.0.0.1:{proxy.port}", session_timeout=8, connect_timeout=0.3,
                          socket_timeout=0.3),
     }  # fmt: skip
-    backend = get_backend("zko")
     with lock(f"{name}:warm", backend="zko", ttl=8, timeout=1):
         pass
     proxy.drop()
@@ -223,7 +237,10 @@ def test_an_acquire_with_a_timeout_waits_out_a_short_outage(
 
     def acquire() -> None:
         try:
-            outcome.append(lock(name, backend="zko", ttl=8, timeout=30).acquire())
+            if kind == "lock":
+                outcome.append(lock(name, backend="zko", ttl=8, timeout=30).acquire())
+            else:
+                outcome.append(semaphore(name, limit=2, backend="zko", ttl=8, timeout=30).acquire())
         except Exception as exc:
             outcome.append(exc)
 
@@ -236,7 +253,7 @@ def test_an_acquire_with_a_timeout_waits_out_a_short_outage(
     assert len(outcome) == 1 and not isinstance(outcome[0], Exception), outcome
     lease = outcome[0]
     assert lease.held()
-    assert backend.contenders(name) == [lease.owner]
+    assert holders("zko", kind, name) == [lease.owner]
     lease.release()
 
 
