@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from django.db import connections
@@ -69,7 +70,7 @@ def open_transactions() -> list[BaseDatabaseWrapper]:
 _threads = threading.local()
 
 
-def _connections() -> list[BaseDatabaseWrapper]:
+def _connections() -> Sequence[BaseDatabaseWrapper]:
     aliases = connections.settings
     # Not in an event loop's thread: there each asyncio context has connections of its
     # own (and Django runs no transaction there anyway).
