@@ -408,7 +408,7 @@ class ZooKeeperBackend(BaseBackend):
         request, which its connection handler reads with ``_invoke``."""
         connection = getattr(client, "_connection", None)
         invoke = getattr(connection, "_invoke", None)
-        if invoke is None:  # pragma: no cover - a kazoo without the hook
+        if connection is None or invoke is None:  # pragma: no cover - another kazoo
             logger.warning(
                 "Cannot read the session timeout ZooKeeper grants backend %r with this "
                 "kazoo version: leases count with the %gs asked for, which is unsafe if "
