@@ -202,3 +202,59 @@ def test_a_waiter_killed_while_queued_does_not_hold_up_the_next(
             thread.join(60)  # it gets the lock once the dead waiter's lease ends
         for lease in got:
             lease.release()
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_a_live_waiter_keeps_its_place_for_longer_than_its_waiter_lease(
+    own_etcd: EtcdServer, driver: str
+) -> None:
+    """The short lease of a waiter key is renewed while it waits (by the waiter's own
+    thread, or by its loop's hub for all its waiters at once): a waiter that waits for
+    several times its length keeps its waiter key, in its place, and then gets the lock."""
+    backend = backend_for(own_etcd.location, prefix=f"keep-{driver}")
+    backend.WAIT_TTL = 2.0
+    holder = current_holder()
+    assert backend.acquire("n", "holder", 30, holder).acquired
+    got: list[Any] = []
+
+    async def take_async() -> None:
+        lease = await aacquire_lease(backend, "n", ttl=30, timeout=60)
+        got.append(lease.fencing_token)
+        assert await lease.release()
+
+    def take() -> None:
+        if driver == "sync":
+            lease = acquire_lease(backend, "n", ttl=30, timeout=60)
+            got.append(lease.fencing_token)
+            assert lease.release()
+        else:
+            asyncio.run(take_async())
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    try:
+        wait_for(lambda: len(backend.queue("n")) == 1, 20, "the waiter queued")
+        [key] = keys_under(backend, f"keep-{driver}/wait/")
+        created = created_revision(backend, key)
+        # Three waiter leases long (the scenario's length, not a timing assertion):
+        # the key must be there, the same one, all along.
+        until = time.monotonic() + 3 * backend.WAIT_TTL
+        while time.monotonic() < until:
+            assert created_revision(backend, key) == created, "the waiter lost its place"
+            time.sleep(0.1)
+        assert backend.release("n", "holder")
+        thread.join(20)
+        assert got, "the waiter did not get the lock"
+    finally:
+        backend.force_release("n")
+        thread.join(60)
+    backend.close()
+
+
+def created_revision(backend: EtcdBackend, key: str) -> int:
+    """The create_revision of ``key`` (0 when it does not exist)."""
+    from distlocks.backends.etcd import _b64
+
+    answer = backend._call("/v3/kv/range", {"key": _b64(key)}, "test", "")
+    kvs = answer.get("kvs") or []
+    return int(kvs[0]["create_revision"]) if kvs else 0
