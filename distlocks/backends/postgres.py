@@ -65,6 +65,7 @@ from distlocks.backends.base import (
 )
 from distlocks.conf import conf
 from distlocks.exceptions import LockBackendUnavailable, LockError
+from distlocks.redaction import redact_exception
 
 try:
     import psycopg
@@ -726,7 +727,12 @@ class PostgresBackend(BaseBackend):
 
     def _connect_kwargs(self) -> dict[str, Any]:
         wrapper = connections[self.database]
-        params = dict(wrapper.get_connection_params())
+        try:
+            params = dict(wrapper.get_connection_params())
+        except ImproperlyConfigured as exc:
+            # Django quotes the setting it refuses (a NAME may be a URL with a password).
+            redact_exception(exc)
+            raise
         # Django's own cursor classes and adapters are not needed on these connections.
         params.pop("cursor_factory", None)
         params.pop("context", None)
