@@ -53,7 +53,7 @@ _SCHEMES = frozenset(
 )
 #: Words a location's user name often is: not masked wherever they appear (they are
 #: masked in a location all the same, by the patterns).
-_NOT_SECRETS = _SCHEMES | {"user", "username", "default", "root", "admin", "postgres"}
+_NOT_SECRETS = _SCHEMES | {"user", "username", "default", "root", "admin", "localhost"}
 
 # scheme://user:password@host  ->  scheme://user:***@host, and scheme://token@host ->
 # scheme://***@host (some clients read a lone token there as the password). A scheme
@@ -257,30 +257,37 @@ def _secrets_in(value: Any, depth: int = 0, *, userinfos: set[str]) -> Iterator[
 
 
 # Where user information may start in a location, whatever its shape.
-_STARTS = frozenset("/:\\@,;= \t")
+_STARTS = frozenset("/:\\@,;=?#&")
 
 
 def _location_secrets(text: str, userinfos: set[str]) -> Iterator[str]:
     """What of a configured ``text`` could be a credential, however malformed: every
-    substring between its start (or a "/", ":", "\\", "@", "," ...) and its last "@",
-    and the pieces of each comma-separated item's part before its last "@" but a
-    scheme or a plain user name. The substrings also go to ``userinfos``."""
+    substring of its part before its last "@" that starts at its beginning or after a
+    separator ("/", ":", "\\", "@", ",", ...) and ends at a separator or that "@",
+    but a scheme, a plain user name, a port or an address. The ones that end at the
+    "@" also go to ``userinfos``."""
     if "@" not in text:
         return
     left = text[: text.rfind("@")]
-    for index in range(len(left)):
-        if index == 0 or left[index - 1] in _STARTS:
-            candidate = left[index:]
-            if candidate and candidate.lower() not in _NOT_SECRETS:
-                userinfos.add(candidate)
-                yield candidate
-                yield unquote(candidate)
-    for item in text.split(","):
-        head = item[: item.rfind("@")] if "@" in item else ""
-        for piece in _pieces(head.strip()):
-            # A scheme, a user name such as "root", a port or an address is no secret.
-            if piece.lower() not in _NOT_SECRETS and not re.fullmatch(r"[\d.]*", piece):
-                yield piece
+    for form in {left, unquote(left)}:
+        cuts = [index for index, char in enumerate(form) if char in _STARTS or char.isspace()]
+        starts, ends = [0, *(cut + 1 for cut in cuts)], [*cuts, len(form)]
+        for start in starts:
+            for end in ends:
+                candidate = form[start:end]
+                # A host of an earlier item of a host list is masked too: it cannot be
+                # told from a password holding "@" and ",". Safe beats readable.
+                if candidate.strip() and not _NOT_A_SECRET.fullmatch(candidate):
+                    if end == len(form):
+                        userinfos.add(candidate)
+                    yield candidate
+
+
+# A scheme, a usual user name, a number, an address: never masked on their own.
+_NOT_A_SECRET = re.compile(
+    "|".join(map(re.escape, sorted(_NOT_SECRETS))) + r"|[\d.]*|\[[0-9A-Fa-f:.]*\]",
+    re.IGNORECASE,
+)
 
 
 def _credentials(value: Any) -> Iterator[str]:

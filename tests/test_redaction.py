@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 from typing import Any
+from urllib.parse import unquote
 
 import pytest
 from django.core.management import call_command
@@ -264,21 +266,32 @@ def test_a_short_secret_of_a_configured_location_is_masked_before_its_at(setting
     assert redact("pw is short for password") == "pw is short for password"
 
 
+#: Ways a message may show a location: whole, quoted, in a list, or cut into the
+#: pieces a parser makes of it (by comma, at every delimiter, percent-decoded).
+RENDERINGS: dict[str, Any] = {
+    "whole": str,
+    "repr": repr,
+    "in a message": lambda location: f"LOCATION {location!r}: bad",
+    "in a list": lambda location: repr([location]),
+    "comma items": lambda location: repr(location.split(",")),
+    "parser pieces": lambda location: repr(re.split(r"[/?#@:;&=,\s\\]+", location)),
+    "decoded pieces": lambda location: repr(re.split(r"[/?#@:;&=,\s\\]+", unquote(location))),
+}
+
+
 @hypothesis_settings(max_examples=300, deadline=None)
-@given(
-    case=secret_locations(), wrap=st.sampled_from(["{}", "{!r}", "LOCATION {!r}: bad", "[{!r}]"])
-)
+@given(case=secret_locations(), rendering=st.sampled_from(sorted(RENDERINGS)))
 def test_no_configured_malformed_location_shows_its_secret(
-    case: tuple[str, str], wrap: str
+    case: tuple[str, str], rendering: str
 ) -> None:
-    """Whatever its shape, a configured location shown whole (or quoted, or in a list)
-    shows nothing of its secret, and what follows its last "@" (host, port, path)
-    stays readable."""
+    """Whatever its shape, a configured location shown whole, quoted, in a list or cut
+    into pieces shows nothing of its secret, and what follows its last "@" (host,
+    port, path) stays readable."""
     core, location = case
     with override_settings(
         DISTLOCKS_BACKENDS={"default": {"BACKEND": REDIS, "LOCATION": location}}
     ):
-        text = redact(wrap.format(location))
+        text = redact(RENDERINGS[rendering](location))
         assert core[1:] not in text
-        if wrap == "{}":
+        if rendering == "whole":
             assert text.endswith("@" + location.rpartition("@")[2])
