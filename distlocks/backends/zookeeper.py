@@ -674,6 +674,17 @@ class ZooKeeperBackend(BaseBackend):
 
         threading.Thread(target=clean, name="distlocks-zk-cleanup", daemon=True).start()
 
+    def _give_up(self, key: tuple[str, str, str], leave: Callable[[], None]) -> None:
+        """An acquire that failed on an unavailable ensemble: a node it may have made
+        (a create without an answer, or one made before a later request failed) is
+        deleted once the ensemble answers (the caller may never leave the queue: a
+        try-once call has no queue to leave)."""
+        kind, name, owner = key
+        made = (name, owner) in self._nodes if kind == _LOCK else key in self._permits
+        if key in self._unknown or made:
+            self._unknown.discard(key)
+            self._cleanup_later(name, owner, leave, kind)
+
     def _through_outage(
         self,
         key: tuple[str, str, str],
@@ -691,9 +702,7 @@ class ZooKeeperBackend(BaseBackend):
             try:
                 return attempt(None)
             except LockBackendUnavailable:
-                if key in self._unknown:
-                    self._unknown.discard(key)
-                    self._cleanup_later(key[1], key[2], leave, key[0])
+                self._give_up(key, leave)
                 raise
         started = time.monotonic()
         deadline = started + min(wait, max(_OUTAGE_WAIT, 3 * self.session_seconds))
@@ -703,9 +712,7 @@ class ZooKeeperBackend(BaseBackend):
                 return attempt(deadline)
             except LockBackendUnavailable as exc:
                 if time.monotonic() + delay >= deadline:
-                    if key in self._unknown:
-                        self._unknown.discard(key)
-                        self._cleanup_later(key[1], key[2], leave, key[0])
+                    self._give_up(key, leave)
                     raise
                 logger.info(
                     "ZooKeeper unavailable to %s %r on backend %r; trying again within "
