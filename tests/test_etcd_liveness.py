@@ -142,7 +142,7 @@ holder = Holder("child", os.getpid(), "main")
 if kind in ("lock", "fair"):
     result = backend.acquire(name, "child", 30, holder, wait=120, fair=kind == "fair")
 else:
-    permit = {"semaphore": "semaphore", "write": "write"}[kind]
+    permit = {"semaphore": "semaphore", "write": "write", "read": "read"}[kind]
     result = backend.permit_acquire(permit, name, "child", 30, holder, limit=1, wait=120)
 print("acquired" if result.acquired else "queued", flush=True)
 sys.stdin.read()  # until killed
@@ -152,17 +152,21 @@ sys.stdin.read()  # until killed
 def queue_of(backend: EtcdBackend, kind: str, name: str) -> list[str]:
     if kind in ("lock", "fair"):
         return backend.queue(name)
+    # A read-write lock's queue holds its readers and its writers.
     prefix = backend.family_prefix("semaphore" if kind == "semaphore" else "write", name)
     return keys_under(backend, prefix)
 
 
-@pytest.mark.parametrize("kind", ["lock", "fair", "semaphore", "write"])
+@pytest.mark.parametrize("kind", ["lock", "fair", "semaphore", "write", "read"])
 def test_a_waiter_killed_while_queued_does_not_hold_up_the_next(
     etcd: EtcdBackend, etcd_ready: str, kind: str, name: str
 ) -> None:
     """A waiter process queues (ttl 30) and is SIGKILLed; the lock is released: the
     waiter behind the dead one gets it within 10 s, not after the dead one's 30 s
-    lease. (Its waiter key now lives on a short lease of its own while it waits.)"""
+    lease. (Its waiter key now lives on a short lease of its own while it waits.) With
+    "read", the dead waiter is a reader queued behind a writer and the live one a
+    writer: once the first writer goes, the dead reader holds, keeping the writer out.
+    """
 
     def take(timeout: float) -> Any:
         if kind in ("lock", "fair"):
