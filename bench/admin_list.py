@@ -33,7 +33,7 @@ import uuid
 from types import ModuleType
 from typing import Any, ClassVar
 
-from bench.registry import (
+from bench.base import (
     BenchError,
     Env,
     Implementation,
@@ -229,7 +229,7 @@ def _delete_redis_locks() -> None:
     """Delete the keys of the workload's Redis locks (and their fencing counters)."""
     import redis
 
-    from bench.registry import Env
+    from bench.base import Env
 
     client = redis.Redis.from_url(Env.from_environ().redis_url)
     try:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from bench.admin_list import AdminListing, AdminSite, RedisRaw
-from bench.registry import (
+from bench.base import (
     BenchError,
     Implementation,
     Measurement,

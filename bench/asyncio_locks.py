@@ -34,8 +34,7 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any, ClassVar
 
-from bench.implementations import _COMPARE_AND_DELETE
-from bench.registry import (
+from bench.base import (
     BenchError,
     Env,
     Implementation,
@@ -45,6 +44,7 @@ from bench.registry import (
     implementation,
     workload,
 )
+from bench.implementations import _COMPARE_AND_DELETE
 
 CYCLE = "async-cycle"
 TASKS = "async-tasks"

@@ -16,7 +16,7 @@ import os
 
 from celery import Celery
 
-from bench.celery_overhead import BROKER_PREFIX, QUEUE, SINGLETON_PREFIX
+from bench.celery_names import BROKER_PREFIX, QUEUE, SINGLETON_PREFIX
 from bench.settings import REDIS_URL
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.settings")

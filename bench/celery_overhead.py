@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from bench.registry import (
+from bench.base import (
     BenchError,
     Env,
     Implementation,
@@ -46,16 +46,11 @@ from bench.registry import (
     implementation,
     workload,
 )
+from bench.celery_names import BROKER_PREFIX, QUEUE, SINGLETON_PREFIX
 from distlocks.testing.servers import _parent_death_signal
 
 RUN, ENQUEUE, E2E = "celery-run", "celery-enqueue", "celery-e2e"
 CELERY_WORKLOADS = frozenset({RUN, ENQUEUE, E2E})
-#: Prefix of every key the broker writes (queue, bindings, unacked messages).
-BROKER_PREFIX = "distlocks-bench-celery:"
-#: The one queue every benchmark task is published to.
-QUEUE = "distlocks-bench"
-#: Key prefix of the peer that keeps its markers under a configurable prefix.
-SINGLETON_PREFIX = "bench:celery-singleton:"
 #: Where the end-to-end tasks note their run and finish times (one list per round).
 DONE_PREFIX = "bench:celery-e2e:"
 # bench.settings.DISTLOCKS_KEY_PREFIX: that module is read only once the servers run.

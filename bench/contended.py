@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from bench.registry import (
+from bench.base import (
     BenchError,
     Implementation,
     Measurement,

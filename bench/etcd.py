@@ -28,9 +28,9 @@ import urllib.request
 import uuid
 from typing import Any
 
+from bench.base import BenchError, Env, Implementation, implementation, workload
 from bench.implementations import BackendLevel
 from bench.postgres import DistlocksPg
-from bench.registry import BenchError, Env, Implementation, implementation, workload
 from bench.workloads import Cycle, HandOff
 
 FAMILY = "etcd"

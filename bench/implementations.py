@@ -14,7 +14,7 @@ from typing import Any
 
 import redis
 
-from bench.registry import Env, Implementation, implementation
+from bench.base import Env, Implementation, implementation
 
 # Peers log every acquisition or failed try; none of that belongs in the timings.
 for _logger in ("redis_lock", "pottery"):

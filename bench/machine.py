@@ -8,8 +8,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from bench.base import Env
 from bench.postgres import server_version
-from bench.registry import Env
 
 DISTRIBUTIONS = (
     "distlocks",

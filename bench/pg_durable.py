@@ -30,14 +30,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.postgres import DistlocksPg, DistlocksPgBackend, DjangoPglock, PgFloor
-from bench.registry import (
+from bench.base import (
     DURABLE_DATABASE_ENV,
     Env,
     Implementation,
     implementation,
     workload,
 )
+from bench.postgres import DistlocksPg, DistlocksPgBackend, DjangoPglock, PgFloor
 from bench.workloads import Cycle
 
 NAME = "pg-cycle-durable"

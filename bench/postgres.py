@@ -21,8 +21,8 @@ import hashlib
 import threading
 from typing import Any
 
+from bench.base import BenchError, Env, Implementation, implementation
 from bench.implementations import BackendLevel
-from bench.registry import BenchError, Env, Implementation, implementation
 
 #: A LIKE pattern matching every lock name the workloads use (see :mod:`bench.workloads`).
 NAME_PATTERN = "bench:%"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar
 
-from bench.registry import Implementation, Measurement, RunOptions, Workload, workload
+from bench.base import Implementation, Measurement, RunOptions, Workload, workload
 
 TTL = 2.0
 

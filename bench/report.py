@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.registry import IMPLEMENTATIONS, Samples, Workload, floor_of, reference_of
+from bench.base import IMPLEMENTATIONS, Samples, Workload, floor_of, reference_of
 from bench.stats import ratio, summarize
 
 SCHEMA_VERSION = 1

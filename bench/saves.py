@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from bench.registry import (
+from bench.base import (
     Env,
     Implementation,
     Measurement,

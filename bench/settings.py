@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from urllib.parse import unquote, urlsplit
 
-from bench.registry import DURABLE_DATABASE_ENV, ETCD_ENV, ZOOKEEPER_ENV
+from bench.base import DURABLE_DATABASE_ENV, ETCD_ENV, ZOOKEEPER_ENV
 from distlocks.testing.servers import DATABASE_URL_ENV, REDIS_URL_ENV
 
 REDIS_URL = os.environ.get(REDIS_URL_ENV, "redis://127.0.0.1:6379/0")

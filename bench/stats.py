@@ -5,9 +5,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bench.registry import Samples
+if TYPE_CHECKING:
+    # Only a type here: bench.base imports this module for its percentiles.
+    from bench.base import Samples
 
 
 def percentile(sorted_values: Sequence[float], pct: float) -> float:

@@ -3,8 +3,12 @@
 The processes are spawned (not forked: the runner holds open connections and
 threads) once per workload and reused for every implementation and round, so
 interpreter and Django start-up never lands in a measurement. Each one builds
-implementations by registry name on first use and runs the task functions of
-:data:`TASKS`; a workload adds a task by adding a function there.
+implementations on first use and runs the task functions of :data:`TASKS`; a
+workload adds a task by adding a function there.
+
+Each task carries its implementation's class and its task function (both pickled
+by reference: the process imports the modules that define them), so this module
+needs no registry, and the workloads that import it are never imported back.
 """
 
 from __future__ import annotations
@@ -18,15 +22,34 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from bench.registry import IMPLEMENTATIONS, BenchError, Env, Implementation, load_registry
+from bench.base import IMPLEMENTATIONS, BenchError, Env, Implementation
 
 #: How long the runner waits for one task's answer before giving up on the pool.
 TASK_TIMEOUT = 120.0
 
 
-def _task_cycles(impl: Implementation, task: dict[str, Any]) -> dict[str, Any]:
-    from bench.workloads import cycles_until
+def cycles_until(impl: Implementation, names: list[str], stop_at: float, ttl: float) -> list[int]:
+    """Acquire + release ``names`` in turn until the monotonic clock passes ``stop_at``.
 
+    Returns the duration of every cycle in nanoseconds.
+    """
+    clock = time.perf_counter_ns
+    monotonic = time.monotonic
+    cycle = impl.cycle
+    latencies: list[int] = []
+    append = latencies.append
+    count = len(names)
+    i = 0
+    while monotonic() < stop_at:
+        name = names[i % count]
+        started = clock()
+        cycle(name, ttl)
+        append(clock() - started)
+        i += 1
+    return latencies
+
+
+def _task_cycles(impl: Implementation, task: dict[str, Any]) -> dict[str, Any]:
     names = [f"{task['prefix']}:{i}" for i in range(task["names"])]
     start_at, duration = task["start_at"], task["duration"]
     delay = start_at - time.monotonic()
@@ -46,7 +69,6 @@ def _serve(conn: Connection) -> None:
     import django
 
     django.setup()
-    load_registry()
     env = Env.from_environ()
     impls: dict[str, Implementation] = {}
     try:
@@ -57,8 +79,8 @@ def _serve(conn: Connection) -> None:
             try:
                 impl = impls.get(task["impl"])
                 if impl is None:
-                    impl = impls[task["impl"]] = IMPLEMENTATIONS[task["impl"]](env)
-                conn.send((True, TASKS[task["kind"]](impl, task)))
+                    impl = impls[task["impl"]] = task["impl_class"](env)
+                conn.send((True, task["function"](impl, task)))
             except Exception:
                 conn.send((False, traceback.format_exc()))
     finally:
@@ -92,7 +114,13 @@ class WorkerPool:
         if len(tasks) != len(self._workers):
             raise ValueError(f"{len(tasks)} tasks for {len(self._workers)} workers")
         for (_, conn), task in zip(self._workers, tasks, strict=True):
-            conn.send(task)
+            conn.send(
+                {
+                    **task,
+                    "impl_class": IMPLEMENTATIONS[task["impl"]],
+                    "function": TASKS[task["kind"]],
+                }
+            )
         answers = []
         for process, conn in self._workers:
             if not conn.poll(TASK_TIMEOUT):

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.registry import (
+from bench.base import (
     BenchError,
     Implementation,
     Measurement,
@@ -21,31 +21,10 @@ from bench.registry import (
     Workload,
     workload,
 )
-from bench.workers import WorkerPool
+from bench.workers import WorkerPool, cycles_until
 
 #: Lease length of every lock taken; long enough that nothing expires mid-measurement.
 TTL = 30.0
-
-
-def cycles_until(impl: Implementation, names: list[str], stop_at: float, ttl: float) -> list[int]:
-    """Acquire + release ``names`` in turn until the monotonic clock passes ``stop_at``.
-
-    Returns the duration of every cycle in nanoseconds.
-    """
-    clock = time.perf_counter_ns
-    monotonic = time.monotonic
-    cycle = impl.cycle
-    latencies: list[int] = []
-    append = latencies.append
-    count = len(names)
-    i = 0
-    while monotonic() < stop_at:
-        name = names[i % count]
-        started = clock()
-        cycle(name, ttl)
-        append(clock() - started)
-        i += 1
-    return latencies
 
 
 @workload

@@ -21,9 +21,9 @@ import time
 import urllib.parse
 from typing import Any
 
+from bench.base import BenchError, Env, Implementation, implementation, workload
 from bench.implementations import BackendLevel
 from bench.postgres import DistlocksPg
-from bench.registry import BenchError, Env, Implementation, implementation, workload
 from bench.workloads import Cycle, HandOff
 
 FAMILY = "zookeeper"
