@@ -16,9 +16,8 @@ import pytest
 from django.db import connection, connections, transaction
 
 from distlocks import get_backend, lock
-from distlocks.backends import postgres
 from distlocks.backends.base import Holder
-from distlocks.backends.postgres import TABLE, PostgresBackend
+from distlocks.backends.postgres import TABLE, PostgresBackend, sql
 from distlocks.exceptions import LockError, LockLost, LockNotAcquired
 from distlocks.primitives import rwlock, semaphore
 from tests.waiting import wait_for
@@ -167,14 +166,14 @@ def test_force_release_never_ends_a_session_it_was_not_asked_to(
     here (3 ms of server time in the counter's update): without the guard that closes
     it, most force releases then end the other lease."""
     monkeypatch.setattr(
-        postgres,
-        "_BUMP",
-        postgres._BUMP.replace(
+        sql,
+        "BUMP",
+        sql.BUMP.replace(
             "WHERE key = %(key)s",
             "WHERE key = %(key)s AND EXISTS (SELECT FROM (SELECT pg_sleep(0.003)) AS pause)",
         ),
     )
-    assert "pg_sleep" in postgres._BUMP
+    assert "pg_sleep" in sql.BUMP
     backend = pg()
     context = multiprocessing.get_context("spawn")
     stop, report = context.Event(), context.Queue()

@@ -1,0 +1,230 @@
+"""The PostgreSQL backend's transport: its own pool of lock connections, and the
+reply watchdog that bounds every wait for the server's answer.
+
+Kept apart from Django's connections: a session-mode lock is pinned to one of these
+until release, so Django closing or reusing its own connections never drops a lock.
+The fork rule for these connections (a child never uses its parent's) is
+:mod:`.fork`'s.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import threading
+import time
+from typing import Any
+
+import psycopg
+
+
+class NoAnswer(psycopg.OperationalError):
+    """The server did not answer a request in time; the connection was cut."""
+
+
+class Watchdog:
+    """Cuts the connections whose server stopped answering.
+
+    libpq waits for a reply as long as the TCP connection lives, and a server that is
+    stopped, frozen or behind a silent network keeps it alive (its kernel, or a proxy
+    in between, still acknowledges): keepalives and ``tcp_user_timeout`` never fire.
+    Each request registers its deadline here; one thread shuts down the socket of a
+    request still unanswered at its deadline, which ends libpq's wait at once with an
+    error. The connection is then unusable, and the server frees its locks when it
+    sees it closed."""
+
+    TICK = 0.1
+
+    def __init__(self) -> None:
+        self._watched: dict[int, tuple[float, Connection]] = {}
+        self._wake = threading.Event()
+        self._start_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        # True while the thread sleeps with no timeout (nothing watched for a tick):
+        # only then does a new request wake it. While it ticks, it finds the request
+        # at its next tick, within TICK of any deadline, and a busy client does not
+        # pay a thread wake-up (two switches of the interpreter lock) per statement.
+        self._asleep = True
+        # Requests registered since the thread last looked: a quiet tick first.
+        self._requests = 0
+
+    def watch(self, conn: Connection, deadline: float) -> None:
+        self._watched[id(conn)] = (deadline, conn)
+        self._requests += 1
+        if self._thread is None:
+            self._start()
+        if self._asleep:
+            self._wake.set()
+
+    def unwatch(self, conn: Connection) -> None:
+        self._watched.pop(id(conn), None)
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, name="distlocks-pg-watchdog")
+                thread.daemon = True
+                thread.start()
+                self._thread = thread
+
+    def _run(self) -> None:
+        seen = -1
+        while True:
+            if not self._watched and self._requests == seen:
+                # A whole tick without a request: sleep until the next one. Cleared
+                # and marked before looking again, so that a request registered in
+                # between either is seen here or sets the event.
+                self._wake.clear()
+                self._asleep = True
+                if not self._watched:
+                    self._wake.wait()
+                self._asleep = False
+            seen = self._requests
+            now = time.monotonic()
+            for key, entry in list(self._watched.items()):
+                # The same registration still (not the connection's next request).
+                if entry[0] <= now and self._watched.get(key) is entry:
+                    self._watched.pop(key, None)
+                    entry[1].cut()
+            time.sleep(self.TICK)
+
+    def after_fork(self) -> None:
+        self._watched = {}
+        self._wake = threading.Event()
+        self._start_lock = threading.Lock()
+        self._thread = None
+        self._asleep = True
+        self._requests = 0
+
+
+watchdog = Watchdog()
+
+
+class Connection(psycopg.Connection[Any]):
+    """A connection whose every request waits at most ``reply_timeout`` seconds for
+    the server (plus ``lock_wait`` while a lock wait is under way): see
+    :class:`Watchdog`."""
+
+    reply_timeout: float | None = None
+    lock_wait: float = 0.0
+    _cut = False
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        if self.reply_timeout is None:
+            return super().wait(*args, **kwargs)
+        watchdog.watch(self, time.monotonic() + self.reply_timeout + self.lock_wait)
+        try:
+            result = super().wait(*args, **kwargs)
+        except psycopg.OperationalError as exc:
+            if self._cut:
+                raise self._no_answer() from exc
+            raise
+        finally:
+            watchdog.unwatch(self)
+        if self._cut:  # cut just as the answer came: the connection is gone all the same
+            raise self._no_answer()
+        return result
+
+    def _no_answer(self) -> NoAnswer:
+        return NoAnswer(
+            f"no answer from the server within {self.reply_timeout:g} s "
+            f"(OPTIONS['socket_timeout']); the connection was closed"
+        )
+
+    def cut(self) -> None:
+        """Shut the socket down under libpq's wait (from the watchdog thread)."""
+        self._cut = True
+        try:
+            fd = self.pgconn.socket
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, psycopg.Error):
+            pass  # already closed: the wait has ended anyway
+
+
+class Pool:
+    """A small LIFO pool of autocommit connections, connected in the caller's thread
+    so that a connection failure surfaces at once, with its cause."""
+
+    def __init__(
+        self,
+        kwargs: dict[str, Any],
+        max_size: int,
+        timeout: float,
+        reply_timeout: float | None = None,
+    ) -> None:
+        self.kwargs = kwargs
+        self.max_size = max_size
+        self.timeout = timeout
+        self.reply_timeout = reply_timeout
+        self._idle: list[Connection] = []
+        self._count = 0
+        self._cond = threading.Condition()
+
+    def get(self, timeout: float | None = None) -> Connection:
+        """An idle connection, a new one, or one given back within ``timeout`` seconds
+        (default: ``OPTIONS['pool_timeout']``); :class:`PoolExhausted` after that."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        with self._cond:
+            while True:
+                while self._idle:
+                    conn = self._idle.pop()
+                    if not ended_while_idle(conn):
+                        return conn
+                    self._count -= 1
+                    conn.close()
+                if self._count < self.max_size:
+                    self._count += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PoolExhausted
+                self._cond.wait(left)
+        try:
+            conn = Connection.connect(**self.kwargs)
+            conn.reply_timeout = self.reply_timeout
+            return conn
+        except BaseException:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise
+
+    def put(self, conn: Connection) -> None:
+        with self._cond:
+            if conn.closed or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                self._count -= 1
+                if not conn.closed:
+                    conn.close()
+            else:
+                self._idle.append(conn)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            idle, self._idle = self._idle, []
+            self._count -= len(idle)
+        for conn in idle:
+            conn.close()
+
+
+class PoolExhausted(Exception):
+    pass
+
+
+def ended_while_idle(conn: Connection) -> bool:
+    """Whether an idle pooled connection is closed, or was ended by the server (a
+    DBA's pg_terminate_backend, ``idle_session_timeout``, a restart or failover).
+
+    An idle connection of ours expects nothing from the server: anything to read on
+    its socket (the server's last words, or the end of the stream) means it is gone,
+    and it is replaced before a lock statement is sent on it. One poll, no round trip.
+    """
+    if conn.closed:
+        return True
+    try:
+        readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+    except (OSError, ValueError, psycopg.Error):
+        return True
+    return bool(readable)

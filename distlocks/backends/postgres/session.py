@@ -1,0 +1,131 @@
+"""Session mode's lock recipe: a session-level advisory lock on a pooled connection
+that stays pinned to the lease until release.
+
+The server frees the lock when that connection ends (a crashed holder frees it as
+soon as the server sees the connection close); a renewal confirms the connection is
+alive and still holds it. Waiting is the server's own queue (``pg_advisory_lock``
+under a ``lock_timeout``): one round trip, waiters served in arrival order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import psycopg
+import psycopg.errors
+
+from distlocks.backends.base import AcquireResult, Holder
+from distlocks.backends.postgres import sql
+from distlocks.backends.postgres.connections import Held, PooledBackend
+from distlocks.backends.postgres.keys import key_parts
+from distlocks.backends.postgres.pool import Connection, NoAnswer
+
+
+class SessionLocks(PooledBackend):
+    """Session-mode locks (the contract's dispatch is in :mod:`.base`)."""
+
+    def _acquire_session(
+        self, name: str, owner: str, ttl: float, holder: Holder, wait: float
+    ) -> AcquireResult:
+        """A session lock pinned to a pooled connection until release."""
+        with self._held_lock:
+            again = self._held.get(owner)
+        if again is not None:  # a retried acquire by the same owner
+            return AcquireResult(True, again.token, ttl)
+        params = self._params(name, owner, ttl, holder)
+        deadline = time.monotonic() + wait
+        conn = self._checkout(name, wait)
+        ours = True  # conn is checked out (to put back or discard)
+        try:
+            with self._mapped_errors("acquire", name):
+                try:
+                    token = self._lock_statement(conn, params, deadline, wait)
+                except psycopg.OperationalError as exc:
+                    if isinstance(exc, NoAnswer):
+                        raise
+                    # The connection died under the statement (ended by the server
+                    # just before): any lock it took ended with it, so one more try
+                    # on a new connection is safe.
+                    ours = False
+                    self._discard(conn)
+                    conn = self._checkout(name, max(0.0, deadline - time.monotonic()))
+                    ours = True
+                    token = self._lock_statement(conn, params, deadline, wait)
+        except BaseException:
+            # Whatever happened, this connection must not keep a lock nobody owns.
+            if ours:
+                self._discard(conn)
+            raise
+        if token is None:
+            self.pool.put(conn)
+            return AcquireResult(False, 0, None)
+        with self._held_lock:
+            self._held[owner] = Held(conn, params["key"], token, guard=self._guard(name))
+        # The lease is confirmed by renewal pings; locally valid for one ttl.
+        return AcquireResult(True, token, ttl)
+
+    def _lock_statement(
+        self, conn: Connection, params: dict[str, Any], deadline: float, wait: float
+    ) -> int | None:
+        """Run the acquire statement: a wait in the server's queue for the rest of the
+        caller's budget, or one try. The token, or None when not granted."""
+        if wait > 0:
+            left = deadline - time.monotonic()
+            if left > 0:
+                return self._acquire_blocking(conn, params, left)
+        row = conn.execute(sql.ACQUIRE_TRY, params).fetchone()
+        return None if row is None else int(row[0])
+
+    def _release_session(self, name: str, owner: str) -> bool:
+        with self._held_lock:
+            held = self._held.pop(owner, None)
+        if held is None:
+            return False
+        return self._give_back(held)
+
+    def _give_back(self, held: Held) -> bool:
+        """Unlock on the lease's own connection, then return it to the pool."""
+        try:
+            params = {"key": held.key, "reader": held.reader, "guard": held.guard}
+            row = held.conn.execute(held.unlock, params).fetchone()
+        except psycopg.Error:
+            # The connection is gone, and the server freed the lock with it.
+            self._discard(held.conn)
+            return False
+        self.pool.put(held.conn)
+        return bool(row and row[0])
+
+    def _extend_session(self, owner: str) -> bool:
+        """Confirm the lease: its connection is alive and still holds the lock."""
+        with self._held_lock:
+            held = self._held.get(owner)
+        if held is None:
+            return False
+        classid, objid = key_parts(held.key)
+        try:
+            row = held.conn.execute(sql.HOLDS, (classid, objid)).fetchone()
+        except psycopg.Error:
+            # Terminated or cut off: a session lock does not outlive its connection.
+            with self._held_lock:
+                self._held.pop(owner, None)
+            self._discard(held.conn)
+            return False
+        return bool(row and row[0])
+
+    def _force_release_session(self, name: str, token: int | None, params: dict[str, Any]) -> bool:
+        """End the session holding ``name`` (if it is the holder of ``token``), under
+        the name's guard."""
+
+        def evict(conn: Connection) -> bool:
+            row = conn.execute(sql.REGISTERED_FOR_UPDATE, params).fetchone()
+            holder = conn.execute(sql.HOLDER, params).fetchone()
+            if holder is None:
+                return False  # free: nothing is written
+            if token is not None and (row is None or (int(row[0]), row[1]) != (token, holder[0])):
+                return False  # another holder than the one shown: left alone
+            conn.execute(sql.BUMP, params)
+            ended = conn.execute(sql.TERMINATE, {"pids": [holder[0]]}).fetchone()
+            return bool(ended and ended[0])
+
+        return self._guarded("force-release", name, evict)
