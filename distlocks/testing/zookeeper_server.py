@@ -58,6 +58,18 @@ def _java(main_class: str, config: Path) -> list[str]:
     ]
 
 
+def _distinct_free_ports(count: int) -> list[int]:
+    """``count`` different free ports. Each free port is found by binding port 0 and
+    closing the socket, so two lookups may return the same port: an ensemble given
+    one twice (a client port that is also a peer's election port) never forms."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = _free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def mode(port: int) -> str:
     """The server's role from its ``srvr`` answer: "standalone", "leader" or
     "follower" once it serves requests; "" while it does not."""
@@ -187,13 +199,13 @@ class ZooKeeperEnsemble(_RunDir):
     def __init__(self, size: int = 3, *, tick_ms: int = 250) -> None:
         super().__init__()
         self.tick_ms = tick_ms
+        # A client, a quorum and an election port per server, all different.
+        ports = iter(_distinct_free_ports(3 * size))
         self.nodes = [
-            ZooKeeperNode(self.base_dir / f"node{myid}", myid, _free_port())
+            ZooKeeperNode(self.base_dir / f"node{myid}", myid, next(ports))
             for myid in range(1, size + 1)
         ]
-        peers = [
-            f"server.{node.myid}=127.0.0.1:{_free_port()}:{_free_port()}" for node in self.nodes
-        ]
+        peers = [f"server.{node.myid}=127.0.0.1:{next(ports)}:{next(ports)}" for node in self.nodes]
         for node in self.nodes:
             data_dir = node.base_dir / "data"
             data_dir.mkdir(exist_ok=True)

@@ -135,6 +135,9 @@ class Command(BaseCommand):
             self.stdout.write("No live locks.")
         for alias in snapshot.truncated:
             self.stderr.write(f"Backend {alias!r}: more locks than one listing reads; truncated.")
+        for notes in snapshot.notes.values():  # what a backend said of its listing
+            for note in notes:
+                self.stderr.write(note)
         if snapshot.errors:
             for alias, error in snapshot.errors.items():
                 self.stderr.write(
