@@ -162,3 +162,20 @@ def test_the_live_locks_page_says_the_index_was_lost(
     livelocks.snapshots.clear()
     again = admin_client.get("/admin/distlocks/livelock/", {"backend": "indexed", "refresh": 1})
     assert "The listing index of backend" not in again.content.decode()
+
+
+def test_the_list_command_says_the_index_was_lost(
+    pair: tuple[RedisBackend, RedisBackend],
+) -> None:
+    import io
+
+    from django.core.management import call_command
+
+    indexed, _ = pair
+    assert indexed.acquire("a", "o-a", LONG, holder()).acquired
+    listed("indexed")
+    indexed.client.delete(indexed.index_key)
+    out, err = io.StringIO(), io.StringIO()
+    call_command("distlocks", "list", "--backend", "indexed", stdout=out, stderr=err)
+    assert "\na     lock  indexed" in out.getvalue()
+    assert "The listing index of backend 'indexed'" in err.getvalue()
