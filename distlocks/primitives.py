@@ -43,6 +43,7 @@ from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import backends, check_alias
 from distlocks.lease import AsyncLease, Lease
 from distlocks.locks import _DEFAULT, AsyncLock, Lock, _LockBase, aacquire_lease, acquire_lease
+from distlocks.logs import log_expected
 from distlocks.validation import MAX_SEMAPHORE_LIMIT, validate_name, validate_timeout
 
 logger = logging.getLogger(__name__)
@@ -107,9 +108,9 @@ class PermitServer:
     def release_quietly(self, name: str, owner: str) -> bool:
         try:
             return self.release(name, owner)
-        except Exception:
-            logger.warning("Could not give back a %s permit of %r on backend %r",
-                           self.kind, name, self.alias, exc_info=True)  # fmt: skip
+        except Exception as exc:
+            log_expected(logger, exc, "Could not give back a %s permit of %r on backend %r",
+                         self.kind, name, self.alias)  # fmt: skip
             return False
 
     def extend(self, name: str, owner: str, ttl: float) -> bool:
@@ -141,9 +142,9 @@ class PermitServer:
     async def arelease_quietly(self, name: str, owner: str) -> bool:
         try:
             return await self.arelease(name, owner)
-        except Exception:
-            logger.warning("Could not give back a %s permit of %r on backend %r",
-                           self.kind, name, self.alias, exc_info=True)  # fmt: skip
+        except Exception as exc:
+            log_expected(logger, exc, "Could not give back a %s permit of %r on backend %r",
+                         self.kind, name, self.alias)  # fmt: skip
             return False
 
     async def aextend(self, name: str, owner: str, ttl: float) -> bool:

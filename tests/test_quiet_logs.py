@@ -118,3 +118,33 @@ def test_a_permit_given_back_in_the_background_while_redis_is_down(
     caplog.set_level(logging.DEBUG, logger="distlocks")
     get_backend(down_alias)._permit_release_quietly(SEMAPHORE, "sem", "me")
     _check_one_line(caplog, "Could not give back a semaphore permit of 'sem'")
+
+
+def test_a_quiet_permit_release_while_redis_is_down(
+    down_alias: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from distlocks.backends.base import SEMAPHORE
+    from distlocks.primitives import PermitServer
+
+    caplog.set_level(logging.DEBUG, logger="distlocks")
+    server = PermitServer(get_backend(down_alias), SEMAPHORE, limit=2)
+    assert server.release_quietly("sem", "me") is False
+    _check_one_line(caplog, "Could not give back a semaphore permit of 'sem' on backend 'down'")
+    caplog.clear()
+    assert asyncio.run(server.arelease_quietly("sem", "me")) is False
+    _check_one_line(caplog, "Could not give back a semaphore permit of 'sem' on backend 'down'")
+
+
+def test_giving_back_what_a_cancelled_acquisition_took_while_redis_is_down(
+    down_alias: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cancelled acquisition's lock is given back after its thread ends; with the
+    server down that fails, on one line (the lock lapses with its ttl)."""
+    caplog.set_level(logging.DEBUG, logger="distlocks")
+    backend = get_backend(down_alias)
+
+    def give_back(result: Any) -> None:
+        backend.release("warm", "me")
+
+    backend._give_back_quietly(give_back, None)
+    _check_one_line(caplog, "Could not give back what a cancelled acquisition took")

@@ -412,10 +412,9 @@ class BaseBackend(ABC):
     ) -> None:
         try:
             give_back(result)
-        except Exception:
-            logger.warning("Could not give back what a cancelled acquisition took on "
-                           "backend %r; it lapses with its ttl", self.alias,
-                           exc_info=True)  # fmt: skip
+        except Exception as exc:
+            log_expected(logger, exc, "Could not give back what a cancelled acquisition took "
+                         "on backend %r; it lapses with its ttl", self.alias)  # fmt: skip
 
     def _give_back_lock(
         self, name: str, owner: str, wait: float, result: AcquireResult | None
