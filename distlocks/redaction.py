@@ -60,17 +60,20 @@ _NOT_SECRETS = _SCHEMES | {"user", "username", "default", "root", "admin", "loca
 # missing one character of "://" ("redis//", "redis:/", "redis:\\") is a URL all the
 # same. The user information runs to the last "@" of the URL, since a careless
 # password may itself hold "@", ":" or "/"; masking too much is the safe way to be wrong.
+#: (Bounded, and anchored at the start of a word, so that no text makes the search
+#: quadratic; a longer user information is the next pattern's.)
 _URL = re.compile(
-    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*(?:://|:/|//|:?\\\\|:\\))(?P<userinfo>[^\s'\"]*)@"
+    r"(?<![A-Za-z0-9+.\-])(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*(?:://|:/|//|:?\\\\|:\\))"
+    r"(?P<userinfo>[^\s'\"]{0,256})@"
 )
 # Any run of characters with an "@" in it, up to a space, a quote or a bracket: what
 # lies before its last "@" may be user information, whatever the shape of the rest
 # (no scheme, "redis:pw@host", a percent-encoded or unicode password, a host list).
-_AT_TOKEN = re.compile(r"(?P<left>[^\s'\"`<>(){}\[\]]+)@")
+_AT_TOKEN = re.compile(r"(?<![^\s'\"`<>(){}\[\]])(?P<left>[^\s'\"`<>(){}\[\]]+)@")
 # What may stay readable of such a token's left part: a plain prefix ("url="), a
 # scheme and its separator, and (after "://") a plain user name.
 _HEAD = re.compile(
-    r"(?P<prefix>[\w.+\-=]*?)(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)"
+    r"(?P<prefix>(?:[\w.+\-]*=)?)(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)"
     r"(?P<sep>://|:?[/\\]+|:)(?P<rest>.*)",
     re.DOTALL,
 )
@@ -175,10 +178,20 @@ def redact(text: Any) -> str:
     secrets, before_at = _configured()
     for secret in secrets:
         if secret in text:
-            text = text.replace(secret, MASK)
+            text = text.replace(secret, _masked(secret))
     if before_at is not None and "@" in text:
         text = before_at.sub(MASK, text)
     return _mask_patterns(text)
+
+
+def _masked(secret: str) -> str:
+    """``***`` in place of ``secret``, with the separators around it kept (a piece of
+    a location such as "//:pw" becomes "//:***", which reads as one)."""
+    core = secret.strip(_SEPARATORS)
+    if not core:
+        return MASK
+    start = secret.index(core)
+    return f"{secret[:start]}{MASK}{secret[start + len(core) :]}"
 
 
 def configured_secrets() -> tuple[str, ...]:
@@ -273,17 +286,26 @@ def _location_secrets(text: str, userinfos: set[str]) -> Iterator[str]:
         cuts = [index for index, char in enumerate(form) if char in _STARTS or char.isspace()]
         starts, ends = [0, *(cut + 1 for cut in cuts)], [*cuts, len(form)]
         for start in starts:
+            if _SCHEME_START.match(form, start):
+                continue  # the same without its scheme comes next: keep "redis//" readable
             for end in ends:
                 candidate = form[start:end]
                 # A host of an earlier item of a host list is masked too: it cannot be
                 # told from a password holding "@" and ",". Safe beats readable.
-                if candidate.strip() and not _NOT_A_SECRET.fullmatch(candidate):
+                core = candidate.strip(_SEPARATORS)
+                if core and not _NOT_A_SECRET.fullmatch(core):
                     if end == len(form):
                         userinfos.add(candidate)
                     yield candidate
 
 
-# A scheme, a usual user name, a number, an address: never masked on their own.
+# A scheme, a usual user name, a number, an address: never masked on their own, nor
+# with separators around them ("redis://").
+_SEPARATORS = "".join(_STARTS) + " \t\r\n\x0b\x0c\u00a0"
+_SCHEME_START = re.compile(
+    "(?:" + "|".join(map(re.escape, sorted(_SCHEMES, key=len, reverse=True))) + r")[:/\\]",
+    re.IGNORECASE,
+)
 _NOT_A_SECRET = re.compile(
     "|".join(map(re.escape, sorted(_NOT_SECRETS))) + r"|[\d.]*|\[[0-9A-Fa-f:.]*\]",
     re.IGNORECASE,

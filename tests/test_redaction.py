@@ -262,8 +262,15 @@ def test_a_short_secret_of_a_configured_location_is_masked_before_its_at(setting
     }
     assert redact("LOCATION 'pw@127.0.0.1:1' is bad") == "LOCATION '***@127.0.0.1:1' is bad"
     assert redact("a parser quoted Kq7longsecret alone") == "a parser quoted *** alone"
-    # Elsewhere the same letters are not a secret.
+    # Elsewhere the same letters are not a secret, nor is the scheme, host or port of
+    # a configured location.
     assert redact("pw is short for password") == "pw is short for password"
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "url": {"BACKEND": REDIS, "LOCATION": "redis//:Kq7@h:1/0"},
+    }
+    assert redact("LOCATION 'redis//:Kq7@h:1/0'") == "LOCATION 'redis//***@h:1/0'"
+    assert redact("redis://127.0.0.1:1/0 and redis:/h:1") == "redis://127.0.0.1:1/0 and redis:/h:1"
 
 
 #: Ways a message may show a location: whole, quoted, in a list, or cut into the
