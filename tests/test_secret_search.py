@@ -55,7 +55,10 @@ cores = st.text(string.ascii_letters + string.digits, min_size=8, max_size=12).m
 #: What a careless password holds around its core: URL delimiters, an encoded one,
 #: unicode, spaces, backslashes.
 decorations = st.sampled_from(
-    ["", "", "@", ":", "/", "%40", "%2F", " ", "\u00e9", "\u00a0", "\\", "#", "?", "[", "x@y", ","]
+    [
+        *("", "", "@", ":", "/", "%40", "%2F", " ", "\u00e9", "\u00a0", "\\", "#", "?", "["),
+        *("x@y", ",", "\n", "'", '"', "+", "%", ";", "="),
+    ]
 )
 schemes = st.sampled_from(
     [
