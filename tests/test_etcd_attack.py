@@ -25,9 +25,9 @@ from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 
 from distlocks import alock, asemaphore, get_backend, lock
-from distlocks.backends import etcd_primitives
 from distlocks.backends.base import READ, SEMAPHORE, WRITE, Holder
 from distlocks.backends.etcd import EtcdBackend
+from distlocks.backends.etcd import listing as etcd_primitives
 from distlocks.exceptions import LockBackendUnavailable, LockError, LockNotAcquired
 from distlocks.handler import backends
 from distlocks.testing.etcd_server import EtcdServer, etcd_missing

@@ -18,7 +18,7 @@ from django.conf import settings
 from distlocks import rwlock, semaphore
 from distlocks.backends.base import Holder
 from distlocks.backends.etcd import EtcdBackend
-from distlocks.backends.etcd_primitives import MAX_WATCHED
+from distlocks.backends.etcd.permit_rules import MAX_WATCHED
 from distlocks.exceptions import LockLost, LockNotAcquired
 from distlocks.testing.etcd_server import EtcdServer, etcd_missing
 from tests import test_command
