@@ -34,7 +34,9 @@ def write_then_commit_later(alias: str, name: str, pk: int, value: int, work_dir
 
     work = Path(work_dir)
     with transaction.atomic():
-        with lock(name, backend=alias, ttl=2, timeout=60) as lease:
+        # A ttl shorter than the wait below (a reader process starting), yet long
+        # enough for a renewal to be late on a loaded machine.
+        with lock(name, backend=alias, ttl=5, timeout=60) as lease:
             PlainCounter.objects.filter(pk=pk).update(value=value)
         (work / "token").write_text(str(lease.fencing_token))
         (work / "released").write_text(f"held={lease.held()} pending={lease.release_pending}")
