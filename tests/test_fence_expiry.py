@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import redis
+from django.conf import settings
 from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
@@ -207,21 +208,42 @@ def per_call(user_id: int) -> int:
     return user_id
 
 
+@single_execution(app=app, name="fence_expiry.per_call_queued", ttl=1, unique_while="queued")
+def per_call_queued(user_id: int) -> int:
+    return user_id
+
+
+#: A queue no worker consumes: the published messages are dropped afterwards.
+IDLE_QUEUE = "distlocks-fence-expiry-idle"
+
+
 def _keys(client: redis.Redis, pattern: str) -> dict[bytes, int]:
     return {key: client.pttl(key) for key in client.scan_iter(match=pattern, count=1000)}
 
 
 def test_a_thousand_distinct_calls_leave_no_keys_behind(redis_client: redis.Redis) -> None:
-    """A task keyed by its argument (the default key) called with 1,000 user ids, and
-    1,000 distinct lock() names: every key left has an expiry, and all are gone once the
-    last lease and counter expired."""
+    """A task keyed by its argument (the default key) called with 1,000 user ids; the
+    same with a queue marker (unique_while="queued": published, then run under its
+    id, which drops the marker); 1,000 distinct lock() names. Every key left has an
+    expiry, and all are gone once the last lease and counter expired."""
     run = uuid.uuid4().hex
-    for user_id in range(1000):
-        assert per_call.apply(args=(user_id,)).get() == user_id
+    broker = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    try:
+        for user_id in range(1000):
+            assert per_call.apply(args=(user_id,)).get() == user_id
+            queued = per_call_queued.apply_async((user_id,), queue=IDLE_QUEUE)
+            assert per_call_queued.apply((user_id,), task_id=queued.id).get() == user_id
+    finally:
+        broker.delete(IDLE_QUEUE)
+        broker.close()
     for index in range(1000):
         with lock(f"per-call:{run}:{index}", backend="redis", ttl=1):
             pass
-    patterns = ["*celery:fence_expiry.per_call:*", f"*per-call:{run}:*"]
+    patterns = [
+        "*celery:fence_expiry.per_call:*",
+        "*celery:fence_expiry.per_call_queued:*",
+        f"*per-call:{run}:*",
+    ]
     left = {key: ttl for p in patterns for key, ttl in _keys(redis_client, p).items()}
     forever = sorted(key for key, ttl in left.items() if ttl == -1)
     assert not forever, f"{len(forever)} keys never expire, e.g. {forever[:3]}"
@@ -232,5 +254,20 @@ def test_a_thousand_distinct_calls_leave_no_keys_behind(redis_client: redis.Redi
     def none_left() -> bool:
         return not any(_keys(redis_client, p) for p in patterns)
 
-    took = wait_for(none_left, limit=GONE_WITHIN, what="every key of 2,000 calls to expire")
-    print(f"2,000 per-call names: every key gone {took:.2f}s after the last call")
+    took = wait_for(none_left, limit=GONE_WITHIN, what="every key of 3,000 calls to expire")
+    print(f"3,000 per-call names and 1,000 markers: every key gone {took:.2f}s after the last")
+
+
+@pytest.mark.parametrize("kind", ["redis", "redlock", "rwlock"])
+def test_a_release_lets_the_counter_go_before_the_lease_would_have_ended(kind: str) -> None:
+    """No lease is live after a release: the counter is kept only for the clock and the
+    grace, not for the rest of a long ttl (a queue marker's hour, say)."""
+    target = Target(kind, f"fence-expiry:{uuid.uuid4().hex}")
+    owner = uuid.uuid4().hex
+    assert target.acquire(owner, 600) is not None
+    for client in target.clients:
+        assert client.pttl(target.fence_key) > 500_000
+    target.release(owner)
+    target.check()
+    for client in target.clients:
+        assert 0 < client.pttl(target.fence_key) <= FENCE_GRACE_MS

@@ -107,8 +107,8 @@ local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
 # force release (the force-release report, fencing_counter()) still finds it, and a
 # small step back of the server clock right after a short lease is covered.
 _NEXT_TOKEN = """
-local function keep_fence(fence, lease_end_ms, now_ms)
-  local value = redis.call('GET', fence)
+local function keep_fence(fence, lease_end_ms, now_ms, value)
+  value = value or redis.call('GET', fence)
   if not value then return end
   -- 2 ms spare: the division rounds, and the expiry counts from the command's time.
   local at = math.max(lease_end_ms, math.floor(tonumber(value) / 1000) + 2,
@@ -119,7 +119,7 @@ local function next_token(fence, now, lease_end_ms)
   local token = math.max(tonumber(redis.call('GET', fence) or '0') + 1,
                          now[1] * 1000000 + now[2])
   redis.call('SET', fence, string.format('%d', token))
-  keep_fence(fence, lease_end_ms, now[1] * 1000 + math.floor(now[2] / 1000))
+  keep_fence(fence, lease_end_ms, now[1] * 1000 + math.floor(now[2] / 1000), token)
   return token
 end
 """.replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
@@ -245,19 +245,21 @@ return {1, token, tonumber(ARGV[2])}
 """
 )
 
-# KEYS: lock hash, waiters, queue, signal[, listing index]. ARGV: owner, wake key
-# prefix[, name: the index field, with the index].
-# Compare-and-delete, then wake one waiter.
+# KEYS: lock hash, waiters, queue, signal, fence counter[, listing index]. ARGV: owner,
+# wake key prefix[, name: the index field, with the index].
+# Compare-and-delete, then wake one waiter. No lease is live any more: the counter is
+# kept only until the clock passes it (and the grace), not until the lease would have
+# ended, so a per-call name with a long ttl goes soon after its release.
 RELEASE = (
     _WAKE
+    + _NOW
+    + _NEXT_TOKEN
     + """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
-if KEYS[5] then redis.call('HDEL', KEYS[5], ARGV[3]) end
+keep_fence(KEYS[5], 0, now_ms)
+if KEYS[6] then redis.call('HDEL', KEYS[6], ARGV[3]) end
 if redis.call('EXISTS', KEYS[2]) == 1 then
-"""
-    + _NOW
-    + """
   wake(KEYS[2], KEYS[3], KEYS[4], ARGV[2], now_ms)
 end
 return 1
@@ -1473,7 +1475,7 @@ class RedisBackend(RedisPermits, BaseBackend):
 
     def _release_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
         k = self.all_keys(name)
-        return [k.lock, k.waiters, k.queue, k.signal], [owner, k.wake_prefix]
+        return [k.lock, k.waiters, k.queue, k.signal, k.fence], [owner, k.wake_prefix]
 
     def _indexed_release_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
         keys, args = self._release_call(name, owner)

@@ -374,6 +374,7 @@ redis.call('ZREM', KEYS[1], ARGV[2])
 redis.call('HDEL', KEYS[2], ARGV[2])
 if writer == ARGV[2] then redis.call('DEL', KEYS[3]) end
 tidy(KEYS[1], KEYS[2], KEYS[3])
+keep_fence()  -- down to the leases left: a long released one no longer counts
 wake_rw()
 return 1
 """
