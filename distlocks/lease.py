@@ -375,7 +375,7 @@ class BaseLease:
         self.renewals += 1
         self._last_renew_error = ""
         if self._valid_until is not None:  # a lease with a deadline gets a new one
-            self._valid_until = started + ttl
+            self._valid_until = started + self._backend.local_lease(ttl)
             self._term = (dt.datetime.now(dt.UTC), ttl)
 
 

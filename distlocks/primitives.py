@@ -116,6 +116,9 @@ class PermitServer:
     def extend(self, name: str, owner: str, ttl: float) -> bool:
         return self.backend.permit_extend(self.kind, name, owner, ttl)
 
+    def local_lease(self, ttl: float) -> float:
+        return self.backend.local_lease(ttl)
+
     def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
         self.backend.permit_wait(self.kind, name, timeout, owner=owner, limit=self.limit)
 

@@ -308,3 +308,35 @@ def test_a_create_left_without_an_answer_is_found_before_another(
     assert proxy.seen[create] == 1
     assert get_backend("zkd").contenders(name) == ["slow-owner"]
     assert backend.release(name, "slow-owner")
+
+
+@pytest.mark.parametrize("kind", ["lock", "semaphore"])
+def test_a_lease_is_never_trusted_longer_than_the_granted_session(
+    settings: Any, short_sessions: ZooKeeperServer, name: str, kind: str
+) -> None:
+    """ttl <= the asked session_timeout (the documented safe setting), but the server
+    grants a shorter session: the lease's local deadline follows the granted session,
+    at acquire and at every extend, so a holder paused past it stops trusting it."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zkg": zk_config(short_sessions.location, session_timeout=4),
+    }
+    try:
+        if kind == "lock":
+            lease = lock(name, backend="zkg", ttl=4, timeout=5, auto_renew=False).acquire()
+        else:
+            from distlocks import semaphore
+
+            lease = semaphore(name, limit=2, backend="zkg", ttl=4, timeout=5,
+                              auto_renew=False).acquire()  # fmt: skip
+        try:
+            assert get_backend("zkg").session_seconds == 2.0
+            remaining = lease.remaining()
+            assert remaining is not None and remaining <= 2.0, remaining
+            lease.extend(4)
+            remaining = lease.remaining()
+            assert remaining is not None and remaining <= 2.0, remaining
+        finally:
+            lease.release()
+    finally:
+        close_clients()

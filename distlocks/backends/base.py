@@ -162,6 +162,8 @@ class LeaseServer(Protocol):
 
     def extend(self, name: str, owner: str, ttl: float) -> bool: ...
 
+    def local_lease(self, ttl: float) -> float: ...
+
     def wait(self, name: str, timeout: float, *, owner: str = ..., fair: bool = ...) -> None: ...
 
     def leave_queue(self, name: str, owner: str) -> None: ...
@@ -294,6 +296,12 @@ class BaseBackend(ABC):
             except LockError as exc:
                 results.append(exc)
         return results
+
+    def local_lease(self, ttl: float) -> float:
+        """How long after a successful acquire or extend with ``ttl`` the holder may trust
+        its lease without hearing from the server: ``ttl``, unless the server can free
+        the lock sooner (a ZooKeeper session shorter than ``ttl``)."""
+        return ttl
 
     def lease_ended(self, name: str, owner: str) -> bool:
         """Whether ``owner``'s lease on ``name`` is known to have ended by itself, with

@@ -799,7 +799,7 @@ class ZooKeeperBackend(BaseBackend):
             if extra != mine:
                 self._delete_quietly(client, f"{self.lock_path(name)}/{extra}")
         if children[0] == mine:
-            return AcquireResult(True, entry.token, ttl)
+            return AcquireResult(True, entry.token, self.local_lease(ttl))
         if wait <= 0:
             self.leave_queue(name, owner)
         return AcquireResult(False, 0, None)
@@ -813,6 +813,11 @@ class ZooKeeperBackend(BaseBackend):
         entry = _Node(path, token, self._generation)
         self._nodes[(name, owner)] = entry
         return entry
+
+    def local_lease(self, ttl: float) -> float:
+        # A holder paused or cut off past the session the server granted may have lost
+        # its node: never trust a lease longer than that session, whatever the ttl.
+        return min(ttl, self.session_seconds)
 
     def _check_ttl(self, client: KazooClient, ttl: float) -> None:
         # Against the session the server granted, which may be shorter than asked.
@@ -1280,7 +1285,7 @@ class ZooKeeperBackend(BaseBackend):
             if extra != mine:
                 self._delete_quietly(client, f"{self.permit_dir(kind, name)}/{extra}")
         if not _blockers(kind, children, children.index(mine), limit):
-            return AcquireResult(True, entry.token, ttl)
+            return AcquireResult(True, entry.token, self.local_lease(ttl))
         if wait <= 0:
             self.permit_leave(kind, name, owner)
         return AcquireResult(False, 0, None)
