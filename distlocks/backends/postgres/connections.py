@@ -1,8 +1,10 @@
 """What every recipe of the PostgreSQL backend stands on: its lock connections
 (checked out of :mod:`.pool`, given back or discarded), the leases this process
-holds on them, the keys it derives from a name, and driver errors mapped to
-distlocks' own (an outage is :class:`LockBackendUnavailable`, anything else a
-:class:`LockError` saying what to change).
+holds on them, the keys it derives from a name, the wait in the server's lock queue
+(locks and permits both queue there), the name's guard that a force release holds,
+and driver errors mapped to distlocks' own (an outage is
+:class:`LockBackendUnavailable`, anything else a :class:`LockError` saying what to
+change).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from distlocks.exceptions import LockBackendUnavailable, LockError
 
 @dataclass
 class Held:
+    """A lease this process holds: the connection it pins (session mode) or the
+    caller's Django connection (transaction mode), and what giving it back needs."""
+
     conn: Connection
     key: int
     token: int

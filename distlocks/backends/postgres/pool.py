@@ -210,7 +210,7 @@ class Pool:
 
 
 class PoolExhausted(Exception):
-    pass
+    """Every connection of the pool stayed in use for the whole timeout."""
 
 
 def ended_while_idle(conn: Connection) -> bool:
