@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import http.client
+import importlib.util
 import json
 import socket
 import threading
@@ -26,7 +27,7 @@ import time
 import urllib.parse
 import urllib.request
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from bench.base import BenchError, Env, Implementation, implementation, workload
 from bench.implementations import BackendLevel
@@ -335,6 +336,33 @@ class DistlocksEtcdAsync(DistlocksEtcd):
         self._loop.run_until_complete(asyncio.sleep(0))
         self._loop.close()
         super().close()
+
+
+if importlib.util.find_spec("h11") is not None:
+
+    @implementation
+    class DistlocksEtcdAsyncH11(DistlocksEtcdAsync):
+        """``distlocks-etcd-async`` with h11 framing the asyncio connections (issue 28,
+        item 3: is the hand-written HTTP/1.1 framing worth keeping?). The same alock
+        cycle on the alias ``etcd-h11``: the ``etcd`` alias's config with
+        :class:`bench.etcd_h11.H11EtcdBackend`. Only when h11 is installed (it is no
+        dependency of distlocks); see docs/benchmarks.md."""
+
+        name = "distlocks-etcd-async-h11"
+        label = 'distlocks alock(backend="etcd") (asyncio, h11 framing)'
+        distribution = "h11"
+        alias = "etcd-h11"
+
+        def __init__(self, env: Env) -> None:
+            from django.conf import settings
+
+            backends = settings.DISTLOCKS_BACKENDS
+            base = cast("dict[str, Any]", backends[DistlocksEtcd.alias])
+            backends[self.alias] = {
+                **base,
+                "BACKEND": "bench.etcd_h11.H11EtcdBackend",
+            }
+            super().__init__(env)
 
 
 @implementation
