@@ -31,6 +31,10 @@ the same one on the same lease and that nothing is ahead of it, and rewrites the
 key: the token is that revision, shifted per name as for locks (``protocol.token_of``). The
 fence key is written only by grants and evictions, so while a writer holds, the fence
 key's mod_revision is its grant.
+
+A little over 600 lines: the acquire and the wait of a request share its queue state
+(which keys keep it out, its waiter lease), and split apart they would call each other
+back and forth.
 """
 
 from __future__ import annotations
