@@ -128,7 +128,7 @@ def _url_secrets(text: str) -> Iterator[str]:
 
 # Where a URL parser may cut a careless password ("redis://u:pass/word@host" is host
 # "u", port "pass", path "/word@host" to urllib): each piece may be quoted alone.
-_CUTS = re.compile(r"[/?#@:;&=,\s\\]+")
+_CUTS = re.compile(r"[/?#@:;&=,'\"`\s\\\x00-\x1f\x7f]+")
 
 
 def _pieces(secret: str) -> Iterator[str]:
@@ -225,6 +225,9 @@ def _configured() -> tuple[tuple[str, ...], re.Pattern[str] | None]:
     userinfos: set[str] = set()
     for source in sources:
         found.update(_secrets_in(source, userinfos=userinfos))
+    # As a repr or escape_control() shows them (backslashes doubled, control
+    # characters and quotes escaped).
+    found.update([repr(s)[1:-1] for s in found if not s.isprintable() or "\\" in s or "'" in s])
     # Very short strings would mask ordinary words; the patterns above cover the
     # places where a short password appears (a URL, a parameter, a dict item, the
     # user information of a configured location).
@@ -270,7 +273,7 @@ def _secrets_in(value: Any, depth: int = 0, *, userinfos: set[str]) -> Iterator[
 
 
 # Where user information may start in a location, whatever its shape.
-_STARTS = frozenset("/:\\@,;=?#&")
+_STARTS = frozenset("/:\\@,;=?#&'\"`")
 
 
 def _location_secrets(text: str, userinfos: set[str]) -> Iterator[str]:
@@ -283,7 +286,11 @@ def _location_secrets(text: str, userinfos: set[str]) -> Iterator[str]:
         return
     left = text[: text.rfind("@")]
     for form in {left, unquote(left)}:
-        cuts = [index for index, char in enumerate(form) if char in _STARTS or char.isspace()]
+        cuts = [
+            index
+            for index, char in enumerate(form)
+            if char in _STARTS or char.isspace() or not char.isprintable()
+        ]
         starts, ends = [0, *(cut + 1 for cut in cuts)], [*cuts, len(form)]
         for start in starts:
             if _SCHEME_START.match(form, start):

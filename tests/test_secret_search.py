@@ -53,12 +53,15 @@ cores = st.text(string.ascii_letters + string.digits, min_size=8, max_size=12).m
     lambda s: f"Q{s}9z"
 )
 #: What a careless password holds around its core: URL delimiters, an encoded one,
-#: unicode, spaces, backslashes.
-decorations = st.sampled_from(
-    [
-        *("", "", "@", ":", "/", "%40", "%2F", " ", "\u00e9", "\u00a0", "\\", "#", "?", "["),
-        *("x@y", ",", "\n", "'", '"', "+", "%", ";", "="),
-    ]
+#: unicode, spaces, backslashes, quotes, control characters.
+decorations = st.one_of(
+    st.sampled_from(
+        [
+            *("", "", "@", ":", "/", "%40", "%2F", " ", "\u00e9", "\u00a0", "\\", "#", "?", "["),
+            *("x@y", ",", "\n", "'", '"', "+", "%", ";", "="),
+        ]
+    ),
+    st.text(max_size=2),
 )
 schemes = st.sampled_from(
     [
