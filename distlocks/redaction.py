@@ -6,16 +6,24 @@ may name a location goes through :func:`redact`, which removes
 
 * the password of any URL's user information (``scheme://user:secret@host``), for
   every scheme, including misspelt ones and several hosts (``host:1,host:2``);
+* whatever lies before the last "@" of any word (up to a space, a quote or a
+  bracket) that could hold a credential, whatever its shape: one character of
+  ``://`` missing (``redis//:pw@host``, ``redis:/:pw@host``), no scheme
+  (``u:pw@host``), backslashes, percent-encoding, several "@". Only a plain name
+  (``celery@worker-1``) is left alone; a scheme, the host and the port stay readable;
 * the value of a ``password=`` (or ``passwd=``, ``pwd=``) parameter, in a query
   string or a ``key=value`` connection string;
 * the value of a ``'password': ...`` item in the repr of a dict;
 * every password configured in ``DISTLOCKS_BACKENDS`` (inside LOCATION, with or
   without a scheme, or in ``OPTIONS``: ``*password`` keys and ZooKeeper's ``auth``
-  credentials) or ``DATABASES``, literally, wherever it appears.
+  credentials), ``DATABASES`` or ``CACHES``, literally, wherever it appears; and
+  every piece of a configured string that could be a credential however malformed
+  it is (each substring between separators before its last "@"), also as a repr
+  shows it, and where it stands before an "@" however short it is.
 
 The last rule catches what no pattern can (a password quoted on its own by a
-driver), the first three what settings do not list (a URL in an environment
-variable, a password of one or two characters).
+driver, a location a parser cut into pieces), the patterns what settings do not
+list (a URL from elsewhere, a password of one or two characters).
 """
 
 from __future__ import annotations
@@ -180,7 +188,7 @@ def redact(text: Any) -> str:
         if secret in text:
             text = text.replace(secret, _masked(secret))
     if before_at is not None and "@" in text:
-        text = before_at.sub(MASK, text)
+        text = before_at.sub(lambda match: _masked(match[0]), text)
     return _mask_patterns(text)
 
 
