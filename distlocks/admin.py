@@ -181,6 +181,7 @@ _STATUS_LABELS = {
     livelocks.EXPIRING: _("expiring"),
     livelocks.STUCK: _("stuck"),
     livelocks.ORPHANED: _("orphaned"),
+    livelocks.KEPT: _("kept"),
 }
 
 

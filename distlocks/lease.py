@@ -468,7 +468,8 @@ class Lease(BaseLease):
             if self._depth > 1:
                 raise ValueError("release_after() cannot end a reentrant lease held twice.")
             started = time.monotonic()
-            self._extended(started, seconds, self._backend.extend(self.name, self.owner, seconds))
+            keep = getattr(self._backend, "keep", self._backend.extend)
+            self._extended(started, seconds, keep(self.name, self.owner, seconds))
             self._release_requested = True
             self._set_released()
         self._on_finished()

@@ -14,6 +14,10 @@ is listed, so a new backend shows up without changes here. Each lock gets a stat
 ``expiring``
     Less than a third of its ttl left: an auto-renewed lease is always extended
     before that, so it is about to run out.
+``kept``
+    Kept on purpose after its holder finished (``lock_at_least_for``,
+    ``Lease.release_after()``): held until it runs out, which is expected, not an alarm.
+    Checked before the others: its holder may well have exited since.
 ``ok``
     None of the above.
 
@@ -62,8 +66,9 @@ OK = "ok"
 EXPIRING = "expiring"
 STUCK = "stuck"
 ORPHANED = "orphaned"
+KEPT = "kept"
 #: Most severe first: the order of the status sort.
-STATUSES = (ORPHANED, STUCK, EXPIRING, OK)
+STATUSES = (ORPHANED, STUCK, EXPIRING, KEPT, OK)
 #: Less than this fraction of the ttl left: an auto-renewed lease would have been extended.
 EXPIRING_FRACTION = 1 / 3
 #: Upper bound of locks read per backend for one listing; beyond it the listing is
@@ -219,6 +224,12 @@ def classify(
     """``(status, reason)`` of one lock; see the module docstring for the rules."""
     now = now or dt.datetime.now(dt.UTC)
     stuck_after = conf.STUCK_AFTER if stuck_after is None else stuck_after
+    if info.extra.get("kept"):
+        left = (info.expires_at - now).total_seconds() if info.expires_at else None
+        return KEPT, (
+            "kept on purpose after its holder finished (lock_at_least_for / release_after)"
+            + ("" if left is None else f": it ends in {format_seconds(max(0.0, left))}")
+        )
     orphan = _orphan_reason(info, now, pid_gone or _pid_gone)
     if orphan:
         return ORPHANED, orphan
@@ -389,7 +400,12 @@ def _needs_details(extra: str) -> bool:
     return (
         bool(extra)
         and extra != "{}"
-        and ("celery_task_id" in extra or "backend_pid" in extra or "\\" in extra)
+        and (
+            "celery_task_id" in extra
+            or "backend_pid" in extra
+            or "kept" in extra
+            or "\\" in extra
+        )
     )
 
 

@@ -297,6 +297,13 @@ class BaseBackend(ABC):
                 results.append(exc)
         return results
 
+    def keep(self, name: str, owner: str, ttl: float) -> bool:
+        """Keep ``owner``'s lock ``ttl`` seconds more although its holder is done with it
+        (``lock_at_least_for``, :meth:`Lease.release_after`); False if not held. A backend
+        that can also mark it as kept (so the live-locks page shows a kept lease, not a
+        holder that stopped renewing) overrides this; the default just extends it."""
+        return self.extend(name, owner, ttl)
+
     def local_lease(self, ttl: float) -> float:
         """How long after a successful acquire or extend with ``ttl`` the holder may trust
         its lease without hearing from the server: ``ttl``, unless the server can free

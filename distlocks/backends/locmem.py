@@ -272,6 +272,19 @@ class LocMemBackend(BaseBackend):
             entry.renewals += 1
             return True
 
+    def keep(self, name: str, owner: str, ttl: float) -> bool:
+        with self._store.cond:
+            entry = self._store.live(name)
+            if entry is None or entry.owner != owner:
+                return False
+            entry.valid_until = time.monotonic() + ttl
+            entry.ttl = ttl
+            holder = entry.holder
+            # The listing reads it as the JSON value true, as from Redis.
+            extra: dict[str, Any] = {**holder.extra, "kept": True}
+            entry.holder = type(holder)(holder.host, holder.pid, holder.thread, extra)
+            return True
+
     def force_release(self, name: str, token: int | None = None) -> bool:
         store = self._store
         with store.cond:

@@ -287,6 +287,36 @@ return 0
 """
 )
 
+# KEYS: lock hash, fence counter[, listing index]. ARGV: owner, ttl ms[, name].
+# EXTEND for a lease its holder has finished with but keeps on purpose for ttl more
+# (lock_at_least_for, Lease.release_after): marks it "kept" in its details (JSON) so the
+# live-locks page shows a kept lease, not a holder that stopped renewing. Not a renewal.
+KEEP = (
+    _ENTRY
+    + _NEXT_TOKEN
+    + """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  local now_ms = ms_now()
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  keep_fence(KEYS[2], now_ms + tonumber(ARGV[2]), now_ms)
+  local extra = redis.call('HGET', KEYS[1], 'extra') or ''
+  if not string.find(extra, '"kept": true', 1, true) then
+    if extra == '' or extra == '{}' then
+      extra = '{"kept": true}'
+    elseif string.sub(extra, 1, 1) == '{' then
+      extra = '{"kept": true, ' .. string.sub(extra, 2)
+    end
+  end
+  redis.call('HSET', KEYS[1], 'ttl', ARGV[2], 'extra', extra)
+  if KEYS[3] then
+    reindex(KEYS[3], KEYS[1], ARGV[3], string.format('%d', now_ms + tonumber(ARGV[2])))
+  end
+  return 1
+end
+return 0
+"""
+)
+
 # KEYS: lock hashes, then their fence counters in the same order[, listing index].
 # ARGV: owner, ttl ms, name, owner, ttl ms, name, ... (one triple per lock hash).
 # EXTEND for many leases at once (the renewer's batch): one round trip; each lease is
@@ -453,6 +483,7 @@ SCRIPTS = {
     "acquire": ACQUIRE,
     "release": RELEASE,
     "extend": EXTEND,
+    "keep": KEEP,
     "extend_many": EXTEND_MANY,
     "force_release": FORCE_RELEASE,
     "leave": LEAVE,
@@ -1504,6 +1535,12 @@ class RedisBackend(RedisPermits, BaseBackend):
     def extend(self, name: str, owner: str, ttl: float) -> bool:
         try:
             return bool(self._run("extend", *self._extend_call(name, owner, ttl)))
+        except _DRIVER_ERRORS as exc:
+            raise self._error("extend", name, exc) from exc
+
+    def keep(self, name: str, owner: str, ttl: float) -> bool:
+        try:
+            return bool(self._run("keep", *self._extend_call(name, owner, ttl)))
         except _DRIVER_ERRORS as exc:
             raise self._error("extend", name, exc) from exc
 
