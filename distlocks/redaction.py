@@ -184,9 +184,15 @@ def redact(text: Any) -> str:
     # The configured secrets first: a pattern that masked part of one (a password
     # holding a space) would leave the rest of it for no rule to find.
     secrets, before_at = _configured()
+    # Without regard to case: a driver may show a piece of a location as a host name,
+    # lowercased (kazoo's "Cannot resolve <host>").
+    folded = text.casefold()
     for secret in secrets:
-        if secret in text:
-            text = text.replace(secret, _masked(secret))
+        if secret.casefold() in folded:
+            text = re.sub(
+                re.escape(secret), lambda match: _masked(match[0]), text, flags=re.IGNORECASE
+            )
+            folded = text.casefold()
     if before_at is not None and "@" in text:
         text = before_at.sub(lambda match: _masked(match[0]), text)
     return _mask_patterns(text)
@@ -474,24 +480,35 @@ class RedactingFilter(logging.Filter):
         return True
 
 
-def install_log_redaction(package: str = "distlocks") -> None:
+#: The drivers distlocks hands a location to: what they log (kazoo's "Cannot resolve
+#: <host>", where a malformed LOCATION put a password) is redacted too.
+DRIVER_PACKAGES = ("kazoo", "redis", "psycopg", "psycopg_pool")
+
+
+def install_log_redaction(package: str | None = None) -> None:
     """Put a :class:`RedactingFilter` on the logger of ``package`` and of each of its
     modules (a logger's filters see only the records logged on it, not on its
-    children), imported or not; idempotent."""
+    children), imported or not; idempotent. No ``package``: distlocks and the
+    :data:`DRIVER_PACKAGES`."""
     import importlib.util
     import os
 
-    names = {package}
-    spec = importlib.util.find_spec(package)
-    # The module names are read from the files: importing a module only to name its
-    # logger would load optional drivers.
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for folder, _, files in os.walk(root):
-            parts = os.path.relpath(folder, root).split(os.sep)
-            prefix = ".".join([package, *(p for p in parts if p != ".")])
-            modules = [f"{prefix}.{f[:-3]}" for f in files if f.endswith(".py")]
-            if modules:
-                names.update([prefix, *modules])
+    names: set[str] = set()
+    for top in (package,) if package else ("distlocks", *DRIVER_PACKAGES):
+        names.add(top)
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):  # a driver that is not installed
+            spec = None
+        # The module names are read from the files: importing a module only to name
+        # its logger would load optional drivers.
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            for folder, _, files in os.walk(root):
+                parts = os.path.relpath(folder, root).split(os.sep)
+                prefix = ".".join([top, *(p for p in parts if p != ".")])
+                modules = [f"{prefix}.{f[:-3]}" for f in files if f.endswith(".py")]
+                if modules:
+                    names.update([prefix, *modules])
     for name in sorted(names):
         logger = logging.getLogger(name.removesuffix(".__init__"))
         if not any(isinstance(f, RedactingFilter) for f in logger.filters):

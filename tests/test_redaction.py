@@ -302,3 +302,21 @@ def test_no_configured_malformed_location_shows_its_secret(
         assert core[1:] not in text
         if rendering == "whole":
             assert text.endswith("@" + location.rpartition("@")[2])
+
+
+def test_a_driver_log_record_is_redacted_whatever_the_case(
+    settings: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """kazoo reads "redisKq7secret/@host" as the host "redisKq7secret" (and a chroot),
+    and logs it lowercased when it does not resolve: the record is redacted too."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zk-bad": {
+            "BACKEND": "distlocks.backends.zookeeper.ZooKeeperBackend",
+            "LOCATION": "redisKq7secret/@127.0.0.1:1",
+        },
+    }
+    caplog.set_level(logging.DEBUG)
+    logging.getLogger("kazoo.client").warning("Cannot resolve %s: no", "rediskq7secret")
+    assert caplog.records
+    assert "kq7secret" not in caplog.text.lower()
