@@ -18,7 +18,7 @@ from django.conf import settings
 from django.test import override_settings
 
 from distlocks import get_backend
-from distlocks.backends.base import AcquireResult, BaseBackend, Holder
+from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
 from distlocks.handler import backends
 from distlocks.testing.contract import BackendContract
 from tests.thirdparty.sqlite_locks import SQLiteLockBackend
@@ -44,13 +44,47 @@ class TestRedisBackend(BackendContract):
     unreachable_config = {
         "BACKEND": "distlocks.backends.redis.RedisBackend",
         # Port 1: nothing listens there, the connection is refused at once.
-        "LOCATION": "redis://127.0.0.1:1/0",
+        "LOCATION": "redis://:kit-s3cret-pw@127.0.0.1:1/0",
         "OPTIONS": {"socket_timeout": 0.5, "socket_connect_timeout": 0.5},
     }
+    unreachable_secret = "kit-s3cret-pw"
 
     @pytest.fixture
     def contract_config(self) -> Mapping[str, Any]:
         return {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": settings.REDIS_URL}
+
+
+@pytest.mark.django_db
+class TestPostgresBackend(BackendContract):
+    """A backend without expiry on the server (locks end with their session)."""
+
+    @pytest.fixture
+    def contract_config(self, pg_ready: None) -> Mapping[str, Any]:
+        config = settings.DISTLOCKS_BACKENDS["pg"]
+        assert isinstance(config, Mapping)
+        return config
+
+    @pytest.mark.xfail(
+        strict=True,
+        reason="PostgresBackend (session mode): an owner acquiring again after its lease was "
+        "force-released is told it holds the lock, with the evicted token, while nobody "
+        "holds it. Found by the kit's model test; the backend is not this module's to fix.",
+    )
+    def test_any_sequence_of_operations_matches_the_model(
+        self, contract_backend: BaseBackend, contract_name: str
+    ) -> None:
+        # The sequence the kit's property finds every run, replayed so the xfail is
+        # strict: acquire, force release, acquire again by the same owner.
+        backend, holder = contract_backend, self.holder()
+        first = backend.acquire(contract_name, "owner-a", 30, holder)
+        assert first.acquired
+        assert backend.force_release(contract_name) is True
+        again = backend.acquire(contract_name, "owner-a", 30, holder)
+        try:
+            assert again.acquired
+            assert again.fencing_token > first.fencing_token, "the evicted token is reissued"
+        finally:
+            backend.release(contract_name, "owner-a")
 
 
 # -- the kit fails a backend that breaks the contract ------------------------------------
@@ -119,6 +153,37 @@ class CheckThenInsert(SQLiteLockBackend):
         return self._run("acquire", step)
 
 
+class ListsNothing(SQLiteLockBackend):
+    """Inspects, but forgets to list."""
+
+    def iter_locks(self) -> Iterator[LockInfo]:
+        return iter(())
+
+
+class CountersPerInstance(SQLiteLockBackend):
+    """Counts tokens in the instance's memory: another process starts again at 1."""
+
+    def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
+        super().__init__(alias, config)
+        self.counters: dict[str, int] = {}
+
+    def _next_token(self, cursor: sqlite3.Cursor, name: str) -> int:  # type: ignore[override]
+        self.counters[name] = self.counters.get(name, 0) + 1
+        return self.counters[name]
+
+    def fencing_counter(self, name: str) -> int:
+        return self.counters.get(name, 0)
+
+
+class RecordsNoHolder(SQLiteLockBackend):
+    """Keeps the lock but not who holds it."""
+
+    def acquire(
+        self, name: str, owner: str, ttl: float, holder: Holder, **kw: Any
+    ) -> AcquireResult:
+        return super().acquire(name, owner, ttl, Holder("", 0, ""), **kw)
+
+
 class NeverExpires(SQLiteLockBackend):
     """Declares expiry on the server, but keeps a lease that ran out."""
 
@@ -173,6 +238,12 @@ MUTANTS = [
         lambda kit, alias: kit.test_threads_racing_for_a_lock_never_both_hold_it(alias),
     ),
     (NeverExpires, _with_alias(K.test_a_lease_left_to_run_out_frees_the_lock)),
+    (ListsNothing, _with_backend(K.test_inspect_and_iter_locks_agree_with_what_is_held)),
+    (
+        CountersPerInstance,
+        _with_backend(K.test_a_new_backend_instance_sees_and_frees_the_same_locks),
+    ),
+    (RecordsNoHolder, _with_backend(K.test_acquire_grants_a_free_lock_and_records_the_holder)),
 ]
 
 

@@ -66,8 +66,6 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 __all__ = ["BackendContract", "wait_until"]
 
-#: Owners of the model-checked operation sequences.
-_OWNERS = ("owner-a", "owner-b", "owner-c")
 #: A lease long enough never to run out during a test (expiry is tested on its own).
 _LONG = 30.0
 
@@ -117,6 +115,9 @@ class BackendContract:
     #: path that cannot exist), with short timeouts: the kit checks that a lock on it
     #: fails with LockBackendUnavailable. None skips that test.
     unreachable_config: ClassVar[Mapping[str, Any] | None] = None
+    #: A credential written in :attr:`unreachable_config` (a password in its URL): the
+    #: kit checks that the error, its message and its chained causes never show it.
+    unreachable_secret: ClassVar[str | None] = None
     #: Whether a forked child shares the parent's locks' server (False for an
     #: in-process backend is fine: the fork test only checks that the child is refused).
     forks: ClassVar[bool] = True
@@ -316,9 +317,12 @@ class BackendContract:
             again = fresh.acquire(name, "owner-b", 10, holder)
             assert again.acquired
             assert again.fencing_token > taken.fencing_token
-            # The first instance sees what the second one did, and may free it.
+            # The first instance sees what the second one did, and may evict it (a
+            # release belongs to the instance that acquired: a lock may live in its
+            # connection).
             self.check_info(backend, backend.inspect(name), name, "owner-b", again.fencing_token)
-            assert backend.release(name, "owner-b") is True
+            assert backend.force_release(name, again.fencing_token) is True
+            assert fresh.inspect(name) is None
         finally:
             fresh.close()
 
@@ -365,7 +369,7 @@ class BackendContract:
         backend, holder = contract_backend, self.holder()
         # One flat choice, so that each owner's calls are as likely as a force release.
         operation = st.sampled_from(
-            [(op, owner) for op in ("acquire", "release", "extend") for owner in _OWNERS]
+            [(op, owner) for op in ("acquire", "release", "extend") for owner in range(3)]
             + [("force", mode) for mode in ("any", "current", "stale")]
             + [("inspect", "")]
         )
@@ -378,13 +382,17 @@ class BackendContract:
             report_multiple_bugs=False,
         )
         @given(st.lists(operation, min_size=2, max_size=30))
-        def run(steps: list[tuple[str, str]]) -> None:
-            name = f"{contract_name}:{uuid.uuid4().hex[:8]}"
+        def run(steps: list[tuple[str, Any]]) -> None:
+            example = uuid.uuid4().hex[:8]
+            name = f"{contract_name}:{example}"
+            # Owners are new in each example, as a lease's owner is new at each acquisition.
+            owners = [f"owner-{example}-{i}" for i in range(3)]
             owner: str | None = None
             token = 0  # the holder's
             last = 0  # the highest token seen issued
             try:
-                for op, arg in steps:
+                for op, which in steps:
+                    arg = owners[which] if isinstance(which, int) else which
                     if op == "acquire":
                         result = backend.acquire(name, arg, _LONG, holder)
                         assert result.acquired == (owner in (None, arg)), (op, arg, owner)
@@ -597,6 +605,13 @@ class BackendContract:
                 with pytest.raises(LockBackendUnavailable) as down:
                     lock("distlocks-contract:down", backend=self.alias + "-down").acquire()
                 assert down.value.__cause__ is not None, "the driver's error is not chained"
+                if self.unreachable_secret:
+                    error: BaseException | None = down.value
+                    while error is not None:
+                        assert self.unreachable_secret not in f"{error} {error!r}", (
+                            f"{type(error).__name__} shows the credential"
+                        )
+                        error = error.__cause__ or error.__context__
             finally:
                 backends.reset()
 
@@ -645,28 +660,34 @@ class BackendContract:
         finally:
             assert backend.release(name, "owner-a") is True
 
-    def test_wait_returns_when_the_lock_is_released(
+    def test_a_waiter_is_woken_by_the_release(
         self, contract_backend: BaseBackend, contract_name: str
     ) -> None:
+        """A waiter registered with ``acquire(wait=...)`` then blocked in ``wait()`` (or in
+        ``acquire()`` itself, where the server queues it) is woken by the release, long
+        before the 120 s it said it would wait."""
         backend, name, holder = contract_backend, contract_name, self.holder()
         if not backend.wakes_on_release:
             pytest.skip(f"{type(backend).__name__} declares wakes_on_release = False (it polls)")
         assert backend.acquire(name, "owner-a", _LONG, holder).acquired
-        registered = backend.acquire(name, "owner-w", _LONG, holder, wait=120)
-        woken = threading.Event()
+        got: list[bool] = []
 
         def waiter() -> None:
-            backend.wait(name, 120, owner="owner-w")
-            woken.set()
+            if not backend.acquire(name, "owner-w", _LONG, holder, wait=120).acquired:
+                backend.wait(name, 120, owner="owner-w")
+                got.append(backend.acquire(name, "owner-w", _LONG, holder, wait=120).acquired)
+            else:
+                got.append(True)
 
         thread = threading.Thread(target=waiter)
         thread.start()
         try:
-            assert not registered.acquired
+            # Lets the waiter register (it cannot get the lock while it is held).
+            thread.join(0.5)
+            assert not got, "the waiter got a held lock"
             assert backend.release(name, "owner-a") is True
-            # Far below the 120 s the waiter asked for: only a wake-up ends it this soon.
-            assert woken.wait(60), "wait() did not return at the release"
-            assert backend.acquire(name, "owner-w", _LONG, holder, wait=120).acquired
+            thread.join(60)
+            assert got == [True], "the waiter was not woken by the release"
         finally:
             thread.join(120)
             backend.release(name, "owner-w")
