@@ -1,4 +1,14 @@
-"""The lock API: :func:`lock`, :func:`alock` and :func:`lock_many`."""
+"""The lock API: :func:`lock`, :func:`alock` and :func:`lock_many`.
+
+Why this is one module of over 600 lines (issue 28's size rule): it is one concern,
+taking and holding a lock. The acquisition loop (:class:`_Attempt`,
+:func:`acquire_lease` and :func:`aacquire_lease`, :func:`finish_lease` and
+:func:`afinish_lease`) has a blocking and an asyncio half that mirror each other
+line for line and must wait, fail and send signals alike; the public spellings
+(:class:`Lock`, :class:`AsyncLock`, :func:`lock_many`) are thin callers of it. Side by
+side, a change to one half is checked against the other and against its callers;
+split, the loop and its callers would be two files that always change together.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,16 @@ A backend is a thin, stateless-per-call adapter over one lock server. All the
 lease bookkeeping (deadlines, loss detection, signals) lives in
 :mod:`distlocks.lease`; a backend only has to make each operation below one
 atomic step on its server.
+
+Why this is one module of over 600 lines (issue 28's size rule): it is the whole
+contract, read in one place by whoever writes a backend (the backends guide points
+at ``distlocks.backends.base``): the data a backend returns (:class:`Holder`,
+:class:`AcquireResult`, :class:`LockInfo`), the :class:`LeaseServer` protocol the
+leases call, and :class:`BaseBackend` with its required operations, its optional
+hooks and their defaults, the give-back of acquisitions abandoned by a timeout,
+and the permit operations of semaphores and read-write locks. Split, an author
+would assemble the contract from several files; most of the length is the
+docstrings that say what each operation must guarantee.
 """
 
 from __future__ import annotations
@@ -186,9 +196,7 @@ class LeaseServer(Protocol):
     async def aleave_queue(self, name: str, owner: str) -> None: ...
 
 
-def unknown_options(
-    backend: str, options: Mapping[Any, Any], known: frozenset[str]
-) -> list[str]:
+def unknown_options(backend: str, options: Mapping[Any, Any], known: frozenset[str]) -> list[str]:
     """One problem per ``OPTIONS`` key ``backend`` does not read, with the closest
     known key as a hint ("did you mean ..."); none when every key is known."""
     problems = []

@@ -27,6 +27,15 @@ group or a chord) cannot be attached to the copy already queued or running: it
 fails at once under its own id with :class:`Deduplicated`, which fails the rest of
 the chain, runs its ``link_error`` callbacks and fails its chord, so nothing waits
 on a message that was never sent.
+
+Why this is one module of over 600 lines (issue 28's size rule): the above is one
+protocol, and :class:`SingleExecutionTask` implements both of its ends, the
+publishing side (``apply_async()`` takes the marker) and the worker side
+(``__call__`` takes the run lock, hands over or keeps the marker, keeps the run lock
+through a retry's countdown), which recognise each other by the holder metadata.
+The helpers below the class (the key made from the arguments, the marker's
+lifetime, the retry and eta arithmetic) exist only for it and must agree between
+the two ends. Split, each end of the hand-off would be read without the other.
 """
 
 from __future__ import annotations

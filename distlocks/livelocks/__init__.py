@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from distlocks.backends.base import READ, SEMAPHORE, WRITE, BaseBackend, LockInfo, holder_details
 from distlocks.conf import conf
+from distlocks.livelocks import rows as _rows
 from distlocks.livelocks.collection import (
     DEFAULT_LIMIT,
     MAX_READERS,
@@ -56,12 +57,6 @@ from distlocks.livelocks.collection import (
     snapshots,
     tally,
 )
-from distlocks.livelocks.collection import (
-    _merge_aliases as _merge_aliases,
-)
-from distlocks.livelocks.collection import (
-    _source as _source,
-)
 from distlocks.livelocks.release import (
     EVICTION_WAIT,
     ForceReleased,
@@ -70,156 +65,9 @@ from distlocks.livelocks.release import (
     force_release,
     inspect,
 )
-from distlocks.livelocks.release import (
-    _count_waiters as _count_waiters,
-)
-from distlocks.livelocks.release import (
-    _holder_info as _holder_info,
-)
-from distlocks.livelocks.release import (
-    _wait_evicted as _wait_evicted,
-)
-from distlocks.livelocks.rows import (
-    _ACQUIRED as _ACQUIRED,
-)
-from distlocks.livelocks.rows import (
-    _ACQUIRED_AT as _ACQUIRED_AT,
-)
-from distlocks.livelocks.rows import (
-    _ALSO as _ALSO,
-)
-from distlocks.livelocks.rows import (
-    _BACKEND as _BACKEND,
-)
-from distlocks.livelocks.rows import (
-    _EPOCH as _EPOCH,
-)
-from distlocks.livelocks.rows import (
-    _EXPIRES as _EXPIRES,
-)
-from distlocks.livelocks.rows import (
-    _EXPIRES_AT as _EXPIRES_AT,
-)
-from distlocks.livelocks.rows import (
-    _EXTRA as _EXTRA,
-)
-from distlocks.livelocks.rows import (
-    _HOST as _HOST,
-)
-from distlocks.livelocks.rows import (
-    _INFO_FIELDS as _INFO_FIELDS,
-)
-from distlocks.livelocks.rows import (
-    _MICROSECOND as _MICROSECOND,
-)
-from distlocks.livelocks.rows import (
-    _NAME as _NAME,
-)
-from distlocks.livelocks.rows import (
-    _OWNER as _OWNER,
-)
-from distlocks.livelocks.rows import (
-    _PID as _PID,
-)
-from distlocks.livelocks.rows import (
-    _RAW as _RAW,
-)
-from distlocks.livelocks.rows import (
-    _REASON as _REASON,
-)
-from distlocks.livelocks.rows import (
-    _RENEWALS as _RENEWALS,
-)
-from distlocks.livelocks.rows import (
-    _S_ACQUIRED as _S_ACQUIRED,
-)
-from distlocks.livelocks.rows import (
-    _S_EXPIRES as _S_EXPIRES,
-)
-from distlocks.livelocks.rows import (
-    _S_EXTRA as _S_EXTRA,
-)
-from distlocks.livelocks.rows import (
-    _S_HOST as _S_HOST,
-)
-from distlocks.livelocks.rows import (
-    _S_NAME as _S_NAME,
-)
-from distlocks.livelocks.rows import (
-    _S_OWNER as _S_OWNER,
-)
-from distlocks.livelocks.rows import (
-    _S_PID as _S_PID,
-)
-from distlocks.livelocks.rows import (
-    _S_RENEWALS as _S_RENEWALS,
-)
-from distlocks.livelocks.rows import (
-    _S_THREAD as _S_THREAD,
-)
-from distlocks.livelocks.rows import (
-    _S_TOKEN as _S_TOKEN,
-)
-from distlocks.livelocks.rows import (
-    _S_TTL as _S_TTL,
-)
-from distlocks.livelocks.rows import (
-    _S_WAITERS as _S_WAITERS,
-)
-from distlocks.livelocks.rows import (
-    _STATUS as _STATUS,
-)
-from distlocks.livelocks.rows import (
-    _TASK as _TASK,
-)
-from distlocks.livelocks.rows import (
-    _THREAD as _THREAD,
-)
-from distlocks.livelocks.rows import (
-    _TOKEN as _TOKEN,
-)
-from distlocks.livelocks.rows import (
-    _TTL as _TTL,
-)
-from distlocks.livelocks.rows import (
-    _WAITERS as _WAITERS,
-)
 from distlocks.livelocks.rows import (
     Row,
     Rows,
-)
-from distlocks.livelocks.rows import (
-    _also as _also,
-)
-from distlocks.livelocks.rows import (
-    _Context as _Context,
-)
-from distlocks.livelocks.rows import (
-    _listing as _listing,
-)
-from distlocks.livelocks.rows import (
-    _live as _live,
-)
-from distlocks.livelocks.rows import (
-    _micros as _micros,
-)
-from distlocks.livelocks.rows import (
-    _needs_details as _needs_details,
-)
-from distlocks.livelocks.rows import (
-    _row as _row,
-)
-from distlocks.livelocks.rows import (
-    _summary_info as _summary_info,
-)
-from distlocks.livelocks.rows import (
-    _summary_row as _summary_row,
-)
-from distlocks.livelocks.selection import (
-    _BASE_ORDER as _BASE_ORDER,
-)
-from distlocks.livelocks.selection import (
-    _STATUS_RANK as _STATUS_RANK,
 )
 from distlocks.livelocks.selection import (
     SORTS,
@@ -227,24 +75,6 @@ from distlocks.livelocks.selection import (
     matches,
     select,
     status_counts,
-)
-from distlocks.livelocks.selection import (
-    _base_sort as _base_sort,
-)
-from distlocks.livelocks.selection import (
-    _count_rows as _count_rows,
-)
-from distlocks.livelocks.selection import (
-    _holder_of as _holder_of,
-)
-from distlocks.livelocks.selection import (
-    _matches as _matches,
-)
-from distlocks.livelocks.selection import (
-    _select_rows as _select_rows,
-)
-from distlocks.livelocks.status import (
-    _HOSTNAME as _HOSTNAME,
 )
 from distlocks.livelocks.status import (
     EXPIRING,
@@ -263,21 +93,7 @@ from distlocks.livelocks.status import (
     describe_kind,
     format_seconds,
 )
-from distlocks.livelocks.status import (
-    _jsonable as _jsonable,
-)
-from distlocks.livelocks.status import (
-    _orphan_reason as _orphan_reason,
-)
-from distlocks.livelocks.status import (
-    _pid_gone as _pid_gone,
-)
-from distlocks.livelocks.status import (
-    _round as _round,
-)
 
-# The private names imported above (``_Context``, ``_summary_row``...) are re-exported
-# for the tests that check the listing's internals, as they were before the split.
 __all__ = [
     "DEFAULT_LIMIT",
     "EVICTION_WAIT",
@@ -327,3 +143,13 @@ __all__ = [
     "status_counts",
     "tally",
 ]
+
+# The rows' internals that tests check directly (tests/test_admin_scale.py), reachable
+# here as when this package was one module.
+_Context = _rows._Context
+_EPOCH = _rows._EPOCH
+_MICROSECOND = _rows._MICROSECOND
+_STATUS = _rows._STATUS
+_live = _rows._live
+_summary_info = _rows._summary_info
+_summary_row = _rows._summary_row

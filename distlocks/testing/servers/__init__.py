@@ -54,9 +54,8 @@ from __future__ import annotations
 # as when this was one module.
 import importlib.util  # noqa: F401
 
-from distlocks.testing.servers.cli import (
-    main,
-)
+from distlocks.testing.servers import process as _process
+from distlocks.testing.servers.cli import main
 from distlocks.testing.servers.mariadb import (
     MARIADB_INSTALL_HINT,
     MARIADB_SYSTEM_USER,
@@ -65,73 +64,20 @@ from distlocks.testing.servers.mariadb import (
     mariadb_binaries,
     mariadb_database_settings,
 )
-from distlocks.testing.servers.mariadb import (
-    _mysql_driver as _mysql_driver,
-)
-from distlocks.testing.servers.postgres import (
-    PG_SYSTEM_USER,
-    PostgresServer,
-    postgres_bin_dir,
-)
-from distlocks.testing.servers.process import (
-    _PR_SET_PDEATHSIG as _PR_SET_PDEATHSIG,
-)
+from distlocks.testing.servers.postgres import PG_SYSTEM_USER, PostgresServer, postgres_bin_dir
 from distlocks.testing.servers.process import (
     DATABASE_URL_ENV,
     REDIS_URL_ENV,
     RUN_DIR_PREFIX,
     START_TIMEOUT,
     ServerError,
-    T,
 )
-from distlocks.testing.servers.process import (
-    _free_port as _free_port,
-)
-from distlocks.testing.servers.process import (
-    _install_signal_cleanup as _install_signal_cleanup,
-)
-from distlocks.testing.servers.process import (
-    _package_dir as _package_dir,
-)
-from distlocks.testing.servers.process import (
-    _parent_death_signal as _parent_death_signal,
-)
-from distlocks.testing.servers.process import (
-    _pid_alive as _pid_alive,
-)
-from distlocks.testing.servers.process import (
-    _RunDir as _RunDir,
-)
-from distlocks.testing.servers.process import (
-    _Server as _Server,
-)
-from distlocks.testing.servers.process import (
-    _Spawner as _Spawner,
-)
-from distlocks.testing.servers.process import (
-    _spawner as _spawner,
-)
-from distlocks.testing.servers.process import (
-    _sweep_stale_run_dirs as _sweep_stale_run_dirs,
-)
-from distlocks.testing.servers.process import (
-    _wait_until as _wait_until,
-)
-from distlocks.testing.servers.redis_server import (
-    RedisServer,
-    redis_server_binary,
-)
+from distlocks.testing.servers.redis_server import RedisServer, redis_server_binary
 from distlocks.testing.servers.redis_sets import (
     RedisClusterNode,
     RedisClusterSet,
     RedisSentinelSet,
     SentinelServer,
-)
-from distlocks.testing.servers.redis_sets import (
-    _free_cluster_port as _free_cluster_port,
-)
-from distlocks.testing.servers.redis_sets import (
-    _redis_client as _redis_client,
 )
 from distlocks.testing.servers.session import (
     REDLOCK_URLS_ENV,
@@ -142,9 +88,6 @@ from distlocks.testing.servers.session import (
     started_servers,
 )
 
-# The private names imported above (``_free_port``, ``_Server``, ``_RunDir``...) are
-# re-exported for the etcd and ZooKeeper servers and the tests that use them. The
-# servers this process started live in session (see started_servers()).
 __all__ = [
     "DATABASE_URL_ENV",
     "MARIADB_INSTALL_HINT",
@@ -164,7 +107,6 @@ __all__ = [
     "SentinelServer",
     "ServerError",
     "ServerSet",
-    "T",
     "ensure_mariadb_test_server",
     "ensure_redlock_test_servers",
     "ensure_test_servers",
@@ -175,3 +117,12 @@ __all__ = [
     "redis_server_binary",
     "started_servers",
 ]
+
+# The internals the etcd and ZooKeeper servers build on, and tests and benchmarks
+# reach, as when this package was one module. The servers this process started live
+# in session (see started_servers()).
+_free_port = _process._free_port
+_parent_death_signal = _process._parent_death_signal
+_RunDir = _process._RunDir
+_Server = _process._Server
+_sweep_stale_run_dirs = _process._sweep_stale_run_dirs
