@@ -8,7 +8,7 @@ from typing import Any
 
 from distlocks.backends.redis import RedisBackend
 from distlocks.backends.redlock.masters import RedlockMasters
-from distlocks.backends.redlock.quorum import _ms, _Replies
+from distlocks.backends.redlock.quorum import _ms, _Replies, spare, verdict
 from distlocks.exceptions import LockError
 
 
@@ -25,20 +25,19 @@ class RedlockHeld(RedlockMasters):
         in time leave the lease unconfirmed, not lost; the one that did not answer may
         still hold it. Like a single server that times out, that is an outage: the
         lease keeps the validity it had, and a renewal tries again."""
-        spare = len(self.masters) - self.quorum
+        masters = len(self.masters)
 
         def decided(replies: _Replies[bool]) -> bool:
             yes = sum(1 for ok in replies.results.values() if ok)
             no = len(replies.results) - yes
-            return yes >= self.quorum or no > spare or len(replies.errors) > spare
+            return verdict(yes, no, masters) is not None or len(replies.errors) > spare(masters)
 
         replies = self._round(call, decided=decided)
         yes = sum(1 for ok in replies.results.values() if ok)
-        if yes >= self.quorum:
-            return True
-        if len(replies.results) - yes > spare:
-            return False
-        raise self._unconfirmed(action, name, yes, replies)
+        outcome = verdict(yes, len(replies.results) - yes, masters)
+        if outcome is None:
+            raise self._unconfirmed(action, name, yes, replies)
+        return outcome
 
     def release(self, name: str, owner: str) -> bool:
         return self._by_quorum("release", name, lambda i: self.masters[i].release(name, owner))
@@ -60,7 +59,6 @@ class RedlockHeld(RedlockMasters):
         :attr:`RedisBackend.EXTEND_BATCH` leases); each lease is decided by its own
         quorum, as :meth:`extend` decides one."""
         results: list[bool | LockError] = []
-        spare = len(self.masters) - self.quorum
         batch = RedisBackend.EXTEND_BATCH
         for start in range(0, len(leases), batch):
             chunk = leases[start : start + batch]
@@ -78,12 +76,11 @@ class RedlockHeld(RedlockMasters):
             replies = self._round(extend)
             for at in range(len(chunk)):
                 yes = sum(1 for answers in replies.results.values() if answers[at])
-                if yes >= self.quorum:
-                    results.append(True)
-                elif len(replies.results) - yes > spare:
-                    results.append(False)
-                else:
+                outcome = verdict(yes, len(replies.results) - yes, len(self.masters))
+                if outcome is None:
                     results.append(self._unconfirmed("renew", chunk[at][0], yes, replies))
+                else:
+                    results.append(outcome)
         return results
 
     def force_release(self, name: str, token: int | None = None) -> bool:

@@ -21,7 +21,7 @@ from distlocks.backends.redlock.config import (
     RedlockConfig,
     describe_url,
 )
-from distlocks.backends.redlock.quorum import _Replies, quorum
+from distlocks.backends.redlock.quorum import _Replies, drift, quorum
 from distlocks.backends.redlock.scripts import _SCRIPTS
 from distlocks.exceptions import LockBackendUnavailable, LockError
 
@@ -67,7 +67,7 @@ class RedlockMasters(RedlockConfig):
 
     def drift(self, ttl: float) -> float:
         """Seconds taken off a lease for clocks that run at different speeds."""
-        return ttl * self.drift_factor + self.drift_margin
+        return drift(ttl, self.drift_factor, self.drift_margin)
 
     # -- the rounds -------------------------------------------------------------
 
