@@ -102,10 +102,9 @@ def _in_child(action: Callable[[], object]) -> str:
 
 
 class BackendContract:
-    """The contract tests; subclass it as ``Test<YourBackend>`` and set :attr:`backend_config`.
-
-    Class attributes to tune (all optional but :attr:`backend_config`):
-    """
+    """The contract tests; subclass it as ``Test<YourBackend>`` and set :attr:`backend_config`
+    (or override the ``contract_config`` fixture). The other class attributes below tune
+    the kit and are optional."""
 
     #: The ``DISTLOCKS_BACKENDS`` entry of the backend under test.
     backend_config: ClassVar[Mapping[str, Any] | None] = None
@@ -118,8 +117,8 @@ class BackendContract:
     #: A credential written in :attr:`unreachable_config` (a password in its URL): the
     #: kit checks that the error, its message and its chained causes never show it.
     unreachable_secret: ClassVar[str | None] = None
-    #: Whether a forked child shares the parent's locks' server (False for an
-    #: in-process backend is fine: the fork test only checks that the child is refused).
+    #: False skips the fork test (a forked child must not release or extend its
+    #: parent's lease), where your processes never fork while holding a lease.
     forks: ClassVar[bool] = True
     #: Hypothesis examples per property test (more explore more, and take longer).
     max_examples: ClassVar[int] = 60
