@@ -1,0 +1,329 @@
+"""The lock recipe: one contender node a caller, the lowest holds, each waiter watching
+only the one just before it.
+
+* acquire is one multi-op: create this caller's contender node and write the fence
+  node; both get the zxid of that transaction, which makes the token (:func:`token_of`).
+  A try-once call on a busy lock is refused without writing anything.
+* a create left without an answer is looked for by the next attempt (the node's name
+  carries the owner) and taken over; one node per owner is kept.
+* release deletes the caller's own node (version 0: never another's); a waiter that
+  gives up deletes its node too.
+* extend confirms the node still exists in the live session (nothing is written).
+* force release is one multi-op deleting the holder's node (only if its czxid is the
+  token given) and writing the fence node, so the counter moves past the victim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+import urllib.parse
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+from kazoo.protocol.states import ZnodeStat
+
+from distlocks.backends.base import AcquireResult, Holder
+from distlocks.backends.zookeeper.nodes import (
+    _CONTENDER,
+    _LOCK,
+    _contenders,
+    _Node,
+    token_of,
+)
+from distlocks.backends.zookeeper.outages import ZooKeeperOutages
+from distlocks.exceptions import LockBackendUnavailable, LockError
+
+
+class ZooKeeperLock(ZooKeeperOutages):
+    """The lock recipe: acquire, wait, release, extend, force release, the counter."""
+
+    def lock_path(self, name: str) -> str:
+        """The fence node of ``name`` (its children are the contenders)."""
+        return f"{self._locks_path}/n{urllib.parse.quote(name, safe='')}"
+
+    def _children(self, client: KazooClient, action: str, name: str) -> list[str]:
+        return self._queue(client, action, name)[0]
+
+    def _queue(
+        self, client: KazooClient, action: str, name: str
+    ) -> tuple[list[str], ZnodeStat | None]:
+        """The contenders of ``name`` in queue order, and its fence node's stat."""
+        try:
+            children, stat = self._get(
+                action, name, client.get_children_async(self.lock_path(name), include_data=True)
+            )
+        except NoNodeError:
+            return [], None
+        return _contenders(children), stat
+
+    def _find_own(self, children: list[str], owner: str) -> list[str]:
+        prefix = f"{_CONTENDER}{urllib.parse.quote(owner, safe='')}-"
+        return [c for c in children if c.startswith(prefix) and len(c) == len(prefix) + 10]
+
+    def _entry(self, name: str, owner: str) -> _Node | None:
+        """This process's node for (name, owner), if it belongs to the live session."""
+        entry = self._nodes.get((name, owner))
+        if entry is not None and entry.generation != self._generation:
+            self._nodes.pop((name, owner), None)
+            return None
+        return entry
+
+    def _enqueue(self, client: KazooClient, name: str, owner: str, data: bytes) -> _Node:
+        """One multi-op: create the contender node and write the fence node."""
+        parent = self.lock_path(name)
+        node_prefix = f"{parent}/{_CONTENDER}{urllib.parse.quote(owner, safe='')}-"
+        generation = self._generation
+        for _ in range(3):
+            sent = time.monotonic()
+            txn = client.transaction()
+            txn.create(node_prefix, data, ephemeral=True, sequence=True)
+            txn.set_data(parent, b"")
+            try:
+                results = self._commit("acquire", name, txn)
+            except LockBackendUnavailable:
+                # The transaction may have been applied with only the reply lost: a
+                # retry looks for the node first, and a caller who gives up has it
+                # deleted once the connection returns (see _through_outage).
+                self._unknown.add((_LOCK, name, owner))
+                raise
+            created, fence = results
+            if isinstance(created, str) and isinstance(fence, ZnodeStat):
+                self._last_ok = max(self._last_ok, sent)
+                return _Node(created, token_of(fence.mzxid, fence), generation)
+            if isinstance(created, NoNodeError) or isinstance(fence, NoNodeError):
+                # First use of this name: create the fence node, then try again.
+                with contextlib.suppress(NodeExistsError):
+                    self._get("acquire", name, client.ensure_path_async(parent))
+                continue
+            error = next(r for r in results if isinstance(r, Exception))
+            self._fail("acquire", name, error)
+        raise LockError(f"Could not create the lock node of {name!r} on backend {self.alias!r}.")
+
+    def acquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        *,
+        wait: float = 0.0,
+        fair: bool = False,
+    ) -> AcquireResult:
+        return self._through_outage(
+            (_LOCK, name, owner),
+            wait,
+            lambda deadline: self._acquire(name, owner, ttl, holder, wait, deadline),
+            lambda: self._leave(name, owner),
+        )
+
+    def _acquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        wait: float,
+        deadline: float | None,
+    ) -> AcquireResult:
+        client = self._ready("acquire", name, deadline)
+        self._check_ttl(client, ttl)
+        entry = self._entry(name, owner)
+        children: list[str] | None = None
+        if entry is None:
+            unknown = (_LOCK, name, owner) in self._unknown
+            if wait <= 0 or unknown:
+                # Try once: a busy lock is refused without writing anything. After a
+                # create left without an answer: its node may be there, to take over.
+                children = self._children(client, "acquire", name)
+                own = self._find_own(children, owner)
+                if own:
+                    entry = self._adopt(client, name, owner, own[0])
+                elif wait <= 0 and children:
+                    self._unknown.discard((_LOCK, name, owner))
+                    return AcquireResult(False, 0, None)
+            if entry is None:
+                data = json.dumps(
+                    {
+                        "owner": owner,
+                        "host": holder.host,
+                        "pid": holder.pid,
+                        "thread": holder.thread,
+                        "extra": dict(holder.extra),
+                        "ttl": ttl,
+                    },
+                    separators=(",", ":"),
+                ).encode()
+                entry = self._enqueue(client, name, owner, data)
+                self._nodes[(name, owner)] = entry
+                children = None
+            self._unknown.discard((_LOCK, name, owner))
+        if children is None or entry.path.rsplit("/", 1)[1] not in children:
+            children = self._children(client, "acquire", name)
+        mine = entry.path.rsplit("/", 1)[1]
+        if mine not in children:
+            # Deleted under us (forced out while queued, or the session changed).
+            self._nodes.pop((name, owner), None)
+            return AcquireResult(False, 0, None)
+        own = self._find_own(children, owner)
+        if own[0] != mine:
+            # A retried acquire found an older node of this owner: keep that one.
+            self._delete_quietly(client, entry.path)
+            entry = self._adopt(client, name, owner, own[0])
+            mine = own[0]
+        for extra in own[1:]:
+            # A create answered late (after a retry made another): one node per owner.
+            if extra != mine:
+                self._delete_quietly(client, f"{self.lock_path(name)}/{extra}")
+        if children[0] == mine:
+            return AcquireResult(True, entry.token, self.local_lease(ttl))
+        if wait <= 0:
+            self.leave_queue(name, owner)
+        return AcquireResult(False, 0, None)
+
+    def _adopt(self, client: KazooClient, name: str, owner: str, child: str) -> _Node:
+        """Take over this owner's node found on the server (a retried acquire)."""
+        path = f"{self.lock_path(name)}/{child}"
+        stat = self._get("acquire", name, client.exists_async(path))
+        fence = self._queue(client, "acquire", name)[1]
+        token = token_of(stat.czxid, fence) if stat is not None and fence is not None else 0
+        entry = _Node(path, token, self._generation)
+        self._nodes[(name, owner)] = entry
+        return entry
+
+    def _own_path(self, client: KazooClient, action: str, name: str, owner: str) -> str | None:
+        entry = self._entry(name, owner)
+        if entry is not None:
+            return entry.path
+        own = self._find_own(self._children(client, action, name), owner)
+        return f"{self.lock_path(name)}/{own[0]}" if own else None
+
+    def release(self, name: str, owner: str) -> bool:
+        try:
+            return self._release(name, owner)
+        except LockBackendUnavailable:
+            self._cleanup_later(name, owner)
+            raise
+
+    def _release(self, name: str, owner: str) -> bool:
+        entry = self._nodes.get((name, owner))
+        if entry is not None and entry.generation != self._generation:
+            # Its session expired, taking the node with it: nothing to ask the server
+            # (which may be unreachable now).
+            self._nodes.pop((name, owner), None)
+            return False
+        client = self._ready("release", name)
+        path = self._own_path(client, "release", name, owner)
+        self._nodes.pop((name, owner), None)
+        if path is None:
+            return False
+        try:
+            # Version 0: the contender node is never rewritten, so anything else is
+            # not the node this owner created.
+            self._get("release", name, client.delete_async(path, version=0))
+        except (NoNodeError, BadVersionError):
+            return False
+        return True
+
+    def leave_queue(self, name: str, owner: str) -> None:
+        """A waiter that gives up deletes its node. Not connected now (the acquire
+        that gave up has just met the outage): no second wait for the connection; the
+        node is deleted in the background once the ensemble answers (and the outage
+        raised, for the caller to log)."""
+        try:
+            self._leave(name, owner, time.monotonic())
+        except LockBackendUnavailable:
+            self._cleanup_later(name, owner)
+            raise
+
+    def _leave(self, name: str, owner: str, deadline: float | None = None) -> None:
+        client = self._ready("leave the queue of", name, deadline)
+        path = self._own_path(client, "leave the queue of", name, owner)
+        self._nodes.pop((name, owner), None)
+        if path is not None:
+            with contextlib.suppress(NoNodeError, BadVersionError):
+                self._get("leave the queue of", name, client.delete_async(path, version=0))
+
+    def extend(self, name: str, owner: str, ttl: float) -> bool:
+        """Confirm the lease: its node still exists in the live session. Nothing is
+        written (the server keeps the node for as long as the session lives)."""
+        return self._confirm(
+            (_LOCK, name, owner),
+            self._nodes.get((name, owner)),
+            lambda client: self._own_path(client, "extend", name, owner),
+            lambda: self._nodes.pop((name, owner), None),
+            lambda: self._leave(name, owner),
+        )
+
+    def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
+        """Block until the contender just before ``owner``'s node goes (or the holder,
+        for a caller with no node), or ``timeout``: a watch, no polling."""
+        try:
+            self._wait(name, timeout, owner)
+        except LockBackendUnavailable:
+            self._outage_pause(timeout)
+
+    def _wait(self, name: str, timeout: float, owner: str) -> None:
+        client = self._ready("wait for", name)
+        entry = self._entry(name, owner) if owner else None
+        children = self._children(client, "wait for", name)
+        if not children:
+            return
+        if entry is None:
+            watched = children[0]
+        else:
+            mine = entry.path.rsplit("/", 1)[1]
+            if mine not in children or children[0] == mine:
+                return
+            watched = children[children.index(mine) - 1]
+        event = threading.Event()
+        with self._state_lock:
+            self._waiting.add(event)
+        try:
+            stat = self._get(
+                "wait for",
+                name,
+                client.exists_async(
+                    f"{self.lock_path(name)}/{watched}", watch=lambda _: event.set()
+                ),
+            )
+            if stat is not None:
+                event.wait(max(0.0, timeout))
+        finally:
+            with self._state_lock:
+                self._waiting.discard(event)
+
+    def force_release(self, name: str, token: int | None = None) -> bool:
+        client = self._ready("force-release", name)
+        parent = self.lock_path(name)
+        for _ in range(5):
+            children, fence = self._queue(client, "force-release", name)
+            if not children or fence is None:
+                return False  # a free name: nothing is written
+            path = f"{parent}/{children[0]}"
+            stat = self._get("force-release", name, client.exists_async(path))
+            if stat is None:
+                continue  # released meanwhile: look again
+            if token is not None and token_of(stat.czxid, fence) != token:
+                return False  # the lock changed hands: leave the new holder alone
+            txn = client.transaction()
+            txn.delete(path, version=stat.version)
+            txn.set_data(parent, b"")
+            results = self._commit("force-release", name, txn)
+            if not any(isinstance(r, Exception) for r in results):
+                return True
+            if token is not None:
+                return False  # the holder went meanwhile: not this call's eviction
+        return False
+
+    def fencing_counter(self, name: str) -> int:
+        client = self._ready("read the fencing counter of", name)
+        stat = self._get(
+            "read the fencing counter of", name, client.exists_async(self.lock_path(name))
+        )
+        # version 0: the fence node was created but no token was issued yet.
+        if stat is None or stat.version == 0:
+            return 0
+        return token_of(stat.mzxid, stat)

@@ -1,0 +1,147 @@
+"""The layout of the nodes, free of I/O: what a node's name says (its kind, owner and
+place in the queue), which nodes decide whether a request holds, and the fencing token
+of a zxid. Every other module of the package reads the nodes through these."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import threading
+import urllib.parse
+from typing import Any
+
+from kazoo.protocol.states import ZnodeStat
+
+from distlocks.backends.base import READ, RWLOCK, SEMAPHORE, WRITE
+
+_CONTENDER = "c-"
+#: The kind in the (kind, name, owner) keys of locks (permits use theirs).
+_LOCK = "lock"
+_SEQ_DIGITS = 10
+
+
+@dataclasses.dataclass(eq=False)
+class _Node:
+    """This process's contender node for one (name, owner), or permit node for one
+    (kind, name, owner)."""
+
+    path: str
+    token: int
+    #: Session generation it was created in; a lost session took the node with it.
+    generation: int
+    #: Set by the watches of a waiting permit request (one per node, so re-arming a
+    #: watch on a node already watched adds nothing on the client or the server).
+    wake: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def watch(self, _event: object) -> None:
+        self.wake.set()
+
+
+def _seq(child: str) -> int:
+    try:
+        return int(child[-_SEQ_DIGITS:])
+    except ValueError:
+        return -1
+
+
+def _owner_of(child: str) -> str:
+    return urllib.parse.unquote(child[len(_CONTENDER) : -_SEQ_DIGITS - 1])
+
+
+def _contenders(children: list[str]) -> list[str]:
+    """Contender nodes in queue order (the holder first)."""
+    return sorted((c for c in children if c.startswith(_CONTENDER)), key=_seq)
+
+
+#: The node name prefix of each permit kind. A semaphore's permits live in a
+#: directory of their own; the read and write nodes of a read-write lock share one,
+#: and so one sequence: their order is the order of arrival.
+_PERMIT_NODE = {SEMAPHORE: "permit-", READ: "read-", WRITE: "write-"}
+_FAMILY_KINDS = {SEMAPHORE: (SEMAPHORE,), RWLOCK: (READ, WRITE)}
+
+
+def _permit_kind(child: str) -> str | None:
+    for kind, prefix in _PERMIT_NODE.items():
+        if child.startswith(prefix):
+            return kind
+    return None
+
+
+def _permit_owner(child: str) -> str:
+    prefix = _PERMIT_NODE.get(_permit_kind(child) or "", "")
+    return urllib.parse.unquote(child[len(prefix) : -_SEQ_DIGITS - 1])
+
+
+def _permit_nodes(children: list[str], family: str) -> list[str]:
+    """The permit nodes of one semaphore or read-write lock, in arrival order."""
+    kinds = _FAMILY_KINDS[family]
+    return sorted((c for c in children if _permit_kind(c) in kinds), key=_seq)
+
+
+def _blockers(kind: str, children: list[str], index: int, limit: int) -> list[str]:
+    """The nodes ahead of position ``index`` of ``children`` (arrival order) that keep a
+    request of ``kind`` there from holding, and so the ones it watches; none when it
+    holds.
+
+    * a semaphore request holds when fewer than its ``limit`` nodes precede it. Held
+      permits go back in any order, so any node ahead may be the one whose going lets
+      it in: it watches the ``limit`` nodes just ahead of it. While all of them are
+      there, at least ``limit`` nodes precede it; once one goes, its watch fires and
+      it looks again. (Watching only one node, its predecessor or the node ``limit``
+      places ahead, would sleep through the going of another.)
+    * a reader holds when no write node precedes it: it watches the nearest one.
+    * a writer holds when it is first: it watches its predecessor.
+    """
+    ahead = children[:index]
+    if kind == SEMAPHORE:
+        return ahead[-limit:] if len(ahead) >= limit else []
+    if kind == READ:
+        return [c for c in ahead if c.startswith(_PERMIT_NODE[WRITE])][-1:]
+    return ahead[-1:]
+
+
+@dataclasses.dataclass
+class _Seen:
+    """A permit node as read from the server, for listing and eviction."""
+
+    child: str
+    data: dict[str, Any]
+    stat: ZnodeStat
+    holds: bool = False
+
+    @property
+    def kind(self) -> str:
+        return _permit_kind(self.child) or SEMAPHORE
+
+    @property
+    def limit(self) -> int:
+        limit = self.data.get("limit")
+        return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else 1
+
+
+def _judge(seen: list[_Seen]) -> None:
+    """Mark which of ``seen`` (arrival order) hold, by the rules of
+    :func:`_blockers` (in one pass: a listing may be long)."""
+    write_ahead = False
+    for index, node in enumerate(seen):
+        kind = node.kind
+        if kind == SEMAPHORE:
+            node.holds = index < node.limit
+        elif kind == READ:
+            node.holds = not write_ahead
+        else:
+            node.holds = index == 0
+        write_ahead = write_ahead or kind == WRITE
+
+
+def token_of(zxid: int, fence: ZnodeStat) -> int:
+    """The fencing token of the transaction ``zxid`` on the name whose fence node is
+    ``fence``: the zxid, shifted per name so that it starts from the server's clock
+    (in microseconds) at the name's first use. A strictly increasing function of the
+    zxid for each name, and above every earlier token even if the ensemble's data is
+    lost and the zxids start again from 0 (see docs/backend-zookeeper.md)."""
+    return int(fence.ctime) * 1000 + (int(zxid) - int(fence.czxid))
+
+
+def _epoch_ms(milliseconds: int) -> dt.datetime:
+    return dt.datetime.fromtimestamp(milliseconds / 1000, dt.UTC)
