@@ -64,17 +64,12 @@ class TestPostgresBackend(BackendContract):
         assert isinstance(config, Mapping)
         return config
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="PostgresBackend (session mode): an owner acquiring again after its lease was "
-        "force-released is told it holds the lock, with the evicted token, while nobody "
-        "holds it. Found by the kit's model test; the backend is not this module's to fix.",
-    )
-    def test_any_sequence_of_operations_matches_the_model(
+    def test_an_owner_acquiring_again_after_a_force_release_gets_a_new_lease(
         self, contract_backend: BaseBackend, contract_name: str
     ) -> None:
-        # The sequence the kit's property finds every run, replayed so the xfail is
-        # strict: acquire, force release, acquire again by the same owner.
+        # The sequence the kit's model test found (the backend told the owner it held
+        # the lock, with the evicted token, while nobody held it): acquire, force
+        # release, acquire again by the same owner.
         backend, holder = contract_backend, self.holder()
         first = backend.acquire(contract_name, "owner-a", 30, holder)
         assert first.acquired

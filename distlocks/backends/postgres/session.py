@@ -32,7 +32,12 @@ class SessionLocks(PooledBackend):
         with self._held_lock:
             again = self._held.get(owner)
         if again is not None:  # a retried acquire by the same owner
-            return AcquireResult(True, again.token, ttl)
+            # Only if its session still holds the lock: a force release ends that
+            # session, and the lease must then be taken anew (with a new token), never
+            # handed back as it was.
+            if self._extend_session(owner):
+                return AcquireResult(True, again.token, ttl)
+            self._forget_session(owner)
         params = self._params(name, owner, ttl, holder)
         deadline = time.monotonic() + wait
         conn = self._checkout(name, wait)
@@ -112,6 +117,21 @@ class SessionLocks(PooledBackend):
             self._discard(held.conn)
             return False
         return bool(row and row[0])
+
+    def _forget_session(self, owner: str) -> None:
+        """Drop ``owner``'s lease found no longer held; its connection goes back to the
+        pool only if it is alive (the lock it held is gone either way)."""
+        with self._held_lock:
+            held = self._held.pop(owner, None)
+        if held is None:
+            return
+        try:
+            held.conn.execute(held.unlock, {"key": held.key, "reader": held.reader,
+                                            "guard": held.guard})  # fmt: skip
+        except psycopg.Error:
+            self._discard(held.conn)
+        else:
+            self.pool.put(held.conn)
 
     def _force_release_session(self, name: str, token: int | None, params: dict[str, Any]) -> bool:
         """End the session holding ``name`` (if it is the holder of ``token``), under
