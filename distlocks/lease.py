@@ -344,7 +344,9 @@ class BaseLease:
         """Monotonic time of the next renewal, or None when it should stop."""
         if not self.auto_renew or self._valid_until is None:
             return None
-        return time.monotonic() + self.ttl * RENEW_FRACTION
+        # Within the span the lease is trusted locally, which a backend may cap below
+        # the ttl (a ZooKeeper session shorter than the ttl): renewed in time either way.
+        return time.monotonic() + self._backend.local_lease(self.ttl) * RENEW_FRACTION
 
     def _renewal_allowed(self) -> bool:
         if self._state != HELD or self._release_requested or not self.held():
