@@ -390,11 +390,27 @@ class Lease(BaseLease):
         Raises :class:`LockLost` if the server no longer has this lease.
         """
         ttl = self.ttl if ttl is None else validate_ttl(ttl)
+        if not self._inherited():
+            self._give_back_if_lost()
         self.ensure_held()  # before waiting for the mutex: a child must not wait for it
         with self._mutex:
             self.ensure_held()
             started = time.monotonic()
             self._extended(started, ttl, self._backend.extend(self.name, self.owner, ttl))
+
+    def _give_back_if_lost(self) -> None:
+        """A lease found lost here (it ran out locally) is given back on the server once,
+        as the renewer would: what the server may still keep of it (a ZooKeeper node
+        whose session lives on, a pinned PostgreSQL connection) must not keep others
+        out. Ownership is checked there, so a newer holder is never touched."""
+        self.held()  # notices a lease that ran out
+        if self._state != LOST or self._freed_on_server:
+            return
+        with self._mutex:
+            if self._freed_on_server:
+                return
+            self._freed_on_server = True
+            self._backend.release_quietly(self.name, self.owner)
 
     def release(self) -> bool:
         """Free the lock if this lease still holds it.

@@ -224,7 +224,10 @@ def test_a_holder_cut_off_while_the_leader_goes_leaves_no_node_behind(
     wait_for(renewal_gives_up, timeout=30)
     for proxy in proxies:
         proxy.heal()
-    assert "no longer had it" in lease.lost_reason
+    # Found lost by the renewal, or by its local deadline, which is never later than the
+    # granted session whatever the ttl (the extend that found it gave it back, as the
+    # renewer does, which could not reach the ensemble: left to the background delete).
+    assert "no longer had it" in lease.lost_reason or "ran out" in lease.lost_reason
     ensemble.wait_for_quorum()
     wait_for(lambda: connected(holder), timeout=30)
     # The scenario of this test: the holder's session outlived the cut.
