@@ -180,9 +180,11 @@ class DistlocksZk(DistlocksPg):
 class DistlocksZkWait(DistlocksZk):
     """distlocks' public API with a timeout: ``with lock(name, backend="zk", timeout=5):``.
 
-    A caller that may wait queues at once (the multi-op), where one that tries once
-    (``timeout=0``, the ``distlocks-zk`` row) first lists the contenders, so as to write
-    nothing when the lock is busy: one round trip fewer on a free lock.
+    A caller that may wait queues at once (the multi-op), then lists the contenders;
+    one that tries once (``timeout=0``, the ``distlocks-zk`` row) lists them first, so as
+    to write nothing when the lock is busy, and queues only if the fence node is still
+    as listed (a conditional multi-op), which tells it holds with no second listing.
+    Three requests a cycle on a free lock either way.
     """
 
     name = "distlocks-zk-wait"

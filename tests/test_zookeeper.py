@@ -12,13 +12,17 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
+from hypothesis import HealthCheck, given
+from hypothesis import strategies as st
 
 from distlocks import alock, get_backend, lock, rwlock, semaphore
 from distlocks.backends.base import Holder
@@ -154,6 +158,166 @@ def test_retried_acquire_finds_its_own_node(zk: str, name: str) -> None:
     assert backend.contenders(name) == ["owner-1"]
     assert backend.release(name, "owner-1")
     assert not backend.release(name, "owner-1")
+
+
+class Requests:
+    """The requests a backend's kazoo client sends, by type, recorded where kazoo queues
+    them (``KazooClient._call``; pings do not go through it): the real requests reach
+    the real server unchanged. ``before`` runs just before a request of a type is
+    queued (once), to make a race happen at a chosen point."""
+
+    def __init__(self, client: Any) -> None:
+        self.sent: list[str] = []
+        self.before: dict[str, Any] = {}
+        self._client = client
+        self._call = client._call
+
+    def __enter__(self) -> Requests:
+        def call(request: Any, async_object: Any) -> Any:
+            kind = type(request).__name__
+            hook = self.before.pop(kind, None)
+            if hook is not None:
+                hook()
+            self.sent.append(kind)
+            return self._call(request, async_object)
+
+        self._client._call = call
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._client._call = self._call
+
+
+def test_try_once_on_a_free_lock_is_three_requests(zk: str, name: str) -> None:
+    """List, then one multi-op queueing the node only if the fence node is unchanged
+    since the listing (so the node is alone: it holds, no second listing), then the
+    release's delete."""
+    backend = get_backend(zk)
+    assert backend.acquire(f"{name}:first-use", "o", 5, HOLDER).acquired
+    with lock(name, backend=zk, ttl=5, timeout=1):
+        pass  # the name's fence node exists: its first use is not what is counted
+    with Requests(backend._ready("test", name)) as requests:
+        result = backend.acquire(name, "owner-1", 5, HOLDER)
+        assert result.acquired
+        assert backend.release(name, "owner-1")
+    assert requests.sent == ["GetChildren2", "Transaction", "Delete"]
+    assert result.fencing_token == backend.fencing_counter(name)
+    assert backend.contenders(name) == []
+
+
+def test_try_once_raced_by_a_contender_is_refused_writing_nothing(
+    zk: str, name: str, zk_server: ZooKeeperServer
+) -> None:
+    """Another session queues between this caller's listing (free) and its multi-op:
+    the multi-op fails as a whole, so no node of this caller is left, the fence node is
+    last written by the other, which holds, with a later token."""
+    backend = get_backend(zk)
+    other = type(backend)("zk-other", {"LOCATION": zk_server.location})
+    try:
+        other._ready("test", name)  # its session is made before the race, not in it
+        with lock(name, backend=zk, ttl=5, timeout=1) as earlier:
+            pass
+        raced: list[Any] = []
+        with Requests(backend._ready("test", name)) as requests:
+            requests.before["Transaction"] = lambda: raced.append(
+                other.acquire(name, "other", 5, HOLDER)
+            )
+            result = backend.acquire(name, "owner-1", 5, HOLDER)
+        assert not result.acquired
+        assert raced and raced[0].acquired and raced[0].fencing_token > earlier.fencing_token
+        assert backend.contenders(name) == ["other"]
+        # The fence node was last written by the other's multi-op: this caller's was
+        # rolled back as a whole (it would have written the fence node after the other's).
+        assert backend.fencing_counter(name) == raced[0].fencing_token
+        assert requests.sent[:2] == ["GetChildren2", "Transaction"]
+        assert "Delete" not in requests.sent
+        assert other.release(name, "other")
+        with lock(name, backend=zk, ttl=5, timeout=0) as later:
+            assert later.fencing_token > raced[0].fencing_token
+    finally:
+        other.close()
+
+
+#: One step of try-once callers on one lock, each on a session of its own: ("acquire",
+#: i, race) where race, when not None, is ("acquire", j) or ("cycle", j): caller j
+#: acquires (and, for "cycle", releases again) just before caller i's multi-op is sent,
+#: between its listing and its write; or ("release", i, None).
+STEPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("acquire"),
+            st.integers(0, 2),
+            st.none() | st.tuples(st.sampled_from(["acquire", "cycle"]), st.integers(0, 2)),
+        ),
+        st.tuples(st.just("release"), st.integers(0, 2), st.none()),
+    ),
+    max_size=12,
+)
+
+
+@hypothesis.settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(steps=STEPS)
+def test_try_once_races_keep_the_lock_exclusive_and_leave_no_node(
+    zk_server: ZooKeeperServer, steps: list[tuple[str, int, Any]]
+) -> None:
+    """Whatever races the conditional multi-op meets: at most one caller holds, the
+    nodes on the server are exactly the holder's, a refused caller leaves no node,
+    tokens strictly increase, and a caller with no race on a free lock gets it."""
+    from distlocks.backends.zookeeper import ZooKeeperBackend
+
+    backends = [
+        ZooKeeperBackend(f"zk-race-{i}", {"LOCATION": zk_server.location}) for i in range(3)
+    ]
+    name = f"race-{uuid.uuid4().hex}"
+    owners = [f"owner-{i}" for i in range(3)]
+    holder: int | None = None
+    tokens: list[int] = []
+
+    def acquire(i: int) -> bool:
+        nonlocal holder
+        result = backends[i].acquire(name, owners[i], 5, HOLDER)
+        if result.acquired:
+            assert holder in (None, i), f"{i} acquired while {holder} held"
+            if holder is None:
+                assert not tokens or result.fencing_token > tokens[-1]
+                tokens.append(result.fencing_token)
+            else:
+                assert result.fencing_token == tokens[-1]  # a retried acquire
+            holder = i
+        return result.acquired
+
+    def release(i: int) -> None:
+        nonlocal holder
+        assert backends[i].release(name, owners[i]) == (holder == i)
+        if holder == i:
+            holder = None
+
+    try:
+        for step, i, race in steps:
+            if step == "release":
+                release(i)
+            else:
+                free = holder is None
+                with Requests(backends[i]._ready("test", name)) as requests:
+                    if race is not None and race[1] != i:
+                        what, j = race
+
+                        def cut_in(what: str = what, j: int = j) -> None:
+                            acquire(j)
+                            if what == "cycle":
+                                release(j)
+
+                        requests.before["Transaction"] = cut_in
+                    got = acquire(i)
+                if free and (race is None or race[1] == i):
+                    assert got, "a try-once caller with no race was refused a free lock"
+            expected = [owners[holder]] if holder is not None else []
+            assert backends[0].contenders(name) == expected
+    finally:
+        for backend in backends:
+            backend.close()
 
 
 def test_name_with_slashes_and_unicode(zk: str, name: str) -> None:

@@ -71,8 +71,17 @@ class ZooKeeperLock(ZooKeeperOutages):
             return None
         return entry
 
-    def _enqueue(self, client: KazooClient, name: str, owner: str, data: bytes) -> _Node:
-        """One multi-op: create the contender node and write the fence node."""
+    def _enqueue(
+        self, client: KazooClient, name: str, owner: str, data: bytes, version: int | None = None
+    ) -> _Node | None:
+        """One multi-op: create the contender node and write the fence node.
+
+        With ``version``, the fence node's version as listed with no contender under
+        it, the write is conditional: every contender is created in a multi-op that
+        writes the fence node, so an unchanged version means none was created since
+        the listing, and the new node is the only one (no second listing needed to
+        know it holds). A changed version fails the whole multi-op, writing nothing:
+        None, someone queued meanwhile."""
         parent = self.lock_path(name)
         node_prefix = f"{parent}/{_CONTENDER}{urllib.parse.quote(owner, safe='')}-"
         generation = self._generation
@@ -80,7 +89,7 @@ class ZooKeeperLock(ZooKeeperOutages):
             sent = time.monotonic()
             txn = client.transaction()
             txn.create(node_prefix, data, ephemeral=True, sequence=True)
-            txn.set_data(parent, b"")
+            txn.set_data(parent, b"", version=-1 if version is None else version)
             try:
                 results = self._commit("acquire", name, txn)
             except LockBackendUnavailable:
@@ -93,6 +102,8 @@ class ZooKeeperLock(ZooKeeperOutages):
             if isinstance(created, str) and isinstance(fence, ZnodeStat):
                 self._last_ok = max(self._last_ok, sent)
                 return _Node(created, token_of(fence.mzxid, fence), generation)
+            if version is not None and isinstance(fence, BadVersionError):
+                return None
             if isinstance(created, NoNodeError) or isinstance(fence, NoNodeError):
                 # First use of this name: create the fence node, then try again.
                 with contextlib.suppress(NodeExistsError):
@@ -132,18 +143,23 @@ class ZooKeeperLock(ZooKeeperOutages):
         self._check_ttl(client, ttl)
         entry = self._entry(name, owner)
         children: list[str] | None = None
+        # The fence node's version when a try-once listing found the lock free.
+        version: int | None = None
         if entry is None:
             unknown = (_LOCK, name, owner) in self._unknown
             if wait <= 0 or unknown:
                 # Try once: a busy lock is refused without writing anything. After a
                 # create left without an answer: its node may be there, to take over.
-                children = self._children(client, "acquire", name)
+                children, fence = self._queue(client, "acquire", name)
                 own = self._find_own(children, owner)
                 if own:
                     entry = self._adopt(client, name, owner, own[0])
                 elif wait <= 0 and children:
                     self._unknown.discard((_LOCK, name, owner))
                     return AcquireResult(False, 0, None)
+                elif wait <= 0 and fence is not None:
+                    # Free as listed: queue only if it still is (see _enqueue).
+                    version = fence.version
             if entry is None:
                 data = json.dumps(
                     {
@@ -156,9 +172,15 @@ class ZooKeeperLock(ZooKeeperOutages):
                     },
                     separators=(",", ":"),
                 ).encode()
-                entry = self._enqueue(client, name, owner, data)
+                queued = self._enqueue(client, name, owner, data, version)
+                if queued is None:
+                    # Someone queued since the listing: refused, nothing written.
+                    self._unknown.discard((_LOCK, name, owner))
+                    return AcquireResult(False, 0, None)
+                entry = queued
                 self._nodes[(name, owner)] = entry
-                children = None
+                # Alone under a fence node unchanged since the listing: it holds.
+                children = None if version is None else [entry.path.rsplit("/", 1)[1]]
             self._unknown.discard((_LOCK, name, owner))
         if children is None or entry.path.rsplit("/", 1)[1] not in children:
             children = self._children(client, "acquire", name)
