@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from distlocks import get_backend, lock
 from distlocks.backends.base import WRITE, Holder
-from distlocks.backends.redis_primitives import FENCE_GRACE_MS
+from distlocks.backends.redis import FENCE_GRACE_MS
 from distlocks.contrib.celery import single_execution
 from tests.celery_app import app
 from tests.waiting import wait_for

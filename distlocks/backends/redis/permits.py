@@ -1,4 +1,4 @@
-"""Semaphores and read-write locks on Redis: the :class:`RedisPermits` mixin of
+"""Semaphores and read-write locks on Redis: :class:`RedisPermits`, a layer of
 :class:`~distlocks.backends.redis.RedisBackend`.
 
 Keys of the name ``name`` (``{prefix}:{<name>}`` is the lock's own key base, so
@@ -24,7 +24,7 @@ the server's clock, so every script first drops the permits that ran out: a
 crashed holder's permit comes back when its lease ends, without anyone's help.
 The keys expire with the last permit; the write counter of a read-write lock once
 no token it could hand out next can repeat one issued (see ``keep_fence`` below and
-the plain lock's counter in :mod:`distlocks.backends.redis`). A release pushes a
+the plain lock's counter in :mod:`distlocks.backends.redis.scripts`). A release pushes a
 wake-up for the waiters that may now go in (BLPOP), as a lock's release does.
 
 With the backend's listing index, a grant also adds the info hash to the set
@@ -34,7 +34,6 @@ listing drops the members whose keys are gone (see :meth:`RedisPermits.indexed_p
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import hashlib
 import json
@@ -44,7 +43,6 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import redis
-
 from distlocks.backends.base import (
     READ,
     RWLOCK,
@@ -57,400 +55,28 @@ from distlocks.backends.base import (
     moment,
     permit_family,
 )
+from distlocks.backends.redis.lock import RedisLocks
+from distlocks.backends.redis.permit_scripts import (
+    PERMITS_TIDY,
+    RW_ACQUIRE,
+    RW_EXTEND,
+    RW_FORCE,
+    RW_LEAVE,
+    RW_LIST,
+    RW_RELEASE,
+    SEM_ACQUIRE,
+    SEM_EXTEND,
+    SEM_FORCE,
+    SEM_LEAVE,
+    SEM_LIST,
+    SEM_RELEASE,
+)
 from distlocks.exceptions import LockBackendUnavailable
 from distlocks.logs import log_expected
 
+logger = logging.getLogger("distlocks.backends.redis")
+
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-
-if TYPE_CHECKING:
-    from distlocks.backends.redis import Keys
-
-
-logger = logging.getLogger(__name__)
-
-#: How long a fencing counter is kept past its last change at the least (ms), by the
-#: plain lock's scripts (distlocks.backends.redis) and the read-write lock's below.
-FENCE_GRACE_MS = 5000
-
-_COMMON = """
-local now = redis.call('TIME')
-local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
-
--- Drop the permits whose lease ended (a score at or before now).
-local function purge(holders, info)
-  local dead = redis.call('ZRANGEBYSCORE', holders, '-inf', now_ms)
-  for _, owner in ipairs(dead) do redis.call('HDEL', info, owner) end
-  if #dead > 0 then redis.call('ZREMRANGEBYSCORE', holders, '-inf', now_ms) end
-end
-
--- The keys of a name live exactly as long as its last permit.
-local function tidy(holders, info, writer)
-  local last = redis.call('ZRANGE', holders, -1, -1, 'WITHSCORES')
-  if #last == 0 then
-    redis.call('DEL', holders, info)
-    if writer then redis.call('DEL', writer) end
-    return
-  end
-  local at = math.floor(tonumber(last[2]))
-  redis.call('PEXPIREAT', holders, at)
-  redis.call('PEXPIREAT', info, at)
-  if writer and redis.call('EXISTS', writer) == 1 then redis.call('PEXPIREAT', writer, at) end
-end
-
--- A waiter stays registered until its registration ends (renewed at each attempt).
-local function register(waiters, owner, register_ms)
-  redis.call('ZADD', waiters, now_ms + register_ms, owner)
-  if redis.call('PTTL', waiters) < register_ms then redis.call('PEXPIRE', waiters, register_ms) end
-end
-
--- One more wake-up, keeping no more of them than there are waiters.
-local function signal(list, waiters)
-  if waiters <= 0 then return end
-  redis.call('RPUSH', list, 1)
-  redis.call('LTRIM', list, -waiters, -1)
-  redis.call('PEXPIRE', list, 10000)
-end
-
-local function holder_json(raw, kind, token, ttl)
-  local h = cjson.decode(raw)
-  h.kind = kind
-  -- Strings: cjson would round numbers of more than 14 digits.
-  h.token = string.format('%d', token)
-  h.acquired_at = string.format('%d', now_ms)
-  h.ttl = ttl
-  h.renewals = 0
-  return cjson.encode(h)
-end
-
-local function renewed(info, owner, ttl)
-  local raw = redis.call('HGET', info, owner)
-  if raw then
-    local h = cjson.decode(raw)
-    h.ttl = ttl
-    h.renewals = (tonumber(h.renewals) or 0) + 1
-    redis.call('HSET', info, owner, cjson.encode(h))
-  end
-end
-
-local function listing(holders, info, waiting)
-  local out = {now_ms, waiting}
-  local members = redis.call('ZRANGE', holders, 0, -1, 'WITHSCORES')
-  for i = 1, #members, 2 do
-    table.insert(out, members[i])
-    table.insert(out, members[i + 1])
-    table.insert(out, redis.call('HGET', info, members[i]) or '')
-  end
-  return out
-end
-"""
-
-# -- semaphores. KEYS: holders, info, waiters, signal. ------------------------------
-
-# ARGV: owner, ttl ms, limit, holder JSON, registration ms (0: not waiting).
-# Returns {1, 0, ttl ms} when granted; {0, 0, ms until the first permit ends} when not.
-SEM_ACQUIRE = (
-    _COMMON
-    + """
-purge(KEYS[1], KEYS[2])
-local owner, ttl = ARGV[1], tonumber(ARGV[2])
-if redis.call('ZSCORE', KEYS[1], owner) then
-  -- A retried request whose first reply was lost: it is ours.
-  redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
-  tidy(KEYS[1], KEYS[2])
-  if KEYS[5] then redis.call('SADD', KEYS[5], KEYS[2]) end
-  return {1, 0, ttl}
-end
-if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3]) then
-  redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
-  redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], 'semaphore', 0, ttl))
-  redis.call('ZREM', KEYS[3], owner)
-  tidy(KEYS[1], KEYS[2])
-  if KEYS[5] then redis.call('SADD', KEYS[5], KEYS[2]) end
-  return {1, 0, ttl}
-end
-if tonumber(ARGV[5]) > 0 then register(KEYS[3], owner, tonumber(ARGV[5])) end
-local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-return {0, 0, math.floor(tonumber(first[2]) - now_ms)}
-"""
-)
-
-# ARGV: owner. Gives back the caller's own live permit only; wakes one waiter.
-SEM_RELEASE = (
-    _COMMON
-    + """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-purge(KEYS[1], KEYS[2])
-if not score or tonumber(score) <= now_ms then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[2], ARGV[1])
-tidy(KEYS[1], KEYS[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
-signal(KEYS[4], redis.call('ZCARD', KEYS[3]))
-return 1
-"""
-)
-
-# ARGV: owner, ttl ms.
-SEM_EXTEND = (
-    _COMMON
-    + """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not score or tonumber(score) <= now_ms then return 0 end
-redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[2]), ARGV[1])
-renewed(KEYS[2], ARGV[1], tonumber(ARGV[2]))
-tidy(KEYS[1], KEYS[2])
-return 1
-"""
-)
-
-# ARGV: owner. A waiter gives up, passing on a wake-up it may have taken.
-SEM_LEAVE = (
-    _COMMON
-    + """
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
-signal(KEYS[4], redis.call('ZCARD', KEYS[3]))
-return 1
-"""
-)
-
-# ARGV: owner, or '' for every permit. Returns how many live permits were evicted.
-SEM_FORCE = (
-    _COMMON
-    + """
-purge(KEYS[1], KEYS[2])
-local evicted
-if ARGV[1] == '' then
-  evicted = redis.call('ZCARD', KEYS[1])
-  redis.call('DEL', KEYS[1], KEYS[2])
-else
-  evicted = redis.call('ZREM', KEYS[1], ARGV[1])
-  redis.call('HDEL', KEYS[2], ARGV[1])
-  tidy(KEYS[1], KEYS[2])
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
-for _ = 1, evicted do signal(KEYS[4], redis.call('ZCARD', KEYS[3])) end
-return evicted
-"""
-)
-
-# Returns {now ms, waiters, owner, end ms, holder JSON, owner, ...}.
-SEM_LIST = (
-    _COMMON
-    + """
-purge(KEYS[1], KEYS[2])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
-return listing(KEYS[1], KEYS[2], redis.call('ZCARD', KEYS[3]))
-"""
-)
-
-# -- read-write locks. KEYS: holders, info, writer, waiting writers, waiting readers,
-# writer signal, reader signal, fence. ------------------------------------------------
-
-_RW = (
-    _COMMON
-    + """
--- The write counter (KEYS[8]) is kept until the last lease on the name ends and the
--- server clock has passed its value; then a counter started afresh from the clock is
--- above every token issued before (2 ms spare for the rounding), and for the grace
--- the plain lock's counter gets too. Called after every change of the leases' ends
--- and of the counter.
-local function keep_fence()
-  local value = redis.call('GET', KEYS[8])
-  if not value then return end
-  local at = math.max(math.floor(tonumber(value) / 1000) + 2, now_ms + FENCE_GRACE_MS)
-  local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
-  if #last > 0 then at = math.max(at, math.ceil(tonumber(last[2]))) end
-  redis.call('PEXPIRE', KEYS[8], math.max(1, at - now_ms))
-end
-
--- The next write token: as for a lock, one more than the last and never below the
--- server clock in microseconds, so a lost (or expired) counter cannot make tokens
--- go back.
-local function next_token(fence)
-  local token = math.max(tonumber(redis.call('GET', fence) or '0') + 1,
-                         now[1] * 1000000 + now[2])
-  redis.call('SET', fence, string.format('%d', token))
-  keep_fence()
-  return token
-end
-
--- Drops ended leases and registrations; returns the live writer's owner (or false).
-local function purge_rw()
-  purge(KEYS[1], KEYS[2])
-  local writer = redis.call('GET', KEYS[3])
-  if writer and not redis.call('ZSCORE', KEYS[1], writer) then
-    redis.call('DEL', KEYS[3])
-    writer = false
-  end
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now_ms)
-  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now_ms)
-  return writer
-end
-
--- After a lease ended: a waiting writer goes first; readers only when none waits.
-local function wake_rw()
-  if redis.call('EXISTS', KEYS[3]) == 1 then return end
-  local writers = redis.call('ZCARD', KEYS[4])
-  if writers > 0 then
-    if redis.call('ZCARD', KEYS[1]) == 0 then signal(KEYS[6], writers) end
-    return
-  end
-  local readers = redis.call('ZCARD', KEYS[5])
-  for _ = 1, math.min(readers, 1000) do signal(KEYS[7], readers) end
-end
-""".replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
-)
-
-# ARGV: kind ('read' or 'write'), owner, ttl ms, holder JSON, registration ms.
-# Returns {1, token, ttl ms} when granted (token 0 for a reader); {0, 0, ms until the
-# lease in the way ends, or -3 when a waiting writer is in the way} when not.
-RW_ACQUIRE = (
-    _RW
-    + """
-local writer = purge_rw()
-local kind, owner, ttl, reg = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[5])
-if redis.call('ZSCORE', KEYS[1], owner) then
-  -- A retried request whose first reply was lost: it is ours.
-  redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
-  tidy(KEYS[1], KEYS[2], KEYS[3])
-  keep_fence()
-  if KEYS[9] then redis.call('SADD', KEYS[9], KEYS[2]) end
-  local token = 0
-  if writer == owner then
-    token = tonumber(cjson.decode(redis.call('HGET', KEYS[2], owner)).token)
-  end
-  return {1, token, ttl}
-end
-local remaining = -3
-local granted = false
-if kind == 'read' then
-  if writer then
-    remaining = math.floor(tonumber(redis.call('ZSCORE', KEYS[1], writer)) - now_ms)
-  elseif redis.call('ZCARD', KEYS[4]) == 0 then
-    granted = true
-  end
-else
-  local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  if #first == 0 then
-    granted = true
-  else
-    remaining = math.floor(tonumber(first[2]) - now_ms)
-  end
-end
-if not granted then
-  if reg > 0 then
-    if kind == 'read' then register(KEYS[5], owner, reg) else register(KEYS[4], owner, reg) end
-  end
-  return {0, 0, remaining}
-end
-local token = 0
-if kind == 'write' then
-  token = next_token(KEYS[8])
-  redis.call('SET', KEYS[3], owner)
-  redis.call('ZREM', KEYS[4], owner)
-else
-  redis.call('ZREM', KEYS[5], owner)
-end
-redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
-redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], kind, token, ttl))
-tidy(KEYS[1], KEYS[2], KEYS[3])
-keep_fence()
-if KEYS[9] then redis.call('SADD', KEYS[9], KEYS[2]) end
-return {1, token, ttl}
-"""
-)
-
-# ARGV: kind, owner. Gives back the caller's own live lease of that kind only.
-RW_RELEASE = (
-    _RW
-    + """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[2])
-local writer = purge_rw()
-if not score or tonumber(score) <= now_ms or (ARGV[1] == 'write') ~= (writer == ARGV[2]) then
-  return 0
-end
-redis.call('ZREM', KEYS[1], ARGV[2])
-redis.call('HDEL', KEYS[2], ARGV[2])
-if writer == ARGV[2] then redis.call('DEL', KEYS[3]) end
-tidy(KEYS[1], KEYS[2], KEYS[3])
-keep_fence()  -- down to the leases left: a long released one no longer counts
-wake_rw()
-return 1
-"""
-)
-
-# ARGV: kind, owner, ttl ms.
-RW_EXTEND = (
-    _RW
-    + """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[2])
-local writer = redis.call('GET', KEYS[3])
-if not score or tonumber(score) <= now_ms or (ARGV[1] == 'write') ~= (writer == ARGV[2]) then
-  return 0
-end
-redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[3]), ARGV[2])
-renewed(KEYS[2], ARGV[2], tonumber(ARGV[3]))
-tidy(KEYS[1], KEYS[2], KEYS[3])
-keep_fence()
-return 1
-"""
-)
-
-# ARGV: kind, owner. A waiter gives up: readers it held up may go in now.
-RW_LEAVE = (
-    _RW
-    + """
-if ARGV[1] == 'write' then redis.call('ZREM', KEYS[4], ARGV[2])
-else redis.call('ZREM', KEYS[5], ARGV[2]) end
-purge_rw()
-wake_rw()
-return 1
-"""
-)
-
-# ARGV: owner, or '' for every lease. The write counter moves on in any case, so an
-# evicted writer's token is outdated. Returns how many live leases were evicted.
-RW_FORCE = (
-    _RW
-    + """
-local writer = purge_rw()
-local evicted
-if ARGV[1] == '' then
-  evicted = redis.call('ZCARD', KEYS[1])
-  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
-else
-  evicted = redis.call('ZREM', KEYS[1], ARGV[1])
-  redis.call('HDEL', KEYS[2], ARGV[1])
-  if writer == ARGV[1] then redis.call('DEL', KEYS[3]) end
-  tidy(KEYS[1], KEYS[2], KEYS[3])
-end
-next_token(KEYS[8])
-wake_rw()
-return evicted
-"""
-)
-
-RW_LIST = (
-    _RW
-    + """
-purge_rw()
-return listing(KEYS[1], KEYS[2], redis.call('ZCARD', KEYS[4]) + redis.call('ZCARD', KEYS[5]))
-"""
-)
-
-# KEYS: the listing index's set of permit info hashes. ARGV: some of its members.
-# Drops those whose semaphore or read-write lock has no permit left (keys gone).
-PERMITS_TIDY = """
-local dropped = 0
-for _, info in ipairs(ARGV) do
-  local holders = string.sub(info, 1, -6)
-  if redis.call('EXISTS', info) == 0 and redis.call('EXISTS', holders) == 0 then
-    dropped = dropped + redis.call('SREM', KEYS[1], info)
-  end
-end
-return dropped
-"""
 
 
 class _Script:
@@ -499,7 +125,7 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-class RedisPermits:
+class RedisPermits(RedisLocks):
     """Semaphores and read-write locks for :class:`~distlocks.backends.redis.RedisBackend`,
     on the backend's own client, key layout and error mapping.
 
@@ -509,31 +135,12 @@ class RedisPermits:
     """
 
     if TYPE_CHECKING:
-        alias: str
-        key_prefix: str
-        mode: str
-        listing_index: bool
-        index_permits_key: str
-
-        @property
-        def client(self) -> Any: ...
-
-        @property
-        def wait_chunk(self) -> float: ...
-
-        def all_keys(self, name: str) -> Keys: ...
-
-        def _errors(self, action: str, name: str) -> contextlib.AbstractContextManager[None]: ...
-
+        # RedisListing's walk over the keys, which lists these permits too.
         def _scan_batches(
             self, pattern: str, *, kind: str | None = None
         ) -> Iterator[list[str]]: ...
 
         def _hash_pattern(self) -> str: ...
-
-        def check_permit_kind(self, kind: str) -> None: ...
-
-        def release_quietly(self, name: str, owner: str) -> bool: ...
 
     permit_kinds = frozenset({SEMAPHORE, READ, WRITE})
 
