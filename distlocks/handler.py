@@ -46,7 +46,7 @@ DRIVER_EXTRAS = {
 
 
 def _extra_hint(exc: BaseException) -> str:
-    """"; install it with pip install 'distlocks[...]'" when ``exc`` (or its cause) is a
+    """ "; install it with pip install 'distlocks[...]'" when ``exc`` (or its cause) is a
     missing driver; "" otherwise."""
     seen: BaseException | None = exc
     while seen is not None:
