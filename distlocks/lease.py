@@ -451,6 +451,10 @@ class Lease(BaseLease):
 
     def _release_deferred(self, deferral: transactions.Deferral) -> None:
         """The release asked inside a transaction, now that it has ended."""
+        if self._inherited():
+            # A forked child ending its copy of the transaction: the lock is the
+            # parent's (and its mutex may have been held by a thread at the fork).
+            return
         with self._mutex:
             if self._deferral is not deferral:
                 return  # held again by a new acquisition meanwhile

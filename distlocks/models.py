@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from asgiref.sync import sync_to_async
 from django.db import DatabaseError, connections, models, router, transaction
 from django.db.models.signals import post_save, pre_save
 from django.utils.translation import gettext_lazy as _
@@ -336,6 +337,18 @@ class FencedModel(models.Model):
             return
         self._fenced_update(token, using, kwargs.get("update_fields"), kwargs)
 
+    async def asave(self, *args: Any, fencing_token: Any = None, **kwargs: Any) -> None:
+        """:meth:`save` from async code, ``fencing_token`` included."""
+        await sync_to_async(self.save)(*args, fencing_token=fencing_token, **kwargs)
+
+    async def adelete(
+        self, using: str | None = None, keep_parents: bool = False, *, fencing_token: Any = None
+    ) -> tuple[int, dict[str, int]]:
+        """:meth:`delete` from async code, ``fencing_token`` included."""
+        return await sync_to_async(self.delete)(
+            using=using, keep_parents=keep_parents, fencing_token=fencing_token
+        )
+
     def delete(
         self, using: str | None = None, keep_parents: bool = False, *, fencing_token: Any = None
     ) -> tuple[int, dict[str, int]]:
@@ -434,6 +447,14 @@ class FencedModel(models.Model):
         self, token: int, using: str, update_fields: Any, kwargs: dict[str, Any]
     ) -> None:
         meta = self._meta
+        if update_fields is None and using == self._state.db:
+            # Loaded with only()/defer(): write the loaded fields only, as Django's save
+            # does; loading each deferred one to write it back could revert a change.
+            deferred = self.get_deferred_fields()
+            if deferred:
+                loaded = {f.attname for f in meta.concrete_fields if not f.primary_key} - deferred
+                if loaded:
+                    update_fields = frozenset(loaded)
         if update_fields is not None:
             update_fields = frozenset(update_fields)
             if not update_fields:
@@ -447,9 +468,12 @@ class FencedModel(models.Model):
                     f"The following fields do not exist in this model, are m2m fields, or "
                     f"are non-concrete fields: {', '.join(sorted(unknown))}"
                 )
+        # The concrete model's columns: a proxy has none of its own (Django's save
+        # does the same), and an UPDATE of a proxy would write the token alone.
+        concrete = meta.concrete_model or type(self)
         fields = [
             f
-            for f in meta.local_concrete_fields
+            for f in concrete._meta.local_concrete_fields
             if not f.primary_key
             and f.attname != "fencing_token"
             and not getattr(f, "generated", False)

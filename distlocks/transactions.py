@@ -141,7 +141,19 @@ def _register(deferral: Deferral, conn: BaseDatabaseWrapper) -> None:
     )
     # At interpreter exit the process and its connections end: nothing to do.
     finalizer.atexit = False
-    conn.on_commit(hook)
+    conn.on_commit(hook, robust=True)
+    # First in line: Django stops running commit callbacks at the first one that
+    # raises, and keeps the rest alive with the exception's traceback, so a release
+    # queued behind a failing callback would wait for that exception to be collected.
+    # Ahead of the other callbacks, behind earlier releases (released in order).
+    hooks = conn.run_on_commit
+    if hooks and hooks[-1][1] is hook:
+        entry = hooks.pop()
+        first_other = next(
+            (i for i, queued in enumerate(hooks) if not isinstance(queued[1], _Hook)),
+            len(hooks),
+        )
+        hooks.insert(first_other, entry)
 
 
 def _dropped(

@@ -522,11 +522,14 @@ class SingleExecutionTask(_TaskBase):
             held_attempt = _attempt_of(info.extra)
             if held_attempt is not None and held_attempt < attempt:
                 # Our previous attempt kept the lock through its retry's countdown,
-                # so no copy could take the key: take it over (with a new token).
-                if backend.release(name, info.owner):
+                # so no copy could take the key: take it over (with a new token). Only
+                # a lock it parked (kept, not running): an attempt that retried with
+                # throw=False, or caught its Retry, is still running the body.
+                if info.extra.get("kept") and backend.release(name, info.owner):
                     with _suppress_not_acquired():
                         return run_lock.acquire(timeout=0), False
-                # A copy got in when it was free: handled as a duplicate below.
+                # Still running, or a copy got in when it was free: handled as a
+                # duplicate below (a retried attempt is retried again, never skipped).
             else:
                 # An earlier delivery of this very message holds it: its worker died
                 # (acks_late redelivery) or still runs past the broker's visibility
