@@ -89,8 +89,8 @@ def test_cluster_location_builds_a_cluster_client(topology_alias: str) -> None:
     [
         ("redis+cluster://", "names no host"),
         ("redis+cluster://127.0.0.1:7000/2", "database 0 only"),
-        ("redis+cluster://127.0.0.1:7000,,127.0.0.1:7001", "where host:port belongs"),
-        ("redis+cluster://127.0.0.1:99999", "where host:port belongs"),
+        ("redis+cluster://127.0.0.1:7000,,127.0.0.1:7001", "a node that is not host:port"),
+        ("redis+cluster://127.0.0.1:99999", "a node that is not host:port"),
         ("redis+cluster://127.0.0.1:7000?socket_timeout=soon", "socket_timeout"),
         ("cluster://127.0.0.1:7000", "must start with redis://, rediss:// or unix://"),
     ],

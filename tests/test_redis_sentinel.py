@@ -121,7 +121,7 @@ def test_database_and_sentinel_options_are_applied(
         ("redis+sentinel://127.0.0.1:26379", {}, "must name the service"),
         ("redis+sentinel://127.0.0.1:26379/svc/x", {}, "database 'x' is not a number"),
         ("redis+sentinel://127.0.0.1:26379/svc/0/1", {}, "must name the service"),
-        ("redis+sentinel://:26379/svc", {}, "where host:port belongs"),
+        ("redis+sentinel://:26379/svc", {}, "a node that is not host:port"),
         ("redis+sentinel://127.0.0.1:1/svc", {"sentinel_kwargs": "pw"}, "must be a dict"),
         ("redis://127.0.0.1:1/0", {"sentinel_kwargs": {}}, "only read with a redis+sentinel"),
     ],

@@ -46,7 +46,12 @@ def _node(text: str, default_port: int, location: str) -> tuple[str, int]:
     except ValueError:
         host = port = None
     if not host or "@" in text or parts.path:
-        raise ValueError(f"LOCATION {location!r} has {text!r} where host:port belongs")
+        # Not quoted: a password holding "/" or "?" is cut by the parser into a piece
+        # that lands here.
+        raise ValueError(
+            f"LOCATION {location!r} has a node that is not host:port (percent-encode a "
+            f"password holding '/', '?', '#' or '@')"
+        )
     return host, port or default_port
 
 

@@ -216,6 +216,17 @@ class RedisLocks(RedisCalls):
             return bool(await self._arun("extend", *self._extend_call(name, owner, ttl)))
 
     def force_release(self, name: str, token: int | None = None) -> bool:
+        if token is None:
+            # By the holder's token, read first: the script then does nothing when run
+            # again (a request sent twice after its reply was lost), where "whoever
+            # holds it" would also evict the waiter it had just woken.
+            for _ in range(3):
+                info = self.inspect(name)
+                if info is None:
+                    return False
+                if self.force_release(name, info.fencing_token):
+                    return True
+            return False
         k = self.all_keys(name)
         with self._errors("force-release", name):
             return bool(

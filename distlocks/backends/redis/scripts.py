@@ -145,11 +145,10 @@ if not turn then
   if holder then return {0, 0, redis.call('PTTL', KEYS[1])} end
   return {0, 0, -3}
 end
-if wait_ms > 0 or fair then
-  -- Also on a last attempt made with no time left, so no stale entry stays queued.
-  redis.call('ZREM', KEYS[3], ARGV[1])
-  if fair then redis.call('ZREM', KEYS[4], ARGV[1]) end
-end
+-- Always (a last attempt made with no time left registers nothing, but an earlier
+-- attempt of the same caller may have): no stale registration stays behind.
+redis.call('ZREM', KEYS[3], ARGV[1])
+if fair then redis.call('ZREM', KEYS[4], ARGV[1]) end
 local token = next_token(KEYS[2], now, now_ms + tonumber(ARGV[2]))
 redis.call('HSET', KEYS[1],
   'owner', ARGV[1], 'token', token, 'name', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5],
