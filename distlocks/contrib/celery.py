@@ -296,18 +296,21 @@ class SingleExecutionTask(_TaskBase):
         """
         bound = self._bind(tuple(args or ()), dict(kwargs or {}))
         key = self._single.key
+        # As the message carries them (tuples become lists, dict keys strings), so the
+        # publisher and the worker make the same name whatever the serializer.
+        arguments = {} if key is None else {p: _as_sent(v) for p, v in bound.arguments.items()}
         if key is None:
             name = _default_name(self.name, bound.arguments)
         elif isinstance(key, str):
             try:
-                name = key.format_map(bound.arguments)
+                name = key.format_map(arguments)
             except (KeyError, AttributeError, IndexError) as exc:
                 raise ValueError(
                     f"The key template {key!r} of task {self.name!r} does not fit its "
                     f"arguments ({', '.join(bound.arguments) or 'none'}): {exc!r}."
                 ) from exc
         else:
-            name = key(**bound.arguments)
+            name = key(**arguments)
             if not isinstance(name, str):
                 raise TypeError(
                     f"The key callable of task {self.name!r} returned "
@@ -345,7 +348,7 @@ class SingleExecutionTask(_TaskBase):
     def _holder_task_id(self, backend: BaseBackend, name: str) -> str | None:
         """The Celery task id recorded by the holder of ``name`` (None: free or unknown)."""
         info = backend.inspect(name)
-        if info is None:
+        if info is None or info.extra.get("celery_eager"):
             return None
         return str(info.extra.get("celery_task_id") or "") or None
 
@@ -460,14 +463,25 @@ class SingleExecutionTask(_TaskBase):
         if task_id:
             extra["celery_task_id"] = task_id
             extra["celery_attempt"] = str(attempt)
+            if request.is_eager and not self.app.conf.task_store_eager_result:
+                # Run by apply(): no result is stored under this id, so a duplicate
+                # call must not be handed it (it would wait on PENDING for ever).
+                extra["celery_eager"] = "1"
         # Locks taken inside the task record it too (the admin page shows it).
         scope = holder_extra.set({**holder_extra.get(), **extra})
         try:
             single = self._single
             marker: Lease | None = None
-            if single.unique_while == "queued_or_running" and task_id:
+            if (
+                single.unique_while == "queued_or_running"
+                and task_id
+                and "celery_eager" not in extra
+            ):
                 # Take the marker over first (its owner is this task id): through a
                 # redelivery's wait for a dead worker's lease, the key stays covered.
+                # Not for a run by apply() whose result is not stored: a duplicate call
+                # is then published (and meets the run lock), never handed an id that
+                # would stay PENDING.
                 marker = self._hold_marker(name, task_id)
             try:
                 lease, redelivered = self._take_run_lock(name, task_id, attempt)
@@ -798,6 +812,19 @@ def _publish_delay(options: Mapping[str, Any]) -> float:
     return max(0.0, float(countdown)) if countdown else 0.0
 
 
+def _as_sent(value: Any) -> Any:
+    """``value`` with the shapes a JSON message gives it: tuples as lists, dict keys as
+    strings (as JSON writes them); anything else as it is."""
+    if isinstance(value, list | tuple):
+        return [_as_sent(item) for item in value]
+    if isinstance(value, dict):
+        return {
+            (key if isinstance(key, str) else json.dumps(key, default=str)): _as_sent(item)
+            for key, item in value.items()
+        }
+    return value
+
+
 def _default_name(task_name: str, arguments: Mapping[str, Any]) -> str:
     """``celery:<task name>:<digest>``: readable, stable, and short enough."""
     encoded = json.dumps(
@@ -806,8 +833,12 @@ def _default_name(task_name: str, arguments: Mapping[str, Any]) -> str:
         separators=(",", ":"),
         allow_nan=False,
     )
+    room = MAX_NAME_LENGTH - len(KEY_PREFIX) - _DIGEST_LENGTH - 1
+    if len(task_name) > room:
+        # The name is cut short in the key: the digest covers it whole, so two tasks
+        # whose long names share a beginning never share a lock.
+        encoded = f"{task_name}\x00{encoded}"
     digest = hashlib.sha256(encoded.encode()).hexdigest()[:_DIGEST_LENGTH]
-    room = MAX_NAME_LENGTH - len(KEY_PREFIX) - len(digest) - 1
     return f"{KEY_PREFIX}{task_name[:room]}:{digest}"
 
 
