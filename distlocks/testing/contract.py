@@ -1,5 +1,9 @@
 """The backend contract suite, for third-party backends.
 
+(One module of about 770 lines on purpose: a third party imports one class, and reads the
+whole contract it is held to in one place, test by test, as it reads
+``docs/writing-a-backend.md``.)
+
 Every distlocks backend keeps the same promises (see docs/writing-a-backend.md). This
 module ships them as a test class to subclass in your own test suite, pointed at your
 backend::
