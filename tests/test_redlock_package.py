@@ -5,48 +5,14 @@ short enough to read whole, and the Lua scripts module does no I/O."""
 from __future__ import annotations
 
 import ast
-import re
-from pathlib import Path
 
 import pytest
 
 from distlocks.backends import redlock
+from tests.package_layout import module_files, module_lines, names_taken, package_dir
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "distlocks" / "backends" / "redlock"
-SOURCES = ("distlocks", "tests", "bench", "demo_project", "docs")
+PACKAGE = package_dir("redlock")
 MODULE = "distlocks.backends.redlock"
-
-
-def _python_files() -> list[Path]:
-    return [
-        path
-        for top in SOURCES
-        for path in sorted((ROOT / top).rglob("*.py"))
-        if "__pycache__" not in path.parts
-    ]
-
-
-def _names_used(tree: ast.AST) -> set[str]:
-    """Names taken from the package: ``from distlocks.backends.redlock import X``, and
-    ``A.X`` where ``A`` is the package imported from ``distlocks.backends``."""
-    names: set[str] = set()
-    aliases: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == MODULE:
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module == "distlocks.backends":
-            aliases.update(
-                alias.asname or alias.name for alias in node.names if alias.name == "redlock"
-            )
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Name)
-            and node.value.id in aliases
-        ):
-            names.add(node.attr)
-    return names
 
 
 def test_the_backend_is_a_package() -> None:
@@ -55,29 +21,16 @@ def test_the_backend_is_a_package() -> None:
 
 
 def test_every_name_imported_from_the_package_is_exported() -> None:
-    used: dict[str, list[str]] = {}
-    for path in _python_files():
-        if PACKAGE in path.parents:
-            continue  # the package's own modules import from their siblings
-        try:
-            tree = ast.parse(path.read_text(), str(path))
-        except SyntaxError:
-            continue  # a file being written, or broken: its own tests say so
-        for name in _names_used(tree):
-            used.setdefault(name, []).append(str(path.relative_to(ROOT)))
-    texts = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-    for path in [p for p in texts if p.is_file()]:
-        for name in re.findall(r"distlocks\.backends\.redlock\.(\w+)", path.read_text()):
-            used.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    used = names_taken(PACKAGE, "redlock")
     # The names the tests take today are among them: the search itself works.
     assert {"RedlockBackend", "quorum", "_SCRIPTS", "CONFIRM", "GIVE_BACK"} <= set(used)
     missing = {name: where for name, where in used.items() if not hasattr(redlock, name)}
     assert not missing, f"not importable from {MODULE}: {missing}"
 
 
-@pytest.mark.parametrize("module", sorted(p.name for p in PACKAGE.glob("*.py")))
+@pytest.mark.parametrize("module", module_files(PACKAGE))
 def test_each_module_is_short(module: str) -> None:
-    lines = (PACKAGE / module).read_text().count("\n")
+    lines = module_lines(PACKAGE, module)
     assert lines <= 600, f"{module}: {lines} lines; split it by concern"
 
 
