@@ -499,9 +499,10 @@ class FencedModel(models.Model):
             stored = manager.filter(pk=self.pk).values_list("fencing_token", flat=True).first()
             for attname, value in before.items():
                 setattr(self, attname, value)
-            if stored is None and not self._state.adding:
-                # Loaded from the database, and deleted since (by a newer holder, or
-                # by anyone): inserting it again would undo that delete.
+            if stored is None and not self._state.adding and using == self._state.db:
+                # Loaded from this database, and deleted since (by a newer holder, or
+                # by anyone): inserting it again would undo that delete. Saved to
+                # another database, it is copied there, as Django's save does.
                 signals.fencing_rejected.send(
                     sender=origin, model=origin, pk=self.pk, offered=token, stored=None
                 )
