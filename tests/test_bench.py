@@ -196,7 +196,12 @@ def test_json_has_the_expected_structure(smoke_run: tuple[str, Path]) -> None:
         held = report["workloads"]["renewal"]["results"][impl]["ops"]
         assert held == details["leases"] - details["lost"]
     assert all(isinstance(target["met"], bool) for target in targets.values())
-    assert {"pg-durable-cycle-vs-floor", "admin-100k-cold"} <= set(targets)
+    assert {
+        "pg-durable-cycle-vs-floor",
+        "pg-cycle-vs-peers",
+        "pg-durable-cycle-vs-peers",
+        "admin-100k-cold",
+    } <= set(targets)
     # The second server really ran with production settings, and distlocks ran on it
     # both with its default synchronous_commit=off and with "on".
     durable = report["workloads"]["pg-cycle-durable"]
