@@ -180,6 +180,10 @@ def test_a_permit_kind_not_served_is_refused_like_a_missing_capability() -> None
         backend.check_permit_kind("rwlock")
     with pytest.raises(ValueError, match="Unknown permit kind"):
         require(backend, Permits, "mutex")
+    with pytest.raises(ValueError, match="not a backend capability"):
+        require(backend, MinimalSQLiteBackend)
+    with pytest.raises(ValueError, match="nothing is missing"):
+        not_supported(_backend_with(frozenset({Listing})), Listing)
 
 
 # -- the minimal backend at work -----------------------------------------------------------

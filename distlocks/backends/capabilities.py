@@ -301,13 +301,15 @@ def not_supported(backend: BaseBackend, capability: type, kind: str | None = Non
     """The error (to raise) for ``backend`` lacking ``capability`` (for :class:`Permits`,
     or the permit ``kind`` it asked for): which backend, what it lacks, what to use
     instead. The one wording of every "not supported" answer."""
+    _check_capability(capability)
     which = f"Backend {backend.alias!r} ({type(backend).__name__})"
     if not isinstance(backend, capability):
         how = f"it does not declare the {capability.__name__} capability"
-    elif isinstance(backend, Permits) and backend.permit_kinds:
-        how = f"it serves {', '.join(sorted(backend.permit_kinds))} permits only"
+    elif isinstance(backend, Permits) and capability is Permits:
+        kinds = ", ".join(sorted(backend.permit_kinds))
+        how = f"it serves {kinds} permits only" if kinds else "it serves none as configured"
     else:
-        how = "it serves no permits as configured"
+        raise ValueError(f"{which} declares {capability.__name__}: nothing is missing.")
     if capability is Permits:
         what = _PLURALS[permit_family(kind or SEMAPHORE)]
         return NotSupported(
@@ -327,10 +329,15 @@ def not_supported(backend: BaseBackend, capability: type, kind: str | None = Non
             f"correct, only slower to see a release. For wake-ups, use a backend that "
             f"has them ({_WHO_HAS[Waiting]}): pass backend=<its alias>."
         )
-    raise ValueError(
-        f"{capability!r} is not a backend capability; use one of "
-        f"{', '.join(c.__name__ for c in CAPABILITIES)}."
-    )
+    raise AssertionError(capability)  # _check_capability() let through no other
+
+
+def _check_capability(capability: object) -> None:
+    if capability not in CAPABILITIES:
+        raise ValueError(
+            f"{capability!r} is not a backend capability; use one of "
+            f"{', '.join(c.__name__ for c in CAPABILITIES)}."
+        )
 
 
 # ``capability`` is typed as a callable returning C, not ``type[C]``: mypy refuses an
@@ -339,15 +346,12 @@ def require(backend: BaseBackend, capability: Callable[..., C], kind: str | None
     """``backend`` as ``capability`` if it declares it (and, for :class:`Permits` with a
     ``kind``, serves that kind); else the one clear answer of :func:`not_supported`,
     raised as :class:`NotSupported` (an ``ImproperlyConfigured``)."""
-    if capability not in CAPABILITIES:
-        raise ValueError(
-            f"{capability!r} is not a backend capability; use one of "
-            f"{', '.join(c.__name__ for c in CAPABILITIES)}."
-        )
-    if not isinstance(backend, capability):
+    _check_capability(capability)
+    declared = cast(type, capability)
+    if not isinstance(backend, declared):
         if kind is not None:
             permit_family(kind)  # an unknown kind is a ValueError, not "unsupported"
-        raise not_supported(backend, capability, kind)
+        raise not_supported(backend, declared, kind)
     if kind is not None and isinstance(backend, Permits):
         backend.check_permit_kind(kind)
     return cast(C, backend)
