@@ -28,7 +28,8 @@ from types import MappingProxyType, TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from distlocks import fencing, reentrancy, signals, transactions
-from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LeaseServer
+from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LeaseServer, WaitServer
+from distlocks.backends.capabilities import waiting_side
 from distlocks.conf import conf
 from distlocks.exceptions import LockError, LockLost, LockNotAcquired
 from distlocks.handler import backends, check_alias
@@ -87,7 +88,7 @@ class _Attempt:
     # One per acquisition: slots make it cheaper to build.
     __slots__ = (
         "backend", "began", "deadline", "fair", "holder", "interval", "name", "options",
-        "owner", "registered", "timeout", "ttl",
+        "owner", "registered", "timeout", "ttl", "waits",
     )  # fmt: skip
 
     def __init__(
@@ -104,6 +105,9 @@ class _Attempt:
         #: When the acquisition began (monotonic), for the wait time the signals report.
         self.began = time.monotonic()
         self.backend = backend
+        # What to wait on between attempts: the backend, or polling where it cannot wake
+        # waiters (it does not declare the Waiting capability).
+        self.waits = waiting_side(backend)
         self.name = name
         self.ttl = ttl
         self.timeout = timeout
@@ -136,7 +140,7 @@ class _Attempt:
         now = time.monotonic()
         if self.deadline is not None and now >= self.deadline:
             raise LockNotAcquired(self.name, self.backend.alias, self.timeout)
-        if self.backend.wakes_on_release:
+        if self.waits.wakes_on_release:
             # The release wakes us; the timer only covers a holder that dies
             # without releasing (its lease runs out) and lost wake-ups.
             wait = 3600.0
@@ -259,7 +263,7 @@ def acquire_lease(
                     name, owner, ttl, holder, seconds, wait=attempt.budget(), fair=fair
                 )
             if again is None:
-                backend.wait(name, seconds, owner=owner, fair=fair)
+                attempt.waits.wait(name, seconds, owner=owner, fair=fair)
                 started = time.monotonic()
                 again = backend.acquire(name, owner, ttl, holder, wait=attempt.budget(), fair=fair)
             result = again
@@ -268,7 +272,7 @@ def acquire_lease(
         raise
     finally:
         if attempt.registered:
-            _leave_quietly(backend, name, owner)
+            _leave_quietly(attempt.waits, name, owner)
     lease = Lease(**attempt.lease_kwargs(result, started))
     due = lease._renewal_due()
     if due is not None:
@@ -301,7 +305,7 @@ def _not_acquired(attempt: _Attempt, error: LockError) -> None:
     )
 
 
-def _leave_quietly(backend: LeaseServer, name: str, owner: str) -> None:
+def _leave_quietly(backend: WaitServer, name: str, owner: str) -> None:
     try:
         backend.leave_queue(name, owner)
     except Exception as exc:
@@ -337,7 +341,7 @@ async def aacquire_lease(
                     name, owner, ttl, holder, seconds, wait=attempt.budget(), fair=fair
                 )
             if again is None:
-                await backend.await_release(name, seconds, owner=owner, fair=fair)
+                await attempt.waits.await_release(name, seconds, owner=owner, fair=fair)
                 started = time.monotonic()
                 again = await backend.aacquire(
                     name, owner, ttl, holder, wait=attempt.budget(), fair=fair
@@ -349,7 +353,7 @@ async def aacquire_lease(
     finally:
         if attempt.registered:
             try:
-                await backend.aleave_queue(name, owner)
+                await attempt.waits.aleave_queue(name, owner)
             except Exception as exc:
                 log_expected(logger, exc, "Could not leave the wait queue of %r", name)
     lease = AsyncLease(**attempt.lease_kwargs(result, started))

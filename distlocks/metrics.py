@@ -29,6 +29,10 @@ the result or outcome, and the model of a rejected fenced write.
 ``distlocks_renewal_turns``                renewal turns taken (one lease or a batch),
                                            by ``backend``
 ========================================== ======================================
+
+A backend that cannot list its locks (it does not declare the ``Listing`` capability)
+has no ``distlocks_live_locks``, ``distlocks_oldest_lock_age_seconds`` or
+``distlocks_backend_up`` series: it is not down, it cannot be counted.
 """
 
 from __future__ import annotations
@@ -102,6 +106,8 @@ class LiveLocksCollector(Collector):
         # any number of locks, in memory that does not grow with them.
         counted = livelocks.tally()
         for alias in counted.aliases:
+            if alias in counted.unlisted:
+                continue  # it cannot list its locks: no numbers, and it is not down
             healthy = alias not in counted.errors
             up.add_metric([alias], 1.0 if healthy else 0.0)
             if not healthy:

@@ -39,6 +39,7 @@ from distlocks.backends.base import (
     Holder,
     LockInfo,
 )
+from distlocks.backends.capabilities import Permits, require
 from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import backends, check_alias
 from distlocks.lease import AsyncLease, Lease
@@ -77,12 +78,11 @@ class PermitServer:
     """
 
     def __init__(self, backend: BaseBackend, kind: str, limit: int = 1) -> None:
-        backend.check_permit_kind(kind)
-        self.backend = backend
+        self.backend: Permits = require(backend, Permits, kind)
         self.kind = kind
         self.limit = limit
         self.alias = backend.alias
-        self.wakes_on_release = backend.permit_wakes_on_release(kind)
+        self.wakes_on_release = self.backend.permit_wakes_on_release(kind)
         self.expires_on_server = backend.expires_on_server
 
     def __repr__(self) -> str:
@@ -198,7 +198,7 @@ class _PermitBase(_LockBase):
         self.kind = kind
         self.limit = validate_limit(limit) if kind == SEMAPHORE else 1
         # A backend without this primitive is a configuration error: say so at the call.
-        self.backend.check_permit_kind(kind)
+        require(self.backend, Permits, kind)
 
     def __repr__(self) -> str:
         limit = f" limit={self.limit}" if self.kind == SEMAPHORE else ""
@@ -232,7 +232,7 @@ class _PermitBase(_LockBase):
 
     def holders(self) -> list[LockInfo]:
         """The live permits of this semaphore or read-write lock, from the server."""
-        return self.backend.permit_holders(self.kind, self.name)
+        return require(self.backend, Permits, self.kind).permit_holders(self.kind, self.name)
 
 
 class PermitLock(_PermitBase, Lock):
@@ -348,7 +348,7 @@ class _RWLockBase(Generic[S]):
         self.name = validate_name(name)
         check_alias(backend)
         self.backend_alias = backend
-        self.backend.check_permit_kind(READ)
+        require(self.backend, Permits, READ)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} backend={self.backend_alias!r}>"
@@ -391,11 +391,11 @@ class _RWLockBase(Generic[S]):
 
     def holders(self) -> list[LockInfo]:
         """The live read and write leases, from the server (``extra["kind"]`` says which)."""
-        return self.backend.permit_holders(RWLOCK, self.name)
+        return require(self.backend, Permits, RWLOCK).permit_holders(RWLOCK, self.name)
 
     def fencing_counter(self) -> int:
         """The last write token issued for this read-write lock (0 if none yet)."""
-        return self.backend.permit_counter(self.name)
+        return require(self.backend, Permits, WRITE).permit_counter(self.name)
 
 
 class RWLock(_RWLockBase[PermitLock]):

@@ -1,7 +1,8 @@
-"""The backend kit (distlocks.testing.contract) run against a backend outside the package
-(tests/thirdparty/sqlite_locks.py) and against built-in ones (LocMem, Redis): the same
-contract for all. Broken variants of the third-party backend show the kit catches what
-it claims to."""
+"""The backend kit (distlocks.testing.contract) run against backends outside the package
+(tests/thirdparty/sqlite_locks.py: one with the required methods only, one that also
+lists) and against built-in ones (LocMem, Redis, PostgreSQL): the same contract for all.
+Broken variants of the third-party backend show the kit catches what it claims to, and a
+backend that declares no capability shows that each skip names the one it lacks."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from distlocks import get_backend
 from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
 from distlocks.handler import backends
 from distlocks.testing.contract import BackendContract
-from tests.thirdparty.sqlite_locks import SQLiteLockBackend
+from tests.thirdparty.sqlite_locks import MinimalSQLiteBackend, SQLiteLockBackend
 
 SQLITE = "tests.thirdparty.sqlite_locks.SQLiteLockBackend"
+MINIMAL = "tests.thirdparty.sqlite_locks.MinimalSQLiteBackend"
 
 
 class TestSQLiteBackend(BackendContract):
@@ -34,6 +36,16 @@ class TestSQLiteBackend(BackendContract):
     @pytest.fixture
     def contract_config(self, tmp_path: Path) -> Mapping[str, Any]:
         return {"BACKEND": SQLITE, "LOCATION": str(tmp_path / "locks.sqlite3")}
+
+
+class TestMinimalSQLiteBackend(BackendContract):
+    """The narrow contract: the required methods only, no capability declared."""
+
+    unreachable_config = {"BACKEND": MINIMAL, "LOCATION": "/nonexistent-dir/x/locks.sqlite3"}
+
+    @pytest.fixture
+    def contract_config(self, tmp_path: Path) -> Mapping[str, Any]:
+        return {"BACKEND": MINIMAL, "LOCATION": str(tmp_path / "locks.sqlite3")}
 
 
 class TestLocMemBackend(BackendContract):
@@ -260,3 +272,32 @@ def test_the_kit_passes_the_unbroken_backend_through_the_same_harness(tmp_path: 
     with configured(SQLiteLockBackend, tmp_path) as alias:
         for _, kit_test in MUTANTS:
             kit_test(TestSQLiteBackend(), alias)
+
+
+# -- the kit tests only what a backend declares ---------------------------------------------
+
+UNDECLARED = [
+    ("Listing", _with_backend(K.test_inspect_and_iter_locks_agree_with_what_is_held)),
+    ("Waiting", _with_backend(K.test_a_waiter_is_woken_by_the_release)),
+    (
+        "Permits",
+        lambda kit, alias: kit.test_semaphore_admits_up_to_its_limit(
+            alias, get_backend(alias), f"kit:{uuid.uuid4().hex}"
+        ),
+    ),
+    (
+        "Permits",
+        lambda kit, alias: kit.test_rwlock_shares_reads_and_fences_writes(
+            alias, get_backend(alias), f"kit:{uuid.uuid4().hex}"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(("capability", "kit_test"), UNDECLARED, ids=[c for c, _ in UNDECLARED])
+def test_each_skip_names_the_capability_not_declared(
+    capability: str, kit_test: Callable[[BackendContract, str], None], tmp_path: Path
+) -> None:
+    with configured(MinimalSQLiteBackend, tmp_path) as alias:
+        with pytest.raises(pytest.skip.Exception, match=rf"does not declare the {capability} "):
+            kit_test(TestMinimalSQLiteBackend(), alias)

@@ -18,6 +18,7 @@ from django.urls import URLPattern, path, reverse
 from django.utils.translation import gettext_lazy as _
 
 from distlocks import audit, livelocks
+from distlocks.backends.capabilities import NotSupported, Permits, require
 from distlocks.models import LiveLock
 from distlocks.redaction import escape_control
 from distlocks.validation import validate_name
@@ -175,6 +176,9 @@ class LiveLockAdmin(admin.ModelAdmin):
         alias, name, kind, owner = ref
         try:
             item = livelocks.inspect(alias, name, kind, owner)
+        except NotSupported as exc:  # a permit on a backend without them: the one answer
+            self.message_user(request, escape_control(str(exc)), messages.ERROR)
+            return None, HttpResponseRedirect(self._list_url(_filters_of(request)))
         except Exception as exc:  # any backend failure is a message, never a 500
             logger.warning("Could not inspect %r on backend %r", name, alias, exc_info=True)
             self.message_user(
@@ -355,7 +359,7 @@ class LiveLockAdmin(admin.ModelAdmin):
             elif kind == livelocks.SEMAPHORE:
                 counter = None  # a semaphore issues no tokens
             else:
-                counter = backend.permit_counter(name)
+                counter = require(backend, Permits, kind).permit_counter(name)
         except Exception:
             counter = None
         info = item.info
@@ -388,7 +392,7 @@ class LiveLockAdmin(admin.ModelAdmin):
         if kind != livelocks.LOCK:
             # The other holders of the same semaphore or read-write lock.
             try:
-                holders = backend.permit_holders(kind, name)
+                holders = require(backend, Permits, kind).permit_holders(kind, name)
             except Exception:
                 logger.debug("Could not list the holders of %r", name, exc_info=True)
                 holders = []

@@ -5,15 +5,12 @@ lease bookkeeping (deadlines, loss detection, signals) lives in
 :mod:`distlocks.lease`; a backend only has to make each operation below one
 atomic step on its server.
 
-Why this is one module of over 600 lines (issue 28's size rule): it is the whole
-contract, read in one place by whoever writes a backend (the backends guide points
-at ``distlocks.backends.base``): the data a backend returns (:class:`Holder`,
-:class:`AcquireResult`, :class:`LockInfo`), the :class:`LeaseServer` protocol the
-leases call, and :class:`BaseBackend` with its required operations, its optional
-hooks and their defaults, the give-back of acquisitions abandoned by a timeout,
-and the permit operations of semaphores and read-write locks. Split, an author
-would assemble the contract from several files; most of the length is the
-docstrings that say what each operation must guarantee.
+This module holds what every backend has: the data a backend returns
+(:class:`Holder`, :class:`AcquireResult`, :class:`LockInfo`), the protocols the
+leases and the waiting loop call on, and :class:`BaseBackend` with its required
+operations and its optional hooks. What only some backends have (listing their
+locks, waking waiters, semaphores and read-write locks) is a capability a backend
+declares by inheriting it, in :mod:`distlocks.backends.capabilities`.
 """
 
 from __future__ import annotations
@@ -23,17 +20,16 @@ import concurrent.futures
 import datetime as dt
 import difflib
 import functools
+import importlib
 import json
 import logging
 import threading
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from django.core.checks import CheckMessage, Error
-from django.core.exceptions import ImproperlyConfigured
 
 from distlocks.exceptions import LockError
 from distlocks.logs import log_expected
@@ -50,7 +46,6 @@ WRITE = "write"
 #: Both sides of a read-write lock, where holders are listed or evicted together.
 RWLOCK = "rwlock"
 _FAMILIES = {SEMAPHORE: SEMAPHORE, READ: RWLOCK, WRITE: RWLOCK, RWLOCK: RWLOCK}
-_PLURALS = {SEMAPHORE: "semaphores", RWLOCK: "read-write locks"}
 
 
 def permit_family(kind: str) -> str:
@@ -156,9 +151,6 @@ class LeaseServer(Protocol):
     def alias(self) -> str: ...
 
     @property
-    def wakes_on_release(self) -> bool: ...
-
-    @property
     def expires_on_server(self) -> bool: ...
 
     def acquire(
@@ -174,10 +166,6 @@ class LeaseServer(Protocol):
 
     def local_lease(self, ttl: float) -> float: ...
 
-    def wait(self, name: str, timeout: float, *, owner: str = ..., fair: bool = ...) -> None: ...
-
-    def leave_queue(self, name: str, owner: str) -> None: ...
-
     async def aacquire(
         self, name: str, owner: str, ttl: float, holder: Holder, *, wait: float = ...,
         fair: bool = ...,
@@ -188,6 +176,20 @@ class LeaseServer(Protocol):
     async def arelease_quietly(self, name: str, owner: str) -> bool: ...
 
     async def aextend(self, name: str, owner: str, ttl: float) -> bool: ...
+
+
+class WaitServer(Protocol):
+    """What the acquisition loop waits on between two attempts: a backend that declares
+    :class:`~distlocks.backends.capabilities.Waiting`, a permit view, or, for a backend
+    without it, :data:`~distlocks.backends.capabilities.POLLING` (see
+    :func:`~distlocks.backends.capabilities.waiting_side`)."""
+
+    @property
+    def wakes_on_release(self) -> bool: ...
+
+    def wait(self, name: str, timeout: float, *, owner: str = ..., fair: bool = ...) -> None: ...
+
+    def leave_queue(self, name: str, owner: str) -> None: ...
 
     async def await_release(
         self, name: str, timeout: float, *, owner: str = ..., fair: bool = ...
@@ -210,10 +212,12 @@ def unknown_options(backend: str, options: Mapping[Any, Any], known: frozenset[s
 
 
 class BaseBackend(ABC):
-    """Base class of lock backends.
+    """Base class of lock backends: the operations every backend must have.
 
     Subclasses are created by :mod:`distlocks.handler` from one entry of
-    ``DISTLOCKS_BACKENDS``; ``config`` is that entry as written in settings.
+    ``DISTLOCKS_BACKENDS``; ``config`` is that entry as written in settings. A backend
+    that can do more declares it by also inheriting a capability of
+    :mod:`distlocks.backends.capabilities` (``Listing``, ``Waiting``, ``Permits``).
     """
 
     #: False when every call returns at once (an in-process backend): the async
@@ -224,6 +228,28 @@ class BaseBackend(ABC):
     #: The ``OPTIONS`` keys this backend reads; any other key is refused (a misspelt
     #: option must not be silently ignored). None: the backend checks them itself.
     option_keys: ClassVar[frozenset[str] | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a class that writes a capability's methods without declaring the
+        capability: nothing would ever call them (the live-locks page would say it
+        cannot list, waiters would poll), and nobody would be told why."""
+        super().__init_subclass__(**kwargs)
+        # Imported here: the capabilities are subclasses of this class. While that
+        # module is still being made (defining the capabilities themselves), it has no
+        # CAPABILITIES yet and nothing is checked.
+        module = importlib.import_module("distlocks.backends.capabilities")
+        for capability in getattr(module, "CAPABILITIES", ()):
+            if issubclass(cls, capability):
+                continue
+            written = sorted(set(vars(cls)) & capability.methods)
+            if written:
+                raise TypeError(
+                    f"{cls.__qualname__} defines {'(), '.join(written)}() but does not "
+                    f"declare the {capability.__name__} capability, so nothing would call "
+                    f"{'them' if len(written) > 1 else 'it'}: add "
+                    f"distlocks.backends.capabilities.{capability.__name__} to its bases "
+                    f"(class {cls.__name__}({capability.__name__}, ...))."
+                )
 
     def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
         self.alias = alias
@@ -247,8 +273,6 @@ class BaseBackend(ABC):
             problems.extend(unknown_options(cls.__name__, options, cls.option_keys))
         return problems
 
-    #: True when :meth:`wait` returns as soon as the lock is released (no polling).
-    wakes_on_release: ClassVar[bool] = False
     #: True when the server frees a lock whose lease ran out (False: held until
     #: released or until the holder's connection ends).
     expires_on_server: ClassVar[bool] = True
@@ -330,10 +354,6 @@ class BaseBackend(ABC):
         """Describe the current holder of ``name``, or None when it is free."""
 
     @abstractmethod
-    def iter_locks(self) -> Iterator[LockInfo]:
-        """Yield every live lock on this backend."""
-
-    @abstractmethod
     def force_release(self, name: str, token: int | None = None) -> bool:
         """Evict the holder of ``name`` and advance its fencing counter, so its fenced
         writes are rejected, in one server-side step. With ``token``, only if the holder's
@@ -343,17 +363,6 @@ class BaseBackend(ABC):
     @abstractmethod
     def fencing_counter(self, name: str) -> int:
         """The last fencing token issued for ``name`` (0 if none yet)."""
-
-    def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
-        """Block up to ``timeout`` seconds, or less when ``name`` may have been freed.
-
-        The default sleeps; backends with ``wakes_on_release`` return at the release.
-        """
-        time.sleep(max(0.0, timeout))
-
-    def leave_queue(self, name: str, owner: str) -> None:  # noqa: B027 - optional hook
-        """``owner`` stopped waiting for ``name`` (timeout or error): forget it, so it
-        does not hold up the waiters behind it."""
 
     # -- asyncio ---------------------------------------------------------------
     # Defaults run the blocking methods in worker threads of the backend's own: one
@@ -442,15 +451,12 @@ class BaseBackend(ABC):
     def _give_back_lock(
         self, name: str, owner: str, wait: float, result: AcquireResult | None
     ) -> None:
-        """Undo a cancelled :meth:`aacquire` whose thread went on: release the lock
-        it took, then leave the wait queue it may have joined (after the acquisition
-        has finished, so the registration cannot come back behind the leave)."""
+        """Undo a cancelled :meth:`aacquire` whose thread went on: release the lock it
+        took (a backend with ``Waiting`` then also leaves the wait queue it joined)."""
         if result is not None and result.acquired:
             logger.debug("Releasing lock %r of owner %r on backend %r: its acquirer "
                          "was cancelled", name, owner, self.alias)  # fmt: skip
             self.release_quietly(name, owner)
-        if wait > 0:
-            self.leave_queue(name, owner)
 
     async def aacquire(
         self,
@@ -477,16 +483,6 @@ class BaseBackend(ABC):
         """Async :meth:`extend`."""
         return await self._in_thread(False, self.extend, name, owner, ttl)
 
-    async def await_release(
-        self, name: str, timeout: float, *, owner: str = "", fair: bool = False
-    ) -> None:
-        """Async :meth:`wait`."""
-        await self._in_thread(True, self.wait, name, timeout, owner=owner, fair=fair)
-
-    async def aleave_queue(self, name: str, owner: str) -> None:
-        """Async :meth:`leave_queue`."""
-        await self._in_thread(False, self.leave_queue, name, owner)
-
     def release_quietly(self, name: str, owner: str) -> bool:
         """:meth:`release` for clean-up paths: a failure is logged, never raised."""
         try:
@@ -506,166 +502,8 @@ class BaseBackend(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release client resources (connection pools); the backend is not used again."""
 
-    # -- semaphores and read-write locks ------------------------------------------
-    # Optional: the defaults say clearly that this backend has none. A backend that
-    # has them lists the kinds in ``permit_kinds`` and overrides every method below
-    # (``permit_wait``/``permit_leave`` only if it can wake waiters). Permits of one
-    # name are apart from the plain lock of that name and from the other primitive.
-
-    #: The permit kinds (``"semaphore"``, ``"read"``, ``"write"``) this backend serves.
-    permit_kinds: frozenset[str] = frozenset()
-
-    def unsupported(self, kind: str) -> ImproperlyConfigured:
-        """The error for a permit kind this backend does not serve (to raise)."""
-        what = _PLURALS[permit_family(kind)]
-        return ImproperlyConfigured(
-            f"Backend {self.alias!r} ({type(self).__name__}) does not support {what}. "
-            f"Use a backend that does (Redis, PostgreSQL in session mode, ZooKeeper, or "
-            f"LocMem in tests) for them: pass backend=<its alias>."
-        )
-
-    def check_permit_kind(self, kind: str) -> None:
-        """Raise :meth:`unsupported` unless this backend serves ``kind`` (a read-write
-        lock as a whole, ``"rwlock"``, is served when its read side is)."""
-        if (READ if kind == RWLOCK else kind) not in self.permit_kinds:
-            raise self.unsupported(kind)
-
-    def permit_acquire(
-        self,
-        kind: str,
-        name: str,
-        owner: str,
-        ttl: float,
-        holder: Holder,
-        *,
-        limit: int = 1,
-        wait: float = 0.0,
-    ) -> AcquireResult:
-        """Take a permit of ``kind`` on ``name`` for ``owner`` in one atomic step, if
-        there is room: fewer than ``limit`` live semaphore permits; no writer holding
-        or waiting, for a reader; nobody holding, for a writer (which gets a fencing
-        token above every earlier write token of ``name``; other permits get 0).
-
-        Acquiring again with the same ``owner`` returns the same permit (retry-safe).
-        ``wait`` > 0 says the caller will wait up to that long (a waiting writer holds
-        up new readers while it is registered). When refused, ``remaining`` says when
-        the permit that blocks it ends at the latest (None: unknown)."""
-        raise self.unsupported(kind)
-
-    def permit_release(self, kind: str, name: str, owner: str) -> bool:
-        """Give back ``owner``'s permit only; True if this call gave it back."""
-        raise self.unsupported(kind)
-
-    def permit_extend(self, kind: str, name: str, owner: str, ttl: float) -> bool:
-        """Reset ``owner``'s permit to ``ttl`` seconds; False if it no longer has it."""
-        raise self.unsupported(kind)
-
-    def permit_wakes_on_release(self, kind: str) -> bool:
-        """True when :meth:`permit_wait` returns as soon as a permit may be free."""
-        return self.wakes_on_release
-
-    def permit_wait(
-        self, kind: str, name: str, timeout: float, *, owner: str = "", limit: int = 1
-    ) -> None:
-        """Block up to ``timeout`` seconds, or less when a permit may have come free
-        (``limit``: the semaphore's, as the caller asked).
-
-        The default sleeps (the caller polls with a growing interval)."""
-        self.check_permit_kind(kind)
-        time.sleep(max(0.0, timeout))
-
-    def permit_leave(self, kind: str, name: str, owner: str) -> None:  # noqa: B027
-        """``owner`` stopped waiting (timeout or error): forget its registration."""
-
-    def permit_holders(self, kind: str, name: str) -> list[LockInfo]:
-        """The live permits of the semaphore or read-write lock ``name`` (``kind`` is
-        one of its kinds or ``"rwlock"``), one :class:`LockInfo` each, with
-        ``extra["kind"]`` set to ``"semaphore"``, ``"read"`` or ``"write"``."""
-        raise self.unsupported(kind)
-
-    def permit_force_release(self, kind: str, name: str, owner: str | None = None) -> int:
-        """Evict ``owner``'s permit on ``name`` (every permit when None), whoever holds
-        it; for a read-write lock the write counter moves on, so an evicted writer's
-        fenced writes are rejected. Returns how many live permits were evicted."""
-        raise self.unsupported(kind)
-
-    def permit_counter(self, name: str) -> int:
-        """The last write token issued for the read-write lock ``name`` (0 if none)."""
-        raise self.unsupported(WRITE)
-
-    def iter_permits(self) -> Iterator[LockInfo]:
-        """Yield every live permit on this backend (nothing, where there are none)."""
-        return iter(())
-
     def force_release_holder(self, info: LockInfo) -> bool:
-        """Evict the holder ``info`` describes (an item of :meth:`iter_locks`): a
-        plain lock by name, a permit by its owner. True if it was still held."""
-        kind = info.extra.get("kind")
-        if kind in (SEMAPHORE, READ, WRITE):
-            return self.permit_force_release(str(kind), info.name, info.owner) > 0
+        """Evict the holder ``info`` describes (an item of a listing, or of
+        :meth:`inspect`): a plain lock by name and token. True if it was still held.
+        :class:`~distlocks.backends.capabilities.Permits` adds a permit by its owner."""
         return self.force_release(info.name, info.fencing_token)
-
-    async def apermit_acquire(
-        self,
-        kind: str,
-        name: str,
-        owner: str,
-        ttl: float,
-        holder: Holder,
-        *,
-        limit: int = 1,
-        wait: float = 0.0,
-    ) -> AcquireResult:
-        """Async :meth:`permit_acquire`. If the caller is cancelled while a worker
-        thread is acquiring, the permit it takes is given back when it finishes."""
-        give_back = functools.partial(self._give_back_permit, kind, name, owner, wait)
-        return await self._take_in_thread(
-            wait > 0,
-            give_back,
-            self.permit_acquire,
-            kind,
-            name,
-            owner,
-            ttl,
-            holder,
-            limit=limit,
-            wait=wait,
-        )
-
-    def _give_back_permit(
-        self, kind: str, name: str, owner: str, wait: float, result: AcquireResult | None
-    ) -> None:
-        """Undo a cancelled :meth:`apermit_acquire` whose thread went on (as
-        :meth:`_give_back_lock` does for a lock)."""
-        if result is not None and result.acquired:
-            logger.debug("Giving back a %s permit of %r (owner %r) on backend %r: its "
-                         "acquirer was cancelled", kind, name, owner, self.alias)  # fmt: skip
-            try:
-                self.permit_release(kind, name, owner)
-            except Exception:
-                logger.warning("Could not give back a %s permit of %r on backend %r",
-                               kind, name, self.alias, exc_info=True)  # fmt: skip
-        if wait > 0:
-            self.permit_leave(kind, name, owner)
-
-    async def apermit_release(self, kind: str, name: str, owner: str) -> bool:
-        """Async :meth:`permit_release`."""
-        return await self._in_thread(False, self.permit_release, kind, name, owner)
-
-    async def apermit_extend(self, kind: str, name: str, owner: str, ttl: float) -> bool:
-        """Async :meth:`permit_extend`."""
-        return await self._in_thread(False, self.permit_extend, kind, name, owner, ttl)
-
-    async def apermit_wait(
-        self, kind: str, name: str, timeout: float, *, owner: str = "", limit: int = 1
-    ) -> None:
-        """Async :meth:`permit_wait` (the default sleeps without blocking the loop)."""
-        if type(self).permit_wait is BaseBackend.permit_wait:
-            self.check_permit_kind(kind)
-            await asyncio.sleep(max(0.0, timeout))
-            return
-        await self._in_thread(True, self.permit_wait, kind, name, timeout, owner=owner, limit=limit)
-
-    async def apermit_leave(self, kind: str, name: str, owner: str) -> None:
-        """Async :meth:`permit_leave`."""
-        await self._in_thread(False, self.permit_leave, kind, name, owner)

@@ -27,6 +27,7 @@ from distlocks.backends.base import (
     LockInfo,
     permit_family,
 )
+from distlocks.backends.capabilities import Listing, Permits, Waiting
 
 
 @dataclass
@@ -172,7 +173,7 @@ _stores: dict[str, _Store] = {}
 _stores_lock = threading.Lock()
 
 
-class LocMemBackend(BaseBackend):
+class LocMemBackend(Listing, Waiting, Permits, BaseBackend):
     """Locks in this process's memory, shared by backends with the same ``LOCATION``."""
 
     config_keys: ClassVar[frozenset[str]] = frozenset({"OPTIONS", "LOCATION"})

@@ -1,7 +1,10 @@
 """Live locks across every configured backend, for the admin page, the command and metrics.
 
-Whatever a backend's :meth:`~distlocks.backends.base.BaseBackend.iter_locks` yields
-is listed, so a new backend shows up without changes here. Each lock gets a status:
+Whatever a backend's :meth:`~distlocks.backends.capabilities.Listing.iter_locks` yields
+is listed, so a new backend shows up without changes here; a backend that does not
+declare :class:`~distlocks.backends.capabilities.Listing` is named with the one answer
+"cannot list its locks" (:attr:`Snapshot.unlisted`), never as an error. Each lock gets a
+status:
 
 ``orphaned``
     Its holder is gone: the holding process runs on this host and no longer exists;

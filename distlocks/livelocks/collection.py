@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distlocks.backends.base import BaseBackend, LockInfo
+from distlocks.backends.capabilities import Listing, NotSupported, require
 from distlocks.conf import conf
 from distlocks.handler import backend_configs, backends
 from distlocks.livelocks.rows import (
@@ -68,6 +69,9 @@ class Snapshot:
     #: alias -> what its backend said about the listing itself, for the operator (a
     #: Redis listing index found lost and rebuilt, say); its locks are listed all the same.
     notes: dict[str, list[str]] = field(default_factory=dict)
+    #: alias -> the answer of a backend that cannot list its locks (it does not declare
+    #: the Listing capability): not an error, and none of its locks are here.
+    unlisted: dict[str, str] = field(default_factory=dict)
     #: Every alias asked for, in settings order.
     aliases: list[str] = field(default_factory=list)
     #: The moment, threshold and process checks the statuses were worked out with (the
@@ -132,6 +136,23 @@ def get(alias: str) -> BaseBackend:
     return backends[alias]
 
 
+def unlisted(aliases: Iterable[str]) -> dict[str, str]:
+    """alias -> the one answer of its backend, for the ``aliases`` whose backend cannot
+    list its locks. A backend that cannot be built is not among them: reading it gives
+    its error, as for any backend that fails."""
+    found = {}
+    for alias in aliases:
+        try:
+            backend = get(alias)
+        except Exception:
+            continue
+        try:
+            require(backend, Listing)
+        except NotSupported as exc:
+            found[alias] = escape_control(str(exc))
+    return found
+
+
 def describe_error(exc: BaseException) -> str:
     """The error as operators see it: its type and message, no password, no control
     characters."""
@@ -170,18 +191,16 @@ def collect(
     snapshot = Snapshot(
         aliases=list(configured_aliases() if aliases is None else aliases), context=context
     )
+    snapshot.unlisted = unlisted(snapshot.aliases)
+    listed = [alias for alias in snapshot.aliases if alias not in snapshot.unlisted]
 
-    sources = {alias: _source(alias) for alias in snapshot.aliases}
+    sources = {alias: _source(alias) for alias in listed}
     first: dict[Any, str] = {}  # where -> the alias it is read through
-    for alias in snapshot.aliases:
+    for alias in listed:
         where = sources[alias]
         if where is not None and where not in first:
             first[where] = alias
-    readers = [
-        alias
-        for alias in snapshot.aliases
-        if sources[alias] is None or first[sources[alias]] == alias
-    ]
+    readers = [a for a in listed if sources[a] is None or first[sources[a]] == a]
 
     def read(alias: str) -> tuple[list[Row], bool, str, list[str]]:
         """The rows of one backend, whether the limit cut them short, its error and
@@ -189,14 +208,14 @@ def collect(
         where = sources[alias]
         also = "\x00".join(
             other
-            for other in snapshot.aliases
+            for other in listed
             if other != alias and where is not None and sources[other] == where
         )
         found: list[Row] = []
         notes: list[str] = []
         append = found.append
         try:
-            for item in _listing(get(alias)):
+            for item in _listing(require(get(alias), Listing)):
                 if type(item) is tuple:
                     if len(found) >= limit:
                         return found, True, "", notes
@@ -223,7 +242,7 @@ def collect(
             results = dict(zip(readers, pool.map(read, readers), strict=True))
     else:
         results = {alias: read(alias) for alias in readers}
-    for alias in snapshot.aliases:
+    for alias in listed:
         where = sources[alias]
         if alias not in results:
             # The same server and key prefix as an alias already read: same locks.
@@ -263,6 +282,9 @@ class Tally:
     notes: dict[str, list[str]] = field(default_factory=dict)
     #: alias -> locks counted (read from its backend: aliases of one server have none).
     seen: dict[str, int] = field(default_factory=dict)
+    #: alias -> the answer of a backend that cannot list (see :attr:`Snapshot.unlisted`):
+    #: it has no counts, not zeros.
+    unlisted: dict[str, str] = field(default_factory=dict)
 
 
 def tally(aliases: Iterable[str] | None = None, *, now: dt.datetime | None = None) -> Tally:
@@ -285,13 +307,15 @@ def tally(aliases: Iterable[str] | None = None, *, now: dt.datetime | None = Non
     context = _Context(now, conf.STUCK_AFTER, pid_gone)
     now_us = (now - _EPOCH) // _MICROSECOND
     result = Tally(aliases=list(configured_aliases() if aliases is None else aliases))
-    sources = {alias: _source(alias) for alias in result.aliases}
+    result.unlisted = unlisted(result.aliases)
+    listed = [alias for alias in result.aliases if alias not in result.unlisted]
+    sources = {alias: _source(alias) for alias in listed}
     first: dict[Any, str] = {}
-    for alias in result.aliases:
+    for alias in listed:
         where = sources[alias]
         if where is not None and where not in first:
             first[where] = alias
-    readers = [a for a in result.aliases if sources[a] is None or first[sources[a]] == a]
+    readers = [a for a in listed if sources[a] is None or first[sources[a]] == a]
     classes = [where[0] for where in first]
     # Two aliases of one class that look different may still be one server: the
     # locks counted are then remembered (name and owner only), as collect() merges.
@@ -303,7 +327,7 @@ def tally(aliases: Iterable[str] | None = None, *, now: dt.datetime | None = Non
         notes: list[str] = []
         seen = 0
         try:
-            for item in _listing(get(alias)):
+            for item in _listing(require(get(alias), Listing)):
                 if type(item) is tuple:
                     row = _summary_row(item, alias, "", now_us, context)
                     status, acquired, key = row[_STATUS], row[_ACQUIRED], (row[_NAME], row[_OWNER])
@@ -336,7 +360,7 @@ def tally(aliases: Iterable[str] | None = None, *, now: dt.datetime | None = Non
     else:
         # In settings order, so a lock seen through two aliases counts under the first.
         results = {alias: count(alias) for alias in readers}
-    for alias in result.aliases:
+    for alias in listed:
         result.counts[alias] = dict.fromkeys(STATUSES, 0)
         result.oldest[alias] = 0.0
         if alias not in results:

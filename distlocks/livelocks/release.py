@@ -12,6 +12,7 @@ from typing import Any
 
 from distlocks import signals
 from distlocks.backends.base import READ, WRITE, BaseBackend, LockInfo
+from distlocks.backends.capabilities import Permits, require
 from distlocks.livelocks.collection import get, snapshots
 from distlocks.livelocks.status import LOCK, LiveLock, check_ref, classify, describe_kind
 from distlocks.redaction import escape_control
@@ -25,7 +26,7 @@ def _holder_info(backend: BaseBackend, name: str, kind: str, owner: str) -> Lock
     """What the server shows of ``name`` (a lock), or of ``owner``'s permit of ``kind``."""
     if kind == LOCK:
         return backend.inspect(name)
-    for info in backend.permit_holders(kind, name):
+    for info in require(backend, Permits, kind).permit_holders(kind, name):
         if info.owner == owner and info.extra.get("kind") == kind:
             return info
     return None
@@ -166,7 +167,11 @@ def force_release(
         if kind == LOCK:
             counter = backend.fencing_counter(name)
         else:
-            counter = backend.permit_counter(name) if kind in (READ, WRITE) else None
+            counter = (
+                require(backend, Permits, kind).permit_counter(name)
+                if kind in (READ, WRITE)
+                else None
+            )
     except Exception:
         logger.warning("Could not read the fencing counter of %r on %r", name, alias, exc_info=True)
         counter = None

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
-from distlocks.backends.base import BaseBackend, LockInfo, holder_details
+from distlocks.backends.base import LockInfo, holder_details
+from distlocks.backends.capabilities import Listing
 from distlocks.livelocks.status import (
     _HOSTNAME,
     EXPIRING,
@@ -88,7 +89,7 @@ def _row(info: LockInfo, status: str, reason: str, also: str) -> Row:
  _S_RENEWALS, _S_WAITERS, _S_EXTRA) = range(12)  # fmt: skip
 
 
-def _listing(backend: BaseBackend) -> Iterator[LockInfo | tuple[Any, ...]]:
+def _listing(backend: Listing) -> Iterator[LockInfo | tuple[Any, ...]]:
     """What a backend lists: its lock summaries where it has them, else its LockInfos.
 
     A backend may have an ``iter_lock_summaries()`` method (RedisBackend does): the

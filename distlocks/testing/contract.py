@@ -1,6 +1,6 @@
 """The backend contract suite, for third-party backends.
 
-(One module of about 770 lines on purpose: a third party imports one class, and reads the
+(One module of about 830 lines on purpose: a third party imports one class, and reads the
 whole contract it is held to in one place, test by test, as it reads
 ``docs/writing-a-backend.md``.)
 
@@ -24,15 +24,19 @@ your session starts), override the ``contract_config`` fixture instead::
     def contract_config(self, my_server):
         return {"BACKEND": "myproject.locking.MyBackend", "LOCATION": my_server.url}
 
-The kit tests only what a backend declares: the permit tests run for the kinds in
-``permit_kinds``, the expiry tests only when ``expires_on_server`` is True, the wake-up
-test only when ``wakes_on_release`` is True; each skip says what was not declared. A
-capability left undeclared is itself checked: it must give the one clear "not supported"
-answer (``ImproperlyConfigured``), not half an implementation.
+The required operations of :class:`~distlocks.backends.base.BaseBackend` are tested on
+every backend. The rest only where the backend declares it, by inheriting a capability
+of :mod:`distlocks.backends.capabilities`: the listing test for ``Listing``, the wake-up
+test for ``Waiting`` (with ``wakes_on_release``), the permit tests for ``Permits`` and the
+kinds in its ``permit_kinds``; the expiry tests when ``expires_on_server`` is True. Each
+skip says what was not declared. A capability left undeclared is itself checked: it
+must give the one clear "not supported" answer (``ImproperlyConfigured``), not half an
+implementation.
 
 It needs pytest, pytest-django (or Django settings configured some other way) and
-Hypothesis. It uses only the public API (``lock``, ``alock``, ``semaphore``, ``rwlock``)
-and the methods of :class:`~distlocks.backends.base.BaseBackend`.
+Hypothesis. It uses only the public API (``lock``, ``alock``, ``semaphore``, ``rwlock``,
+the live-locks listing) and the methods of ``BaseBackend`` and of the capabilities the
+backend declares.
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from distlocks import alock, get_backend, lock
+from distlocks import alock, get_backend, livelocks, lock
 from distlocks.backends.base import READ, SEMAPHORE, WRITE, BaseBackend, Holder, LockInfo
+from distlocks.backends.capabilities import Listing, NotSupported, Permits, Waiting, require
 from distlocks.exceptions import LockBackendUnavailable, LockLost, LockNotAcquired
 from distlocks.handler import backend_class, backends
 from distlocks.locks import current_holder
@@ -173,6 +178,15 @@ class BackendContract:
         """Another instance of ``backend``'s class on the same entry, as a restarted
         process (or another one) would build it."""
         return backend_class(backend.alias, backend.config)(backend.alias, backend.config)
+
+    @staticmethod
+    def skip_unless_declared(backend: BaseBackend, capability: type) -> None:
+        """Skip the test, saying so, unless ``backend`` declares ``capability``."""
+        if not isinstance(backend, capability):
+            pytest.skip(
+                f"{type(backend).__name__} does not declare the {capability.__name__} "
+                f"capability (distlocks.backends.capabilities.{capability.__name__})"
+            )
 
     def check_info(
         self, backend: BaseBackend, info: LockInfo | None, name: str, owner: str, token: int
@@ -331,10 +345,32 @@ class BackendContract:
 
     # -- listing ------------------------------------------------------------------------
 
+    def test_a_backend_that_cannot_list_says_so(
+        self, contract_alias: str, contract_backend: BaseBackend, contract_name: str
+    ) -> None:
+        """Without ``Listing``, the listing of live locks (admin page, command, metrics)
+        gives the one clear answer for this backend instead of failing, and a held lock
+        is still read by name."""
+        backend = contract_backend
+        if isinstance(backend, Listing):
+            pytest.skip(f"{type(backend).__name__} declares the Listing capability")
+        with pytest.raises(NotSupported, match="cannot list its locks") as refused:
+            require(backend, Listing)
+        assert repr(contract_alias) in str(refused.value)
+        with lock(contract_name, backend=contract_alias, ttl=_LONG) as lease:
+            snapshot = livelocks.collect([contract_alias])
+            assert snapshot.unlisted == {contract_alias: str(refused.value)}
+            assert snapshot.errors == {}
+            found = livelocks.inspect(contract_alias, contract_name)
+            assert found is not None
+            assert found.info.fencing_token == lease.fencing_token
+
     def test_inspect_and_iter_locks_agree_with_what_is_held(
         self, contract_backend: BaseBackend, contract_name: str
     ) -> None:
         backend, holder = contract_backend, self.holder()
+        self.skip_unless_declared(backend, Listing)
+        assert isinstance(backend, Listing)
         names = [f"{contract_name}:{i}" for i in range(4)]
         tokens = {}
         for i, name in enumerate(names):
@@ -670,6 +706,8 @@ class BackendContract:
         ``acquire()`` itself, where the server queues it) is woken by the release, long
         before the 120 s it said it would wait."""
         backend, name, holder = contract_backend, contract_name, self.holder()
+        self.skip_unless_declared(backend, Waiting)
+        assert isinstance(backend, Waiting)
         if not backend.wakes_on_release:
             pytest.skip(f"{type(backend).__name__} declares wakes_on_release = False (it polls)")
         assert backend.acquire(name, "owner-a", _LONG, holder).acquired
@@ -699,6 +737,8 @@ class BackendContract:
     def test_semaphore_admits_up_to_its_limit(
         self, contract_alias: str, contract_backend: BaseBackend, contract_name: str
     ) -> None:
+        self.skip_unless_declared(contract_backend, Permits)
+        assert isinstance(contract_backend, Permits)
         if SEMAPHORE not in contract_backend.permit_kinds:
             pytest.skip(f"{type(contract_backend).__name__} declares no 'semaphore' permits")
         with contextlib.ExitStack() as stack:
@@ -720,6 +760,8 @@ class BackendContract:
     def test_rwlock_shares_reads_and_fences_writes(
         self, contract_alias: str, contract_backend: BaseBackend, contract_name: str
     ) -> None:
+        self.skip_unless_declared(contract_backend, Permits)
+        assert isinstance(contract_backend, Permits)
         if not {READ, WRITE} <= contract_backend.permit_kinds:
             pytest.skip(
                 f"{type(contract_backend).__name__} declares no read-write lock permits "
@@ -740,16 +782,24 @@ class BackendContract:
         assert catalog.fencing_counter() == second.fencing_token
 
     def test_an_undeclared_permit_kind_is_refused_clearly(
-        self, contract_backend: BaseBackend, contract_name: str
+        self, contract_alias: str, contract_backend: BaseBackend, contract_name: str
     ) -> None:
         backend = contract_backend
+        if not isinstance(backend, Permits):
+            # No Permits at all: the primitives say so where they are made.
+            with pytest.raises(ImproperlyConfigured, match="does not support semaphores"):
+                semaphore(contract_name, limit=2, backend=contract_alias)
+            with pytest.raises(ImproperlyConfigured, match="does not support read-write locks"):
+                rwlock(contract_name, backend=contract_alias)
+            return
         missing = {SEMAPHORE, READ, WRITE} - backend.permit_kinds
         if not missing:
             pytest.skip(f"{type(backend).__name__} declares every permit kind")
         for kind in sorted(missing):
             with pytest.raises(ImproperlyConfigured, match="does not support"):
                 backend.permit_acquire(kind, contract_name, "owner-a", 10, self.holder())
-        assert [i for i in backend.iter_permits() if i.name == contract_name] == []
+        if isinstance(backend, Listing):
+            assert [i for i in backend.iter_permits() if i.name == contract_name] == []
 
     # -- fork -------------------------------------------------------------------------------
 

@@ -6,8 +6,16 @@ docs/writing-a-backend.md, which walks through it. Every operation is one ``BEGI
 IMMEDIATE`` transaction, so it is atomic across the threads and the processes of one
 machine that open the same file. Lease times are wall-clock times (``time.time()``):
 the processes sharing the file share the machine's clock, and it is the server's clock
-in this design. It declares no permits and no wake-ups (waiters poll), so the kit skips
-those tests and checks that permits are refused clearly.
+in this design.
+
+Two classes show the narrow contract. :class:`MinimalSQLiteBackend` writes only what
+every backend must have (acquire, release, extend, inspect, force_release,
+fencing_counter) and declares no capability: locks, ``alock`` and ``lock_many`` work on
+it (waiters poll), while semaphores, read-write locks and the live-locks listing give
+the one clear "not supported" answer. :class:`SQLiteLockBackend` adds one capability,
+:class:`~distlocks.backends.capabilities.Listing`, by one method (``iter_locks``). Neither
+declares ``Waiting`` or ``Permits``, so the kit skips those tests and checks that
+permits are refused clearly.
 
 Settings::
 
@@ -32,6 +40,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, TypeVar
 
 from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LockInfo
+from distlocks.backends.capabilities import Listing
 from distlocks.exceptions import LockBackendUnavailable, LockError
 
 SCHEMA = """
@@ -61,15 +70,15 @@ def _utc(seconds: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(seconds, dt.UTC)
 
 
-class SQLiteLockBackend(BaseBackend):
-    """Locks and fencing counters in one SQLite file, shared by the processes of a host."""
+class MinimalSQLiteBackend(BaseBackend):
+    """Locks and fencing counters in one SQLite file, shared by the processes of a host:
+    the required methods only, no capability declared."""
 
     config_keys: ClassVar[frozenset[str]] = frozenset({"OPTIONS", "LOCATION"})
     option_keys: ClassVar[frozenset[str] | None] = frozenset({"timeout"})
-    # Declared capabilities: the server (the file) frees a lease that ran out; waiters
-    # poll (no wake-up); no semaphores or read-write locks (permit_kinds stays empty).
+    # The server (the file) frees a lease that ran out. Without the Waiting capability
+    # the lock layer polls; without Permits there are no semaphores or read-write locks.
     expires_on_server: ClassVar[bool] = True
-    wakes_on_release: ClassVar[bool] = False
 
     def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
         super().__init__(alias, config)
@@ -255,6 +264,11 @@ class SQLiteLockBackend(BaseBackend):
             return None if row is None else self._info(row)
 
         return self._run(f"inspect {name!r}", step)
+
+
+class SQLiteLockBackend(Listing, MinimalSQLiteBackend):
+    """:class:`MinimalSQLiteBackend` that can also list its locks (the admin page, the
+    ``distlocks list`` command and the metrics then show them)."""
 
     def iter_locks(self) -> Iterator[LockInfo]:
         def step(cursor: sqlite3.Cursor, now: float) -> list[LockInfo]:

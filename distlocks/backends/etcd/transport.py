@@ -25,6 +25,7 @@ from django.core.exceptions import ImproperlyConfigured
 from distlocks.backends.base import (
     BaseBackend,
 )
+from distlocks.backends.capabilities import Listing, Permits, Waiting
 from distlocks.backends.etcd import http11
 from distlocks.backends.etcd.config import (
     DEFAULTS,
@@ -73,7 +74,7 @@ class _LoopSide:
     cleanups: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
 
 
-class EtcdTransport(BaseBackend):
+class EtcdTransport(Listing, Waiting, Permits, BaseBackend):
     """Connections and drivers of :class:`~distlocks.backends.etcd.EtcdBackend`."""
 
     def __init__(self, alias: str, config: Mapping[str, Any]) -> None:

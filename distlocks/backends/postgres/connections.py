@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 import psycopg.errors
 
+from distlocks.backends import capabilities
 from distlocks.backends.base import BaseBackend, Holder
 from distlocks.backends.postgres import configuration, sql
 from distlocks.backends.postgres.keys import lock_key
@@ -48,7 +49,7 @@ class Held:
     transaction: str = ""
 
 
-class PooledBackend(BaseBackend):
+class PooledBackend(capabilities.Listing, capabilities.Waiting, capabilities.Permits, BaseBackend):
     """The state and helpers shared by the recipes (:mod:`.session`,
     :mod:`.transaction`, :mod:`.permits`, :mod:`.listing`); abstract."""
 

@@ -8,6 +8,7 @@ import hashlib
 from typing import NamedTuple
 
 from distlocks.backends.base import BaseBackend
+from distlocks.backends.capabilities import Listing, Permits, Waiting
 
 
 class Keys(NamedTuple):
@@ -21,7 +22,7 @@ class Keys(NamedTuple):
     wake_prefix: str
 
 
-class RedisKeys(BaseBackend):
+class RedisKeys(Listing, Waiting, Permits, BaseBackend):
     """The keys of a name under this backend's ``key_prefix``, all in one Redis
     Cluster slot (set by :class:`~distlocks.backends.redis.clients.RedisClients`)."""
 

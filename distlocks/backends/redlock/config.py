@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from django.core.checks import CheckMessage, Warning
 
 from distlocks.backends.base import BaseBackend
+from distlocks.backends.capabilities import Listing, Waiting
 from distlocks.backends.redis import RedisBackend
 from distlocks.backends.redlock.quorum import quorum
 from distlocks.redaction import redact_url
@@ -61,7 +62,7 @@ def _number(options: Mapping[str, Any], key: str, low: float, high: float | None
     return None
 
 
-class RedlockConfig(BaseBackend):
+class RedlockConfig(Listing, Waiting, BaseBackend):
     """Checks a Redlock backend's settings before anything connects."""
 
     @classmethod

@@ -16,6 +16,7 @@ from kazoo.client import KazooClient
 from kazoo.hosts import collect_hosts
 
 from distlocks.backends.base import RWLOCK, SEMAPHORE, BaseBackend
+from distlocks.backends.capabilities import Listing, Permits, Waiting
 from distlocks.backends.zookeeper.nodes import _Node
 
 DEFAULTS: dict[str, Any] = {
@@ -59,7 +60,7 @@ def _location_problems(location: str) -> list[str]:
     return []
 
 
-class ZooKeeperConfig(BaseBackend):
+class ZooKeeperConfig(Listing, Waiting, Permits, BaseBackend):
     """The settings of one backend, checked, and the state of this process's session
     and nodes (used by the classes above: see the package's docstring)."""
 

@@ -11,7 +11,10 @@ instead of the plain lock ``NAME``; several holders share one name, so releasing
 takes its ``--owner`` (the owner id ``inspect`` and ``list --json`` show).
 
 Exit codes: 0 done; 1 an error (unknown backend or lock, a backend that cannot be
-read, a release not confirmed). ``list`` still prints what it could read.
+read, a release not confirmed). ``list`` still prints what it could read. A backend
+that cannot list its locks (no ``Listing`` capability) is named on stderr; ``list``
+fails only when no backend asked for can list. ``inspect`` reads one lock of any
+backend.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from distlocks import audit, livelocks
+from distlocks.backends.capabilities import NotSupported, Permits, require
 from distlocks.redaction import escape_control, redact
 
 _TABLE = [
@@ -117,6 +121,9 @@ class Command(BaseCommand):
     def list_locks(self, options: dict[str, Any]) -> None:
         aliases = self._aliases(options["backend"])
         snapshot = livelocks.collect(aliases)
+        if len(snapshot.unlisted) == len(aliases):
+            # Nothing was listed: "No live locks." would not be true.
+            raise CommandError(" ".join(snapshot.unlisted.values()))
         items = list(snapshot.select(status=options["status"] or "", order="name").rows)
         if options["json"]:
             self._json([item.as_dict() for item in items])
@@ -135,6 +142,8 @@ class Command(BaseCommand):
             self.stdout.write("No live locks.")
         for alias in snapshot.truncated:
             self.stderr.write(f"Backend {alias!r}: more locks than one listing reads; truncated.")
+        for answer in snapshot.unlisted.values():  # a backend that cannot list
+            self.stderr.write(answer)
         for notes in snapshot.notes.values():  # what a backend said of its listing
             for note in notes:
                 self.stderr.write(note)
@@ -155,7 +164,7 @@ class Command(BaseCommand):
         if kind == livelocks.LOCK:
             item = livelocks.inspect(alias, name)
             return [] if item is None else [item]
-        holders = livelocks.get(alias).permit_holders(kind, name)
+        holders = require(livelocks.get(alias), Permits, kind).permit_holders(kind, name)
         return [
             livelocks.LiveLock(info, *livelocks.classify(info))
             for info in holders
@@ -174,6 +183,10 @@ class Command(BaseCommand):
         for alias in self._aliases(options["backend"]):
             try:
                 found += self._found(alias, name, kind, owner)
+            except NotSupported as exc:
+                if options["backend"]:  # asked for there: the one answer
+                    raise CommandError(escape_control(str(exc))) from exc
+                # Among every backend, one without these permits holds none of them.
             except Exception as exc:  # reported, with the backend's error
                 failed.append(alias)
                 self.stderr.write(
@@ -212,6 +225,8 @@ class Command(BaseCommand):
         which = f"{what} {name!r}" + (f" of owner {owner}" if owner else "")
         try:
             item = livelocks.inspect(alias, name, kind, owner)
+        except NotSupported as exc:  # a permit on a backend without them
+            raise CommandError(escape_control(str(exc))) from exc
         except Exception as exc:  # reported, with the backend's error
             raise CommandError(
                 f"Backend {alias!r} cannot be read: {livelocks.describe_error(exc)}"
