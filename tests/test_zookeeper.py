@@ -362,6 +362,91 @@ def test_waiter_is_woken_by_the_release_without_polling(
     assert got and got[0] - released_at < 0.5
 
 
+def watching(client: Any, path: str) -> bool:
+    """Whether ``client`` has a watch on ``path`` set (kazoo records it on the reply)."""
+    return bool(client._data_watchers.get(path))
+
+
+class Waiter:
+    """A thread waiting in ``lock(name, timeout=...).acquire()``; ``lease`` once granted."""
+
+    def __init__(self, alias: str, name: str, timeout: float = 20) -> None:
+        self.lease: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(alias, name, timeout))
+        self.thread.start()
+
+    def _run(self, alias: str, name: str, timeout: float) -> None:
+        try:
+            # No renewal: its requests would be counted with the hand-off's.
+            self.lease = lock(
+                name, backend=alias, ttl=4, timeout=timeout, auto_renew=False
+            ).acquire()
+        except BaseException as exc:
+            self.error = exc
+
+    def join(self) -> Any:
+        self.thread.join(20)
+        assert not self.thread.is_alive() and self.error is None, self.error
+        return self.lease
+
+
+def test_a_waiter_behind_the_holder_takes_the_lock_with_no_request_after_the_wake(
+    zk: str, name: str
+) -> None:
+    """A waiter queues in three requests (the multi-op, the listing, a watch on the node
+    just ahead: no second listing), and when the node it watches was the holder's, the
+    watch firing on the node's deletion means it now holds: nobody can have queued
+    ahead of it, so the hand-off needs no request after the release's delete."""
+    backend = get_backend(zk)
+    first = backend.acquire(name, "holder", 30, HOLDER)
+    assert first.acquired
+    client = backend._ready("test", name)
+    holder_path = backend._nodes[(name, "holder")].path
+    with Requests(client) as requests:
+        waiter = Waiter(zk, name)
+        wait_for(lambda: watching(client, holder_path))
+        assert requests.sent == ["Transaction", "GetChildren2", "Exists"]
+        assert backend.release(name, "holder")
+        lease = waiter.join()
+        assert requests.sent[3:] == ["Delete"]
+    assert lease.fencing_token > first.fencing_token
+    # Its multi-op was the last write of the fence node: the token is the counter.
+    assert lease.fencing_token == backend.fencing_counter(name)
+    assert backend.contenders(name) == [lease.owner]
+    lease.release()
+    assert backend.contenders(name) == []
+
+
+def test_a_waiter_deeper_in_the_queue_lists_once_when_woken(zk: str, name: str) -> None:
+    """Holder, then two waiters: the first waiter gets the lock at the holder's release
+    with no request; the second, whose watched node was a waiter's when it queued,
+    lists the contenders once when that node goes (sent as the watch fires), and holds."""
+    backend = get_backend(zk)
+    assert backend.acquire(name, "holder", 30, HOLDER).acquired
+    client = backend._ready("test", name)
+    holder_path = backend._nodes[(name, "holder")].path
+    with Requests(client) as requests:
+        one = Waiter(zk, name)
+        wait_for(lambda: watching(client, holder_path))
+        (one_path,) = (
+            node.path for (n, o), node in backend._nodes.items() if n == name and o != "holder"
+        )
+        two = Waiter(zk, name)
+        wait_for(lambda: watching(client, one_path))
+        assert requests.sent == ["Transaction", "GetChildren2", "Exists"] * 2
+        assert backend.release(name, "holder")
+        first = one.join()
+        assert requests.sent[6:] == ["Delete"]
+        assert two.thread.is_alive()
+        first.release()
+        second = two.join()
+        assert requests.sent[7:] == ["Delete", "GetChildren2"]
+    assert second.fencing_token > first.fencing_token
+    second.release()
+    assert backend.contenders(name) == []
+
+
 def test_waiters_get_the_lock_in_arrival_order(zk: str, name: str) -> None:
     backend = get_backend(zk)
     holder = lock(name, backend=zk, ttl=30, timeout=1).acquire()

@@ -20,10 +20,11 @@ import json
 import threading
 import time
 import urllib.parse
+from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
-from kazoo.protocol.states import ZnodeStat
+from kazoo.protocol.states import EventType, WatchedEvent, ZnodeStat
 
 from distlocks.backends.base import AcquireResult, Holder
 from distlocks.backends.zookeeper.nodes import (
@@ -138,11 +139,14 @@ class ZooKeeperLock(ZooKeeperOutages):
         holder: Holder,
         wait: float,
         deadline: float | None,
+        listed: list[str] | None = None,
     ) -> AcquireResult:
+        """One attempt; ``listed``: the contenders as listed for this caller's node
+        when its watch fired (see :meth:`wait_and_acquire`), so as not to list again."""
         client = self._ready("acquire", name, deadline)
         self._check_ttl(client, ttl)
         entry = self._entry(name, owner)
-        children: list[str] | None = None
+        children = listed if entry is not None else None
         # The fence node's version when a try-once listing found the lock free.
         version: int | None = None
         if entry is None:
@@ -203,6 +207,10 @@ class ZooKeeperLock(ZooKeeperOutages):
             return AcquireResult(True, entry.token, self.local_lease(ttl))
         if wait <= 0:
             self.leave_queue(name, owner)
+        else:
+            # What to watch while waiting: no second listing for the wait.
+            index = children.index(mine)
+            entry.ahead, entry.ahead_holds = children[index - 1], index == 1
         return AcquireResult(False, 0, None)
 
     def _adopt(self, client: KazooClient, name: str, owner: str, child: str) -> _Node:
@@ -290,16 +298,21 @@ class ZooKeeperLock(ZooKeeperOutages):
     def _wait(self, name: str, timeout: float, owner: str) -> None:
         client = self._ready("wait for", name)
         entry = self._entry(name, owner) if owner else None
-        children = self._children(client, "wait for", name)
-        if not children:
-            return
-        if entry is None:
-            watched = children[0]
+        if entry is not None and entry.ahead is not None:
+            # The node just ahead at this caller's last listing (its acquire's): if it
+            # went since, the watch finds it gone and the next acquire lists again.
+            watched, entry.ahead = entry.ahead, None
         else:
-            mine = entry.path.rsplit("/", 1)[1]
-            if mine not in children or children[0] == mine:
+            children = self._children(client, "wait for", name)
+            if not children:
                 return
-            watched = children[children.index(mine) - 1]
+            if entry is None:
+                watched = children[0]
+            else:
+                mine = entry.path.rsplit("/", 1)[1]
+                if mine not in children or children[0] == mine:
+                    return
+                watched = children[children.index(mine) - 1]
         event = threading.Event()
         with self._state_lock:
             self._waiting.add(event)
@@ -316,6 +329,71 @@ class ZooKeeperLock(ZooKeeperOutages):
         finally:
             with self._state_lock:
                 self._waiting.discard(event)
+
+    def wait_and_acquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        seconds: float,
+        *,
+        wait: float,
+        fair: bool,
+    ) -> AcquireResult | None:
+        """:meth:`wait` then :meth:`acquire` for a caller queued behind another node,
+        with no listing of its own for the wait and, at the hand-off, none or one
+        sent ahead of the waiting thread:
+
+        * it watches the node just ahead of it as its acquire listed it (one
+          ``exists``, the only request of the wait);
+        * when that node was the holder's then and its deletion is told in the live
+          session, this caller holds: sequence numbers only grow, so no node can have
+          queued ahead of it since that listing, and the session that told it is the
+          one its own node lives in (a lost session fires its watches with no type).
+          No request: the lease is granted as the watch fires;
+        * when it was a waiter's (which got the lock and released it, or gave up), the
+          watch's callback lists the contenders on kazoo's event thread at once, and
+          the waiting thread takes that listing as its acquire's.
+
+        Anything else (a timeout, another event, an outage, a lost session) ends in a
+        plain :meth:`acquire`, which lists. None (the caller waits and acquires itself)
+        when this caller has no node queued, or no listing said what to watch."""
+        entry = self._entry(name, owner)
+        if entry is None or entry.ahead is None:
+            return None
+        watched, entry.ahead = entry.ahead, None
+        turn = _Turn(self, name, entry.ahead_holds)
+        with self._state_lock:
+            self._waiting.add(turn.wake)
+        try:
+            client = self._ready("wait for", name)
+            turn.client = client
+            stat = self._get(
+                "wait for",
+                name,
+                client.exists_async(f"{self.lock_path(name)}/{watched}", watch=turn.watch),
+            )
+            if stat is not None:
+                turn.wake.wait(max(0.0, seconds))
+        except LockBackendUnavailable:
+            self._outage_pause(seconds)
+        finally:
+            turn.active = False
+            with self._state_lock:
+                self._waiting.discard(turn.wake)
+        if turn.generation == self._generation and self._entry(name, owner) is entry:
+            if turn.holds:
+                return AcquireResult(True, entry.token, self.local_lease(ttl))
+            listed = turn.listed()
+        else:
+            listed = None
+        return self._through_outage(
+            (_LOCK, name, owner),
+            wait,
+            lambda deadline: self._acquire(name, owner, ttl, holder, wait, deadline, listed),
+            lambda: self._leave(name, owner),
+        )
 
     def force_release(self, name: str, token: int | None = None) -> bool:
         client = self._ready("force-release", name)
@@ -349,3 +427,48 @@ class ZooKeeperLock(ZooKeeperOutages):
         if stat is None or stat.version == 0:
             return 0
         return token_of(stat.mzxid, stat)
+
+
+class _Turn:
+    """One wait of a queued lock contender for the node just ahead of it to go (see
+    :meth:`ZooKeeperLock.wait_and_acquire`). :meth:`watch` runs on kazoo's event thread."""
+
+    __slots__ = ("active", "backend", "client", "generation", "holds", "listing", "name",
+                 "wake", "was_first")  # fmt: skip
+
+    def __init__(self, backend: ZooKeeperLock, name: str, was_first: bool) -> None:
+        self.backend = backend
+        self.name = name
+        #: The watched node was the holder's when this caller listed the contenders.
+        self.was_first = was_first
+        self.generation = backend._generation
+        self.client: KazooClient | None = None
+        self.wake = threading.Event()
+        #: Still waited for: a watch firing after the wait ended lists nothing.
+        self.active = True
+        #: The node ahead went, told in the session this caller's node lives in.
+        self.holds = False
+        self.listing: Any = None
+
+    def watch(self, event: WatchedEvent) -> None:
+        gone = event.type == EventType.DELETED and self.generation == self.backend._generation
+        if gone and self.was_first:
+            self.holds = True
+        elif gone and self.active and self.client is not None:
+            # Sent now, from the event thread: the listing is on its way while the
+            # waiting thread wakes up.
+            self.listing = self.client.get_children_async(
+                self.backend.lock_path(self.name), include_data=True
+            )
+        self.wake.set()
+
+    def listed(self) -> list[str] | None:
+        """The contenders as listed when the watch fired, queue order; None if not sent
+        or if it failed (the acquire that follows lists, and meets the error itself)."""
+        if self.listing is None:
+            return None
+        try:
+            children, _ = self.listing.get(timeout=self.backend.socket_timeout)
+        except Exception:
+            return None
+        return _contenders(children)
