@@ -369,12 +369,16 @@ class ZooKeeperLock(ZooKeeperOutages):
         try:
             client = self._ready("wait for", name)
             turn.client = client
-            stat = self._get(
-                "wait for",
-                name,
-                client.exists_async(f"{self.lock_path(name)}/{watched}", watch=turn.watch),
-            )
-            if stat is not None:
+            ahead = client.exists_async(f"{self.lock_path(name)}/{watched}", watch=turn.watch)
+            # Where the watch may grant the lock, a watch on this caller's own node too,
+            # sent without waiting for the first's answer: were the node deleted by
+            # anyone (by hand), its watch would fire before the one of any later
+            # deletion (a session is told in zxid order), and nothing is granted.
+            own = client.exists_async(entry.path, watch=turn.watch_own) if turn.was_first else None
+            stat = self._get("wait for", name, ahead)
+            if own is not None and self._get("wait for", name, own) is None:
+                turn.own_gone = True
+            if stat is not None and not turn.own_gone:
                 turn.wake.wait(max(0.0, seconds))
         except LockBackendUnavailable:
             self._outage_pause(seconds)
@@ -383,7 +387,7 @@ class ZooKeeperLock(ZooKeeperOutages):
             with self._state_lock:
                 self._waiting.discard(turn.wake)
         if turn.generation == self._generation and self._entry(name, owner) is entry:
-            if turn.holds:
+            if turn.holds and not turn.own_gone:
                 return AcquireResult(True, entry.token, self.local_lease(ttl))
             listed = turn.listed()
         else:
@@ -434,7 +438,7 @@ class _Turn:
     :meth:`ZooKeeperLock.wait_and_acquire`). :meth:`watch` runs on kazoo's event thread."""
 
     __slots__ = ("active", "backend", "client", "generation", "holds", "listing", "name",
-                 "wake", "was_first")  # fmt: skip
+                 "own_gone", "wake", "was_first")  # fmt: skip
 
     def __init__(self, backend: ZooKeeperLock, name: str, was_first: bool) -> None:
         self.backend = backend
@@ -448,12 +452,15 @@ class _Turn:
         self.active = True
         #: The node ahead went, told in the session this caller's node lives in.
         self.holds = False
+        #: This caller's own node was deleted (by hand: nothing in distlocks deletes a
+        #: waiter's node but the waiter), or found gone.
+        self.own_gone = False
         self.listing: Any = None
 
     def watch(self, event: WatchedEvent) -> None:
         gone = event.type == EventType.DELETED and self.generation == self.backend._generation
         if gone and self.was_first:
-            self.holds = True
+            self.holds = not self.own_gone
         elif gone and self.active and self.client is not None:
             # Sent now, from the event thread: the listing is on its way while the
             # waiting thread wakes up.
@@ -461,6 +468,11 @@ class _Turn:
                 self.backend.lock_path(self.name), include_data=True
             )
         self.wake.set()
+
+    def watch_own(self, event: WatchedEvent) -> None:
+        if event.type == EventType.DELETED:
+            self.own_gone = True
+            self.wake.set()  # its acquire lists, finds the node gone, and queues again
 
     def listed(self) -> list[str] | None:
         """The contenders as listed when the watch fired, queue order; None if not sent
