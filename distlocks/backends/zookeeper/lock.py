@@ -6,6 +6,9 @@ only the one just before it.
   A try-once call on a busy lock is refused without writing anything.
 * a create left without an answer is looked for by the next attempt (the node's name
   carries the owner) and taken over; one node per owner is kept.
+* a waiter watches the node just ahead of it as its acquire listed it (no listing of
+  its own); when that node was the holder's, its deletion is the grant (no request),
+  and otherwise the watch's callback sends the next listing (:meth:`wait_and_acquire`).
 * release deletes the caller's own node (version 0: never another's); a waiter that
   gives up deletes its node too.
 * extend confirms the node still exists in the live session (nothing is written).
