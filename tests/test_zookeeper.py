@@ -434,6 +434,28 @@ def test_a_waiter_behind_the_holder_takes_the_lock_with_no_request_after_the_wak
     assert backend.contenders(name) == []
 
 
+def test_a_waiter_whose_holder_went_before_its_watch_holds_with_no_listing(
+    zk: str, name: str, zk_server: ZooKeeperServer
+) -> None:
+    """The holder (another session) releases between the waiter's listing and its
+    watch: the watch finds the node gone and the waiter's own node there (answered in
+    that order), so nothing can be ahead of it: it holds, with no second listing."""
+    backend = get_backend(zk)
+    other = type(backend)("zk-other", {"LOCATION": zk_server.location})
+    try:
+        first = other.acquire(name, "holder", 30, HOLDER)
+        assert first.acquired
+        with Requests(backend._ready("test", name)) as requests:
+            requests.before["Exists"] = lambda: other.release(name, "holder")
+            lease = Waiter(zk, name).join()
+        assert requests.sent == ["Transaction", "GetChildren2", "Exists", "Exists"]
+        assert lease.fencing_token > first.fencing_token
+        assert backend.contenders(name) == [lease.owner]
+        lease.release()
+    finally:
+        other.close()
+
+
 def test_a_waiter_whose_node_is_deleted_by_hand_is_not_granted_by_its_watch(
     zk: str, name: str, zk_server: ZooKeeperServer
 ) -> None:

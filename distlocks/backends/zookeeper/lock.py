@@ -381,7 +381,11 @@ class ZooKeeperLock(ZooKeeperOutages):
             stat = self._get("wait for", name, ahead)
             if own is not None and self._get("wait for", name, own) is None:
                 turn.own_gone = True
-            if stat is not None and not turn.own_gone:
+            if stat is None:
+                # Gone already. If it was the holder's, this caller's node was found
+                # there after it (answered in that order): nothing is ahead of it now.
+                turn.holds = turn.was_first and not turn.own_gone
+            elif not turn.own_gone:
                 turn.wake.wait(max(0.0, seconds))
         except LockBackendUnavailable:
             self._outage_pause(seconds)
