@@ -6,6 +6,7 @@ Skipped, saying what to install, where java or the ZooKeeper jars are missing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -13,7 +14,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -360,6 +361,271 @@ def test_waiter_is_woken_by_the_release_without_polling(
     holder.release()
     thread.join(10)
     assert got and got[0] - released_at < 0.5
+
+
+def watching(client: Any, path: str, watches: int = 1) -> bool:
+    """Whether ``client`` has ``watches`` watches on ``path`` set (kazoo records each
+    on the reply)."""
+    return len(client._data_watchers.get(path, ())) >= watches
+
+
+class Waiter:
+    """A thread waiting in ``lock(name, timeout=...).acquire()``; ``lease`` once granted."""
+
+    def __init__(
+        self,
+        alias: str,
+        name: str,
+        timeout: float = 20,
+        granted: Callable[[Waiter], None] | None = None,
+    ) -> None:
+        self.lease: Any = None
+        self.error: BaseException | None = None
+        #: Whether its node was the first on the server at its grant (see ``granted``).
+        self.first = False
+        #: A waiter meant to give up (a short timeout).
+        self.quits = False
+        self._granted = granted
+        self.thread = threading.Thread(target=self._run, args=(alias, name, timeout))
+        self.thread.start()
+
+    def _run(self, alias: str, name: str, timeout: float) -> None:
+        try:
+            # No renewal: its requests would be counted with the hand-off's.
+            self.lease = lock(
+                name, backend=alias, ttl=4, timeout=timeout, auto_renew=False
+            ).acquire()
+            if self._granted is not None:
+                self._granted(self)  # before anyone is told it holds
+        except BaseException as exc:
+            self.error = exc
+
+    def join(self) -> Any:
+        self.thread.join(20)
+        assert not self.thread.is_alive() and self.error is None, self.error
+        return self.lease
+
+
+def test_a_waiter_behind_the_holder_takes_the_lock_with_no_request_after_the_wake(
+    zk: str, name: str
+) -> None:
+    """A waiter queues in three requests (the multi-op, the listing, a watch on the node
+    just ahead: no second listing), and when the node it watches was the holder's, the
+    watch firing on the node's deletion means it now holds: nobody can have queued
+    ahead of it, so the hand-off needs no request after the release's delete."""
+    backend = get_backend(zk)
+    first = backend.acquire(name, "holder", 30, HOLDER)
+    assert first.acquired
+    client = backend._ready("test", name)
+    holder_path = backend._nodes[(name, "holder")].path
+    with Requests(client) as requests:
+        waiter = Waiter(zk, name)
+        wait_for(lambda: watching(client, holder_path))
+        # The watch on the node ahead, and one on its own node (see the next test).
+        assert requests.sent == ["Transaction", "GetChildren2", "Exists", "Exists"]
+        assert backend.release(name, "holder")
+        lease = waiter.join()
+        assert requests.sent[4:] == ["Delete"]
+    assert lease.fencing_token > first.fencing_token
+    # Its multi-op was the last write of the fence node: the token is the counter.
+    assert lease.fencing_token == backend.fencing_counter(name)
+    assert backend.contenders(name) == [lease.owner]
+    lease.release()
+    assert backend.contenders(name) == []
+
+
+def test_a_waiter_whose_holder_went_before_its_watch_holds_with_no_listing(
+    zk: str, name: str, zk_server: ZooKeeperServer
+) -> None:
+    """The holder (another session) releases between the waiter's listing and its
+    watch: the watch finds the node gone and the waiter's own node there (answered in
+    that order), so nothing can be ahead of it: it holds, with no second listing."""
+    backend = get_backend(zk)
+    other = type(backend)("zk-other", {"LOCATION": zk_server.location})
+    try:
+        first = other.acquire(name, "holder", 30, HOLDER)
+        assert first.acquired
+        with Requests(backend._ready("test", name)) as requests:
+            requests.before["Exists"] = lambda: other.release(name, "holder")
+            lease = Waiter(zk, name).join()
+        assert requests.sent == ["Transaction", "GetChildren2", "Exists", "Exists"]
+        assert lease.fencing_token > first.fencing_token
+        assert backend.contenders(name) == [lease.owner]
+        lease.release()
+    finally:
+        other.close()
+
+
+def test_a_waiter_whose_node_is_deleted_by_hand_is_not_granted_by_its_watch(
+    zk: str, name: str, zk_server: ZooKeeperServer
+) -> None:
+    """The waiter just behind the holder would take the holder's going as its grant;
+    its node deleted meanwhile (nothing in distlocks does that: an operator, another
+    tool), the watch on its own node fires first, and it queues again instead of
+    holding the lock with no node."""
+    from kazoo.client import KazooClient
+
+    backend = get_backend(zk)
+    first = backend.acquire(name, "holder", 30, HOLDER)
+    client = backend._ready("test", name)
+    holder_path = backend._nodes[(name, "holder")].path
+    waiter = Waiter(zk, name)
+    wait_for(lambda: watching(client, holder_path))
+    (path,) = (node.path for (n, o), node in backend._nodes.items() if n == name and o != "holder")
+    wait_for(lambda: watching(client, path))
+    operator = KazooClient(hosts=zk_server.location)
+    operator.start(timeout=10)
+    try:
+        operator.delete(path)
+        # It finds its node gone (and waits for the holder to queue again, as a waiter
+        # forced out does): not granted.
+        wait_for(lambda: all(node.path != path for node in list(backend._nodes.values())))
+        assert waiter.lease is None
+        assert backend.release(name, "holder")
+        lease = waiter.join()
+        assert lease.fencing_token > first.fencing_token
+        assert backend.contenders(name) == [lease.owner]
+        lease.release()
+    finally:
+        operator.stop()
+        operator.close()
+
+
+def test_a_waiter_deeper_in_the_queue_lists_once_when_woken(zk: str, name: str) -> None:
+    """Holder, then two waiters: the first waiter gets the lock at the holder's release
+    with no request; the second, whose watched node was a waiter's when it queued,
+    lists the contenders once when that node goes (sent as the watch fires), and holds."""
+    backend = get_backend(zk)
+    assert backend.acquire(name, "holder", 30, HOLDER).acquired
+    client = backend._ready("test", name)
+    holder_path = backend._nodes[(name, "holder")].path
+    with Requests(client) as requests:
+        one = Waiter(zk, name)
+        wait_for(lambda: watching(client, holder_path))
+        (one_path,) = (
+            node.path for (n, o), node in backend._nodes.items() if n == name and o != "holder"
+        )
+        two = Waiter(zk, name)
+        # The second watch on it (the first is its owner's, on its own node).
+        wait_for(lambda: watching(client, one_path, 2))
+        queueing = ["Transaction", "GetChildren2", "Exists"]
+        assert requests.sent == [*queueing, "Exists", *queueing]
+        assert backend.release(name, "holder")
+        first = one.join()
+        assert requests.sent[7:] == ["Delete"]
+        assert two.thread.is_alive()
+        first.release()
+        second = two.join()
+        assert requests.sent[8:] == ["Delete", "GetChildren2"]
+    assert second.fencing_token > first.fencing_token
+    second.release()
+    assert backend.contenders(name) == []
+
+
+#: One step of waiters on one lock: ("join", b) a waiter on backend b (two sessions,
+#: each shared by its waiters) queues; ("quit", b) one queues with a short timeout, so
+#: that it gives up wherever it is in the queue then (or holds, if its turn came);
+#: ("release", 0) the holder releases; ("force", b) the holder is force-released (no
+#: token). A step comes once the waiter before it has its node on the server, often
+#: before its watch is set.
+HANDOFF_STEPS = st.lists(
+    st.tuples(st.sampled_from(["join", "quit", "release", "force"]), st.integers(0, 1)),
+    max_size=10,
+)
+
+
+@hypothesis.settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(steps=HANDOFF_STEPS)
+# A waiter gives up between the holder and another waiter: the one behind it is woken,
+# and must list (its watched node was not the holder's), not take the lock.
+@hypothesis.example(steps=[("join", 0), ("quit", 1), ("join", 0)])
+def test_hand_offs_keep_arrival_order_and_leave_no_node(
+    settings: Any, zk_server: ZooKeeperServer, steps: list[tuple[str, int]]
+) -> None:
+    """Whatever the order of joins, give-ups (anywhere in the queue), releases and
+    evictions, and whether the node ahead goes before or after a waiter's watch is
+    set: each grant goes to the first node on the server (checked by the grantee at
+    its grant, before anyone may release or evict it), one lease at a time, in
+    arrival order (tokens strictly increase in the order of the grants), and once
+    every waiter ended, no node is left."""
+    aliases = [f"zk-handoff-{i}" for i in range(2)]
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        **{alias: zk_config(zk_server.location, session_timeout=10) for alias in aliases},
+    }
+    backends = [get_backend(alias) for alias in aliases]
+    name = f"handoff-{uuid.uuid4().hex}"
+    grants: list[Waiter] = []
+    everyone: list[Waiter] = []
+    ended: set[Waiter] = set()  # released or evicted
+
+    def on_server() -> list[str]:
+        return backends[0].contenders(name)
+
+    def at_grant(waiter: Waiter) -> None:
+        waiter.first = on_server()[:1] == [waiter.lease.owner]
+        grants.append(waiter)
+
+    def holding() -> list[Waiter]:
+        return [w for w in grants if w not in ended]
+
+    def settled() -> bool:
+        """The first node on the server is a granted waiter's (or there is none)."""
+        queue = on_server()
+        return not queue or any(w.lease.owner == queue[0] for w in holding())
+
+    try:
+        for step, b in steps:
+            if step in ("join", "quit"):
+                before = len(on_server())
+                waiter = Waiter(aliases[b], name, 20 if step == "join" else 0.3, at_grant)
+                waiter.quits = step == "quit"
+                everyone.append(waiter)
+                # Queued (or already gone again, a quitter under load).
+                wait_for(
+                    lambda waiter=waiter, before=before: (
+                        len(on_server()) > before or not waiter.thread.is_alive()
+                    )
+                )
+            else:
+                wait_for(settled)
+                current = holding()
+                if current:
+                    if step == "release":
+                        ended.add(current[0])
+                        current[0].lease.release()
+                    else:
+                        ended.add(current[0])
+                        assert backends[b].force_release(name, current[0].lease.fencing_token)
+            assert len(holding()) <= 1, "two leases held at once"
+        # The quitters give up (behind the holder, from anywhere in the queue) first...
+        for waiter in everyone:
+            if waiter.quits:
+                waiter.thread.join(30)
+        # ...then every other waiter gets the lock in turn.
+        for waiter in everyone:
+            while waiter.thread.is_alive():
+                wait_for(settled, timeout=30)
+                for holder in holding():
+                    ended.add(holder)
+                    holder.lease.release()
+                time.sleep(0.01)
+            assert waiter.error is None or isinstance(waiter.error, LockNotAcquired)
+        for holder in holding():
+            ended.add(holder)
+            holder.lease.release()
+        assert all(w.first for w in grants), "granted while not first on the server"
+        tokens = [w.lease.fencing_token for w in grants]
+        assert tokens == sorted(set(tokens)), "not granted in arrival order"
+        assert on_server() == []
+    finally:
+        for waiter in everyone:
+            waiter.thread.join(30)
+            if waiter.lease is not None:
+                with contextlib.suppress(Exception):
+                    waiter.lease.release()
 
 
 def test_waiters_get_the_lock_in_arrival_order(zk: str, name: str) -> None:

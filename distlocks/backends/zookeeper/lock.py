@@ -6,6 +6,9 @@ only the one just before it.
   A try-once call on a busy lock is refused without writing anything.
 * a create left without an answer is looked for by the next attempt (the node's name
   carries the owner) and taken over; one node per owner is kept.
+* a waiter watches the node just ahead of it as its acquire listed it (no listing of
+  its own); when that node was the holder's, its deletion is the grant (no request),
+  and otherwise the watch's callback sends the next listing (:meth:`wait_and_acquire`).
 * release deletes the caller's own node (version 0: never another's); a waiter that
   gives up deletes its node too.
 * extend confirms the node still exists in the live session (nothing is written).
@@ -20,10 +23,11 @@ import json
 import threading
 import time
 import urllib.parse
+from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
-from kazoo.protocol.states import ZnodeStat
+from kazoo.protocol.states import EventType, WatchedEvent, ZnodeStat
 
 from distlocks.backends.base import AcquireResult, Holder
 from distlocks.backends.zookeeper.nodes import (
@@ -138,11 +142,14 @@ class ZooKeeperLock(ZooKeeperOutages):
         holder: Holder,
         wait: float,
         deadline: float | None,
+        listed: list[str] | None = None,
     ) -> AcquireResult:
+        """One attempt; ``listed``: the contenders as listed for this caller's node
+        when its watch fired (see :meth:`wait_and_acquire`), so as not to list again."""
         client = self._ready("acquire", name, deadline)
         self._check_ttl(client, ttl)
         entry = self._entry(name, owner)
-        children: list[str] | None = None
+        children = listed if entry is not None else None
         # The fence node's version when a try-once listing found the lock free.
         version: int | None = None
         if entry is None:
@@ -203,6 +210,10 @@ class ZooKeeperLock(ZooKeeperOutages):
             return AcquireResult(True, entry.token, self.local_lease(ttl))
         if wait <= 0:
             self.leave_queue(name, owner)
+        else:
+            # What to watch while waiting: no second listing for the wait.
+            index = children.index(mine)
+            entry.ahead, entry.ahead_holds = children[index - 1], index == 1
         return AcquireResult(False, 0, None)
 
     def _adopt(self, client: KazooClient, name: str, owner: str, child: str) -> _Node:
@@ -290,16 +301,21 @@ class ZooKeeperLock(ZooKeeperOutages):
     def _wait(self, name: str, timeout: float, owner: str) -> None:
         client = self._ready("wait for", name)
         entry = self._entry(name, owner) if owner else None
-        children = self._children(client, "wait for", name)
-        if not children:
-            return
-        if entry is None:
-            watched = children[0]
+        if entry is not None and entry.ahead is not None:
+            # The node just ahead at this caller's last listing (its acquire's): if it
+            # went since, the watch finds it gone and the next acquire lists again.
+            watched, entry.ahead = entry.ahead, None
         else:
-            mine = entry.path.rsplit("/", 1)[1]
-            if mine not in children or children[0] == mine:
+            children = self._children(client, "wait for", name)
+            if not children:
                 return
-            watched = children[children.index(mine) - 1]
+            if entry is None:
+                watched = children[0]
+            else:
+                mine = entry.path.rsplit("/", 1)[1]
+                if mine not in children or children[0] == mine:
+                    return
+                watched = children[children.index(mine) - 1]
         event = threading.Event()
         with self._state_lock:
             self._waiting.add(event)
@@ -316,6 +332,79 @@ class ZooKeeperLock(ZooKeeperOutages):
         finally:
             with self._state_lock:
                 self._waiting.discard(event)
+
+    def wait_and_acquire(
+        self,
+        name: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        seconds: float,
+        *,
+        wait: float,
+        fair: bool,
+    ) -> AcquireResult | None:
+        """:meth:`wait` then :meth:`acquire` for a caller queued behind another node,
+        with no listing of its own for the wait and, at the hand-off, none or one
+        sent ahead of the waiting thread:
+
+        * it watches the node just ahead of it as its acquire listed it (one
+          ``exists``, the only request of the wait);
+        * when that node was the holder's then and its deletion is told in the live
+          session, this caller holds: sequence numbers only grow, so no node can have
+          queued ahead of it since that listing, and the session that told it is the
+          one its own node lives in (a lost session fires its watches with no type).
+          No request: the lease is granted as the watch fires;
+        * when it was a waiter's (which got the lock and released it, or gave up), the
+          watch's callback lists the contenders on kazoo's event thread at once, and
+          the waiting thread takes that listing as its acquire's.
+
+        Anything else (a timeout, another event, an outage, a lost session) ends in a
+        plain :meth:`acquire`, which lists. None (the caller waits and acquires itself)
+        when this caller has no node queued, or no listing said what to watch."""
+        entry = self._entry(name, owner)
+        if entry is None or entry.ahead is None:
+            return None
+        watched, entry.ahead = entry.ahead, None
+        turn = _Turn(self, name, entry.ahead_holds)
+        with self._state_lock:
+            self._waiting.add(turn.wake)
+        try:
+            client = self._ready("wait for", name)
+            turn.client = client
+            ahead = client.exists_async(f"{self.lock_path(name)}/{watched}", watch=turn.watch)
+            # Where the watch may grant the lock, a watch on this caller's own node too,
+            # sent without waiting for the first's answer: were the node deleted by
+            # anyone (by hand), its watch would fire before the one of any later
+            # deletion (a session is told in zxid order), and nothing is granted.
+            own = client.exists_async(entry.path, watch=turn.watch_own) if turn.was_first else None
+            stat = self._get("wait for", name, ahead)
+            if own is not None and self._get("wait for", name, own) is None:
+                turn.own_gone = True
+            if stat is None:
+                # Gone already. If it was the holder's, this caller's node was found
+                # there after it (answered in that order): nothing is ahead of it now.
+                turn.holds = turn.was_first and not turn.own_gone
+            elif not turn.own_gone:
+                turn.wake.wait(max(0.0, seconds))
+        except LockBackendUnavailable:
+            self._outage_pause(seconds)
+        finally:
+            turn.active = False
+            with self._state_lock:
+                self._waiting.discard(turn.wake)
+        if turn.generation == self._generation and self._entry(name, owner) is entry:
+            if turn.holds and not turn.own_gone:
+                return AcquireResult(True, entry.token, self.local_lease(ttl))
+            listed = turn.listed()
+        else:
+            listed = None
+        return self._through_outage(
+            (_LOCK, name, owner),
+            wait,
+            lambda deadline: self._acquire(name, owner, ttl, holder, wait, deadline, listed),
+            lambda: self._leave(name, owner),
+        )
 
     def force_release(self, name: str, token: int | None = None) -> bool:
         client = self._ready("force-release", name)
@@ -349,3 +438,56 @@ class ZooKeeperLock(ZooKeeperOutages):
         if stat is None or stat.version == 0:
             return 0
         return token_of(stat.mzxid, stat)
+
+
+class _Turn:
+    """One wait of a queued lock contender for the node just ahead of it to go (see
+    :meth:`ZooKeeperLock.wait_and_acquire`). :meth:`watch` runs on kazoo's event thread."""
+
+    __slots__ = ("active", "backend", "client", "generation", "holds", "listing", "name",
+                 "own_gone", "wake", "was_first")  # fmt: skip
+
+    def __init__(self, backend: ZooKeeperLock, name: str, was_first: bool) -> None:
+        self.backend = backend
+        self.name = name
+        #: The watched node was the holder's when this caller listed the contenders.
+        self.was_first = was_first
+        self.generation = backend._generation
+        self.client: KazooClient | None = None
+        self.wake = threading.Event()
+        #: Still waited for: a watch firing after the wait ended lists nothing.
+        self.active = True
+        #: The node ahead went, told in the session this caller's node lives in.
+        self.holds = False
+        #: This caller's own node was deleted (by hand: nothing in distlocks deletes a
+        #: waiter's node but the waiter), or found gone.
+        self.own_gone = False
+        self.listing: Any = None
+
+    def watch(self, event: WatchedEvent) -> None:
+        gone = event.type == EventType.DELETED and self.generation == self.backend._generation
+        if gone and self.was_first:
+            self.holds = not self.own_gone
+        elif gone and self.active and self.client is not None:
+            # Sent now, from the event thread: the listing is on its way while the
+            # waiting thread wakes up.
+            self.listing = self.client.get_children_async(
+                self.backend.lock_path(self.name), include_data=True
+            )
+        self.wake.set()
+
+    def watch_own(self, event: WatchedEvent) -> None:
+        if event.type == EventType.DELETED:
+            self.own_gone = True
+            self.wake.set()  # its acquire lists, finds the node gone, and queues again
+
+    def listed(self) -> list[str] | None:
+        """The contenders as listed when the watch fired, queue order; None if not sent
+        or if it failed (the acquire that follows lists, and meets the error itself)."""
+        if self.listing is None:
+            return None
+        try:
+            children, _ = self.listing.get(timeout=self.backend.socket_timeout)
+        except Exception:
+            return None
+        return _contenders(children)

@@ -32,6 +32,11 @@ class _Node:
     #: Set by the watches of a waiting permit request (one per node, so re-arming a
     #: watch on a node already watched adds nothing on the client or the server).
     wake: threading.Event = dataclasses.field(default_factory=threading.Event)
+    #: A waiting lock contender: the node just ahead of it at its last listing (the
+    #: one to watch, so waiting needs no listing of its own), and whether that node
+    #: was the first, the holder's, then.
+    ahead: str | None = None
+    ahead_holds: bool = False
 
     def watch(self, _event: object) -> None:
         self.wake.set()
