@@ -50,6 +50,20 @@ local function next_token(fence, now, lease_end_ms)
 end
 """.replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
 
+# A released lease's tombstone: the key ``<base>:released:<owner>`` (the lock key is
+# ``<base>:lock``), holding the id of the release request that wrote it, kept
+# FENCE_GRACE_MS. A request sent again because its reply was lost (the connection broke
+# after the server ran it: the client reconnects and sends the very same request at
+# once) finds the lock gone, or someone else's: the tombstone tells it that its own
+# first run released it, where the caller would otherwise be told its lease was lost.
+# A new release call has a new id, so a release repeated on purpose (or of a later lease
+# of the same owner that was lost) is still answered "not held".
+_TOMBSTONE = """
+local function tombstone(lock, owner)
+  return string.sub(lock, 1, -5) .. 'released:' .. owner
+end
+"""
+
 # Forget waiters whose registration expired (they crashed or gave up silently).
 _PRUNE = """
 local function prune(waiters, queue, now_ms)
@@ -137,9 +151,13 @@ if turn and fair then
 end
 if not turn then
   if wait_ms > 0 then
+    -- The sets expire with their latest registration: those of a waiter that crashed
+    -- go even if no script on this name ever runs again to prune them.
     redis.call('ZADD', KEYS[3], now_ms + wait_ms, ARGV[1])
+    if redis.call('PTTL', KEYS[3]) < wait_ms then redis.call('PEXPIRE', KEYS[3], wait_ms) end
     if fair then
       redis.call('ZADD', KEYS[4], 'NX', now[1] * 1000000 + now[2], ARGV[1])
+      if redis.call('PTTL', KEYS[4]) < wait_ms then redis.call('PEXPIRE', KEYS[4], wait_ms) end
     end
   end
   if holder then return {0, 0, redis.call('PTTL', KEYS[1])} end
@@ -170,25 +188,35 @@ return {1, token, tonumber(ARGV[2])}
 """
 )
 
+
 # KEYS: lock hash, waiters, queue, signal, fence counter[, listing index]. ARGV: owner,
-# wake key prefix[, name: the index field, with the index].
+# wake key prefix[, name: the index field, with the index ('' without it), request id].
 # Compare-and-delete, then wake one waiter. No lease is live any more: the counter is
 # kept only until the clock passes it (and the grace), not until the lease would have
-# ended, so a per-call name with a long ttl goes soon after its release.
+# ended, so a per-call name with a long ttl goes soon after its release. With a request
+# id it leaves the owner's tombstone, and a repeated request that finds it answers 1.
+# (Redlock's give-back sends an attempt id as ARGV[3] and no request id.)
 RELEASE = (
     _WAKE
     + _NOW
     + _NEXT_TOKEN
+    + _TOMBSTONE
     + """
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
+  if ARGV[4] and redis.call('GET', tombstone(KEYS[1], ARGV[1])) == ARGV[4] then return 1 end
+  return 0
+end
 redis.call('DEL', KEYS[1])
+if ARGV[4] then
+  redis.call('SET', tombstone(KEYS[1], ARGV[1]), ARGV[4], 'PX', FENCE_GRACE_MS)
+end
 keep_fence(KEYS[5], 0, now_ms)
 if KEYS[6] then redis.call('HDEL', KEYS[6], ARGV[3]) end
 if redis.call('EXISTS', KEYS[2]) == 1 then
   wake(KEYS[2], KEYS[3], KEYS[4], ARGV[2], now_ms)
 end
 return 1
-"""
+""".replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
 )
 
 # KEYS: lock hash, fence counter[, listing index]. ARGV: owner, ttl ms[, name].
