@@ -108,18 +108,48 @@ local function entry(t)
   end
   return table.concat(t, '\\0')
 end
+-- The index's expiry set (see _INDEX_DUE): the entry of name ends at expires ('': never).
+local function index_due(index, name, expires)
+  if expires == '' then
+    redis.call('ZREM', index .. ':expiry', name)
+  else
+    redis.call('ZADD', index .. ':expiry', expires, name)
+  end
+end
 -- The index entry of a held lock rewritten from its hash, with the expiry given.
 local function reindex(index, lock, name, expires)
   local f = redis.call('HMGET', lock, 'owner', 'token', 'host', 'pid', 'thread',
     'acquired_at', 'ttl', 'renewals', 'extra')
   redis.call('HSET', index, name, entry({f[1] or '', f[2] or '', f[3] or '', f[4] or '',
     f[5] or '', f[6] or '', expires, f[7] or '', f[8] or '', f[9] or ''}))
+  index_due(index, name, expires)
 end
 local function ms_now()
   local t = redis.call('TIME')
   return t[1] * 1000 + math.floor(t[2] / 1000)
 end
 """
+
+# The listing index's expiry set, ``<index>:expiry`` (a sorted set: lock name -> the
+# expiry of its entry, server ms), written with every entry, so that a grant can drop
+# the entries of leases that expired unreleased without a listing ever running: up
+# to INDEX_PRUNE of those expired (1 ms past, for the rounding of the clock to ms) per
+# grant. A grant adds one entry and drops up to that many expired ones, so the index
+# holds the live leases and at most those expired since the last grants, however many
+# leases expire unlisted. The lock's own key ends at the same moment (the same script
+# set both, from the same clock): the entry dropped is one a listing would drop too.
+INDEX_PRUNE = 4
+_INDEX_DUE = """
+local function index_prune(index, now_ms)
+  local due = index .. ':expiry'
+  local gone = redis.call('ZRANGEBYSCORE', due, '-inf', string.format('(%d', now_ms - 1),
+    'LIMIT', 0, INDEX_PRUNE)
+  if #gone > 0 then
+    redis.call('HDEL', index, unpack(gone))
+    redis.call('ZREM', due, unpack(gone))
+  end
+end
+""".replace("INDEX_PRUNE", str(INDEX_PRUNE))
 
 # KEYS: lock hash, fence counter, waiters, queue[, listing index].
 # ARGV: owner, ttl ms, name, host, pid, thread, extra (JSON), wait ms, fair (0/1).
@@ -130,6 +160,7 @@ ACQUIRE = (
     + _NEXT_TOKEN
     + _PRUNE
     + _ENTRY
+    + _INDEX_DUE
     + """
 local holder = redis.call('HGET', KEYS[1], 'owner')
 if holder == ARGV[1] then
@@ -183,6 +214,8 @@ if KEYS[5] then
       .. ARGV[7]
   end
   redis.call('HSET', KEYS[5], ARGV[3], value)
+  redis.call('ZADD', KEYS[5] .. ':expiry', now_ms + tonumber(ARGV[2]), ARGV[3])
+  index_prune(KEYS[5], now_ms)
 end
 return {1, token, tonumber(ARGV[2])}
 """
@@ -211,7 +244,10 @@ if ARGV[4] then
   redis.call('SET', tombstone(KEYS[1], ARGV[1]), ARGV[4], 'PX', FENCE_GRACE_MS)
 end
 keep_fence(KEYS[5], 0, now_ms)
-if KEYS[6] then redis.call('HDEL', KEYS[6], ARGV[3]) end
+if KEYS[6] then
+  redis.call('HDEL', KEYS[6], ARGV[3])
+  redis.call('ZREM', KEYS[6] .. ':expiry', ARGV[3])
+end
 if redis.call('EXISTS', KEYS[2]) == 1 then
   wake(KEYS[2], KEYS[3], KEYS[4], ARGV[2], now_ms)
 end
@@ -316,7 +352,10 @@ local token = redis.call('HGET', KEYS[1], 'token')
 if not token then return 0 end
 if ARGV[2] ~= '' and tonumber(token) ~= tonumber(ARGV[2]) then return 0 end
 redis.call('DEL', KEYS[1])
-if KEYS[6] then redis.call('HDEL', KEYS[6], ARGV[3]) end
+if KEYS[6] then
+  redis.call('HDEL', KEYS[6], ARGV[3])
+  redis.call('ZREM', KEYS[6] .. ':expiry', ARGV[3])
+end
 next_token(KEYS[2], now, 0)
 wake(KEYS[3], KEYS[4], KEYS[5], ARGV[1], now_ms)
 return 1
@@ -396,7 +435,10 @@ for i = 2, #KEYS, 2 do
   describe(KEYS[i], KEYS[i + 1], out)
   local name = ARGV[i / 2] or out[at + 2]
   if #out == at then
-    if ARGV[i / 2] then redis.call('HDEL', KEYS[1], name) end
+    if ARGV[i / 2] then
+      redis.call('HDEL', KEYS[1], name)
+      redis.call('ZREM', KEYS[1] .. ':expiry', name)
+    end
   elseif name then
     local expires = ''
     if out[at + 11] >= 0 then expires = string.format('%d', now_ms + out[at + 11]) end
