@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distlocks import lock
-from distlocks.backends.base import Holder
+from distlocks.backends.base import READ, SEMAPHORE, WRITE, Holder, permit_family
 from distlocks.backends.redis import RedisBackend
+from distlocks.backends.redis.permits import _SCRIPTS as _PERMIT_SCRIPTS
 from tests.lost_reply_proxy import LostReplyProxy
 from tests.waiting import wait_for
 
@@ -239,3 +240,18 @@ def test_every_call_answers_the_same_after_a_lost_reply(
     for n in (clean, faulty):
         for owner in "AB":
             direct.release(n, owner)
+
+
+@pytest.mark.parametrize("kind", [SEMAPHORE, READ, WRITE])
+def test_a_permit_release_whose_reply_was_lost_reports_the_release(
+    proxy: LostReplyProxy, backends: tuple[RedisBackend, RedisBackend], name: str, kind: str
+) -> None:
+    lossy, direct = backends
+    script = _PERMIT_SCRIPTS[permit_family(kind), "release"]
+    direct.client.script_load(script.lua)
+    assert lossy.permit_acquire(kind, name, "A", 30, HOLDER).acquired
+    release = functools.partial(lossy.permit_release, kind, name, "A")
+    assert lost(lossy, proxy, script.sha.encode(), release) is True
+    assert direct.permit_holders(kind, name) == []
+    # A second release, on purpose this time, is told the permit is not held.
+    assert direct.permit_release(kind, name, "A") is False

@@ -55,7 +55,7 @@ from distlocks.backends.base import (
     moment,
     permit_family,
 )
-from distlocks.backends.redis.lock import RedisLocks
+from distlocks.backends.redis.lock import RedisLocks, _pid, _release_ids
 from distlocks.backends.redis.permit_scripts import (
     PERMITS_TIDY,
     RW_ACQUIRE,
@@ -213,8 +213,11 @@ class RedisPermits(RedisLocks):
     def permit_release(self, kind: str, name: str, owner: str) -> bool:
         self.check_permit_kind(kind)
         keys = self._permit_keys(kind, name)
+        # An id of its own, as a lock's release: the same request retried after its
+        # reply was lost is told it released (see SEM_RELEASE).
+        args = self._owner_args(kind, owner, f"{_pid()}.{next(_release_ids)}")
         with self._errors("release", name):
-            return bool(self._permit_run(kind, "release", keys, self._owner_args(kind, owner)))
+            return bool(self._permit_run(kind, "release", keys, args))
 
     def permit_extend(self, kind: str, name: str, owner: str, ttl: float) -> bool:
         self.check_permit_kind(kind)
