@@ -133,23 +133,27 @@ end
 # The listing index's expiry set, ``<index>:expiry`` (a sorted set: lock name -> the
 # expiry of its entry, server ms), written with every entry, so that a grant can drop
 # the entries of leases that expired unreleased without a listing ever running: up
-# to INDEX_PRUNE of those expired (1 ms past, for the rounding of the clock to ms) per
+# to INDEX_PRUNE of those whose expiry is more than INDEX_PRUNE_AFTER_MS past, per
 # grant. A grant adds one entry and drops up to that many expired ones, so the index
-# holds the live leases and at most those expired since the last grants, however many
-# leases expire unlisted. The lock's own key ends at the same moment (the same script
-# set both, from the same clock): the entry dropped is one a listing would drop too.
+# holds the live leases and at most those expired lately, however many leases expire
+# unlisted. The lock's own key ends at that expiry, give or take the time a script
+# runs (the same script set both, from the same clock): the margin makes sure it is
+# gone, so the entry dropped is one a listing would drop too.
 INDEX_PRUNE = 4
+INDEX_PRUNE_AFTER_MS = 1000
 _INDEX_DUE = """
 local function index_prune(index, now_ms)
   local due = index .. ':expiry'
-  local gone = redis.call('ZRANGEBYSCORE', due, '-inf', string.format('(%d', now_ms - 1),
-    'LIMIT', 0, INDEX_PRUNE)
+  local gone = redis.call('ZRANGEBYSCORE', due, '-inf',
+    string.format('(%d', now_ms - INDEX_PRUNE_AFTER_MS), 'LIMIT', 0, INDEX_PRUNE)
   if #gone > 0 then
     redis.call('HDEL', index, unpack(gone))
     redis.call('ZREM', due, unpack(gone))
   end
 end
-""".replace("INDEX_PRUNE", str(INDEX_PRUNE))
+""".replace("INDEX_PRUNE_AFTER_MS", str(INDEX_PRUNE_AFTER_MS)).replace(
+    "INDEX_PRUNE", str(INDEX_PRUNE)
+)
 
 # KEYS: lock hash, fence counter, waiters, queue[, listing index].
 # ARGV: owner, ttl ms, name, host, pid, thread, extra (JSON), wait ms, fair (0/1).
