@@ -102,7 +102,8 @@ class RedisLocks(RedisCalls):
 
     def _release_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
         k = self.all_keys(name)
-        return [k.lock, k.waiters, k.queue, k.signal, k.fence], [owner, k.wake_prefix]
+        tombstone = k.lock.removesuffix("lock") + "released:" + owner
+        return [k.lock, k.waiters, k.queue, k.signal, k.fence, tombstone], [owner, k.wake_prefix]
 
     def _indexed_release_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
         # A release call of its own id: a retry of this very request (its reply lost)

@@ -38,15 +38,13 @@ local function register(waiters, owner, register_ms)
   if redis.call('PTTL', waiters) < register_ms then redis.call('PEXPIRE', waiters, register_ms) end
 end
 
--- A release's tombstone (see the lock's RELEASE script): a release request sent again
--- after its reply was lost finds the id it was sent with, and is told it released.
-local function mark_released(holders, owner, request)
-  if request then
-    redis.call('SET', holders .. ':released:' .. owner, request, 'PX', FENCE_GRACE_MS)
-  end
+-- A release's tombstone (see the lock's RELEASE script), the key given: a release
+-- request sent again after its reply was lost finds the id it was sent with there.
+local function mark_released(tombstone, request)
+  if request then redis.call('SET', tombstone, request, 'PX', FENCE_GRACE_MS) end
 end
-local function released_by(holders, owner, request)
-  return request and redis.call('GET', holders .. ':released:' .. owner) == request
+local function released_by(tombstone, request)
+  return request and redis.call('GET', tombstone) == request
 end
 
 -- One more wake-up, keeping no more of them than there are waiters.
@@ -120,6 +118,7 @@ return {0, 0, math.floor(tonumber(first[2]) - now_ms)}
 """
 )
 
+# KEYS[5]: the owner's release tombstone (holders key .. ':released:' .. owner).
 # ARGV: owner[, request id]. Gives back the caller's own live permit only; wakes one
 # waiter. With a request id, answers 1 to the same request sent again (its tombstone).
 SEM_RELEASE = (
@@ -128,10 +127,10 @@ SEM_RELEASE = (
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 purge(KEYS[1], KEYS[2])
 if not score or tonumber(score) <= now_ms then
-  if released_by(KEYS[1], ARGV[1], ARGV[2]) then return 1 end
+  if released_by(KEYS[5], ARGV[2]) then return 1 end
   return 0
 end
-mark_released(KEYS[1], ARGV[1], ARGV[2])
+mark_released(KEYS[5], ARGV[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 tidy(KEYS[1], KEYS[2])
@@ -312,6 +311,7 @@ return {1, token, ttl}
 """
 )
 
+# KEYS[9]: the owner's release tombstone (holders key .. ':released:' .. owner).
 # ARGV: kind, owner[, request id]. Gives back the caller's own live lease of that kind
 # only. With a request id, answers 1 to the same request sent again (its tombstone).
 RW_RELEASE = (
@@ -320,10 +320,10 @@ RW_RELEASE = (
 local score = redis.call('ZSCORE', KEYS[1], ARGV[2])
 local writer = purge_rw()
 if not score or tonumber(score) <= now_ms or (ARGV[1] == 'write') ~= (writer == ARGV[2]) then
-  if released_by(KEYS[1], ARGV[2], ARGV[3]) then return 1 end
+  if released_by(KEYS[9], ARGV[3]) then return 1 end
   return 0
 end
-mark_released(KEYS[1], ARGV[2], ARGV[3])
+mark_released(KEYS[9], ARGV[3])
 redis.call('ZREM', KEYS[1], ARGV[2])
 redis.call('HDEL', KEYS[2], ARGV[2])
 if writer == ARGV[2] then redis.call('DEL', KEYS[3]) end

@@ -50,19 +50,14 @@ local function next_token(fence, now, lease_end_ms)
 end
 """.replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
 
-# A released lease's tombstone: the key ``<base>:released:<owner>`` (the lock key is
-# ``<base>:lock``), holding the id of the release request that wrote it, kept
-# FENCE_GRACE_MS. A request sent again because its reply was lost (the connection broke
-# after the server ran it: the client reconnects and sends the very same request at
-# once) finds the lock gone, or someone else's: the tombstone tells it that its own
-# first run released it, where the caller would otherwise be told its lease was lost.
-# A new release call has a new id, so a release repeated on purpose (or of a later lease
-# of the same owner that was lost) is still answered "not held".
-_TOMBSTONE = """
-local function tombstone(lock, owner)
-  return string.sub(lock, 1, -5) .. 'released:' .. owner
-end
-"""
+# A released lease's tombstone: the key ``<base>:released:<owner>``, holding the id of
+# the release request that wrote it, kept FENCE_GRACE_MS. A request sent again because
+# its reply was lost (the connection broke after the server ran it: the client
+# reconnects and sends the very same request at once) finds the lock gone, or someone
+# else's: the tombstone tells it that its own first run released it, where the caller
+# would otherwise be told its lease was lost. A new release call has a new id, so a
+# release repeated on purpose (or of a later lease of the same owner that was lost) is
+# still answered "not held". The key is declared (KEYS) like the lock's others.
 
 # Forget waiters whose registration expired (they crashed or gave up silently).
 _PRUNE = """
@@ -226,8 +221,9 @@ return {1, token, tonumber(ARGV[2])}
 )
 
 
-# KEYS: lock hash, waiters, queue, signal, fence counter[, listing index]. ARGV: owner,
-# wake key prefix[, name: the index field, with the index ('' without it), request id].
+# KEYS: lock hash, waiters, queue, signal, fence counter, tombstone[, listing index].
+# ARGV: owner, wake key prefix[, name: the index field, with the index ('' without it),
+# request id].
 # Compare-and-delete, then wake one waiter. No lease is live any more: the counter is
 # kept only until the clock passes it (and the grace), not until the lease would have
 # ended, so a per-call name with a long ttl goes soon after its release. With a request
@@ -237,20 +233,17 @@ RELEASE = (
     _WAKE
     + _NOW
     + _NEXT_TOKEN
-    + _TOMBSTONE
     + """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
-  if ARGV[4] and redis.call('GET', tombstone(KEYS[1], ARGV[1])) == ARGV[4] then return 1 end
+  if ARGV[4] and redis.call('GET', KEYS[6]) == ARGV[4] then return 1 end
   return 0
 end
 redis.call('DEL', KEYS[1])
-if ARGV[4] then
-  redis.call('SET', tombstone(KEYS[1], ARGV[1]), ARGV[4], 'PX', FENCE_GRACE_MS)
-end
+if ARGV[4] then redis.call('SET', KEYS[6], ARGV[4], 'PX', FENCE_GRACE_MS) end
 keep_fence(KEYS[5], 0, now_ms)
-if KEYS[6] then
-  redis.call('HDEL', KEYS[6], ARGV[3])
-  redis.call('ZREM', KEYS[6] .. ':expiry', ARGV[3])
+if KEYS[7] then
+  redis.call('HDEL', KEYS[7], ARGV[3])
+  redis.call('ZREM', KEYS[7] .. ':expiry', ARGV[3])
 end
 if redis.call('EXISTS', KEYS[2]) == 1 then
   wake(KEYS[2], KEYS[3], KEYS[4], ARGV[2], now_ms)
