@@ -6,7 +6,9 @@ each operation one script of :mod:`.scripts`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -26,6 +28,10 @@ from distlocks.backends.redis.calls import (
 )
 from distlocks.exceptions import LockError
 from redis.exceptions import NoScriptError
+
+#: Numbers the release calls of this process (with its pid: a forked child's differ).
+_release_ids = itertools.count()
+_pid = os.getpid
 
 
 def _extra_json(extra: Mapping[str, Any]) -> str:
@@ -96,12 +102,16 @@ class RedisLocks(RedisCalls):
 
     def _release_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
         k = self.all_keys(name)
-        return [k.lock, k.waiters, k.queue, k.signal, k.fence], [owner, k.wake_prefix]
+        tombstone = k.lock.removesuffix("lock") + "released:" + owner
+        return [k.lock, k.waiters, k.queue, k.signal, k.fence, tombstone], [owner, k.wake_prefix]
 
     def _indexed_release_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
+        # A release call of its own id: a retry of this very request (its reply lost)
+        # sends the same id and is told it released the lock (see the RELEASE script).
         keys, args = self._release_call(name, owner)
+        args += (name, f"{_pid()}.{next(_release_ids)}")
         if self._index:
-            return keys + self._index, [*args, name]
+            return keys + self._index, args
         return keys, args
 
     def release(self, name: str, owner: str) -> bool:

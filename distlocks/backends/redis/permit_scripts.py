@@ -38,6 +38,15 @@ local function register(waiters, owner, register_ms)
   if redis.call('PTTL', waiters) < register_ms then redis.call('PEXPIRE', waiters, register_ms) end
 end
 
+-- A release's tombstone (see the lock's RELEASE script), the key given: a release
+-- request sent again after its reply was lost finds the id it was sent with there.
+local function mark_released(tombstone, request)
+  if request then redis.call('SET', tombstone, request, 'PX', FENCE_GRACE_MS) end
+end
+local function released_by(tombstone, request)
+  return request and redis.call('GET', tombstone) == request
+end
+
 -- One more wake-up, keeping no more of them than there are waiters.
 local function signal(list, waiters)
   if waiters <= 0 then return end
@@ -77,7 +86,7 @@ local function listing(holders, info, waiting)
   end
   return out
 end
-"""
+""".replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
 
 # -- semaphores. KEYS: holders, info, waiters, signal. ------------------------------
 
@@ -109,13 +118,19 @@ return {0, 0, math.floor(tonumber(first[2]) - now_ms)}
 """
 )
 
-# ARGV: owner. Gives back the caller's own live permit only; wakes one waiter.
+# KEYS[5]: the owner's release tombstone (holders key .. ':released:' .. owner).
+# ARGV: owner[, request id]. Gives back the caller's own live permit only; wakes one
+# waiter. With a request id, answers 1 to the same request sent again (its tombstone).
 SEM_RELEASE = (
     _COMMON
     + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 purge(KEYS[1], KEYS[2])
-if not score or tonumber(score) <= now_ms then return 0 end
+if not score or tonumber(score) <= now_ms then
+  if released_by(KEYS[5], ARGV[2]) then return 1 end
+  return 0
+end
+mark_released(KEYS[5], ARGV[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 tidy(KEYS[1], KEYS[2])
@@ -296,15 +311,19 @@ return {1, token, ttl}
 """
 )
 
-# ARGV: kind, owner. Gives back the caller's own live lease of that kind only.
+# KEYS[9]: the owner's release tombstone (holders key .. ':released:' .. owner).
+# ARGV: kind, owner[, request id]. Gives back the caller's own live lease of that kind
+# only. With a request id, answers 1 to the same request sent again (its tombstone).
 RW_RELEASE = (
     _RW
     + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[2])
 local writer = purge_rw()
 if not score or tonumber(score) <= now_ms or (ARGV[1] == 'write') ~= (writer == ARGV[2]) then
+  if released_by(KEYS[9], ARGV[3]) then return 1 end
   return 0
 end
+mark_released(KEYS[9], ARGV[3])
 redis.call('ZREM', KEYS[1], ARGV[2])
 redis.call('HDEL', KEYS[2], ARGV[2])
 if writer == ARGV[2] then redis.call('DEL', KEYS[3]) end

@@ -8,6 +8,8 @@ every key of one name shares the lock's Redis Cluster hash slot)::
     {prefix}:{<name>}:sem:info      hash: owner -> holder (JSON), for inspection
     {prefix}:{<name>}:sem:waiters   zset: owner -> end of its wait registration
     {prefix}:{<name>}:sem:signal    list: wake-ups for waiters
+    {prefix}:{<name>}:sem:released:<owner>  string: the id of the release request that
+                                    gave back the owner's permit (5 s; see SEM_RELEASE)
 
     {prefix}:{<name>}:rw            zset: owner -> end of its lease (readers and writer)
     {prefix}:{<name>}:rw:info       hash: owner -> holder (JSON, with kind and token)
@@ -16,6 +18,7 @@ every key of one name shares the lock's Redis Cluster hash slot)::
     {prefix}:{<name>}:rw:rwait      zset: waiting readers -> end of registration
     {prefix}:{<name>}:rw:wsig       list: wake-ups for writers
     {prefix}:{<name>}:rw:rsig       list: wake-ups for readers
+    {prefix}:{<name>}:rw:released:<owner>   string: as ``sem:released:<owner>``
     {prefix}:{<name>}:rw:fence      the write fencing counter (expires once no lease on
                                     the name is live and the clock has passed it)
 
@@ -55,7 +58,7 @@ from distlocks.backends.base import (
     moment,
     permit_family,
 )
-from distlocks.backends.redis.lock import RedisLocks
+from distlocks.backends.redis.lock import RedisLocks, _pid, _release_ids
 from distlocks.backends.redis.permit_scripts import (
     PERMITS_TIDY,
     RW_ACQUIRE,
@@ -213,8 +216,12 @@ class RedisPermits(RedisLocks):
     def permit_release(self, kind: str, name: str, owner: str) -> bool:
         self.check_permit_kind(kind)
         keys = self._permit_keys(kind, name)
+        # An id of its own, as a lock's release: the same request retried after its
+        # reply was lost is told it released (see SEM_RELEASE), by its tombstone key.
+        keys.append(f"{keys[0]}:released:{owner}")
+        args = self._owner_args(kind, owner, f"{_pid()}.{next(_release_ids)}")
         with self._errors("release", name):
-            return bool(self._permit_run(kind, "release", keys, self._owner_args(kind, owner)))
+            return bool(self._permit_run(kind, "release", keys, args))
 
     def permit_extend(self, kind: str, name: str, owner: str, ttl: float) -> bool:
         self.check_permit_kind(kind)

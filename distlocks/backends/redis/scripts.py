@@ -50,6 +50,15 @@ local function next_token(fence, now, lease_end_ms)
 end
 """.replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
 
+# A released lease's tombstone: the key ``<base>:released:<owner>``, holding the id of
+# the release request that wrote it, kept FENCE_GRACE_MS. A request sent again because
+# its reply was lost (the connection broke after the server ran it: the client
+# reconnects and sends the very same request at once) finds the lock gone, or someone
+# else's: the tombstone tells it that its own first run released it, where the caller
+# would otherwise be told its lease was lost. A new release call has a new id, so a
+# release repeated on purpose (or of a later lease of the same owner that was lost) is
+# still answered "not held". The key is declared (KEYS) like the lock's others.
+
 # Forget waiters whose registration expired (they crashed or gave up silently).
 _PRUNE = """
 local function prune(waiters, queue, now_ms)
@@ -94,18 +103,52 @@ local function entry(t)
   end
   return table.concat(t, '\\0')
 end
+-- The index's expiry set (see _INDEX_DUE): the entry of name ends at expires ('': never).
+local function index_due(index, name, expires)
+  if expires == '' then
+    redis.call('ZREM', index .. ':expiry', name)
+  else
+    redis.call('ZADD', index .. ':expiry', expires, name)
+  end
+end
 -- The index entry of a held lock rewritten from its hash, with the expiry given.
 local function reindex(index, lock, name, expires)
   local f = redis.call('HMGET', lock, 'owner', 'token', 'host', 'pid', 'thread',
     'acquired_at', 'ttl', 'renewals', 'extra')
   redis.call('HSET', index, name, entry({f[1] or '', f[2] or '', f[3] or '', f[4] or '',
     f[5] or '', f[6] or '', expires, f[7] or '', f[8] or '', f[9] or ''}))
+  index_due(index, name, expires)
 end
 local function ms_now()
   local t = redis.call('TIME')
   return t[1] * 1000 + math.floor(t[2] / 1000)
 end
 """
+
+# The listing index's expiry set, ``<index>:expiry`` (a sorted set: lock name -> the
+# expiry of its entry, server ms), written with every entry, so that a grant can drop
+# the entries of leases that expired unreleased without a listing ever running: up
+# to INDEX_PRUNE of those whose expiry is more than INDEX_PRUNE_AFTER_MS past, per
+# grant. A grant adds one entry and drops up to that many expired ones, so the index
+# holds the live leases and at most those expired lately, however many leases expire
+# unlisted. The lock's own key ends at that expiry, give or take the time a script
+# runs (the same script set both, from the same clock): the margin makes sure it is
+# gone, so the entry dropped is one a listing would drop too.
+INDEX_PRUNE = 4
+INDEX_PRUNE_AFTER_MS = 1000
+_INDEX_DUE = """
+local function index_prune(index, now_ms)
+  local due = index .. ':expiry'
+  local gone = redis.call('ZRANGEBYSCORE', due, '-inf',
+    string.format('(%d', now_ms - INDEX_PRUNE_AFTER_MS), 'LIMIT', 0, INDEX_PRUNE)
+  if #gone > 0 then
+    redis.call('HDEL', index, unpack(gone))
+    redis.call('ZREM', due, unpack(gone))
+  end
+end
+""".replace("INDEX_PRUNE_AFTER_MS", str(INDEX_PRUNE_AFTER_MS)).replace(
+    "INDEX_PRUNE", str(INDEX_PRUNE)
+)
 
 # KEYS: lock hash, fence counter, waiters, queue[, listing index].
 # ARGV: owner, ttl ms, name, host, pid, thread, extra (JSON), wait ms, fair (0/1).
@@ -116,6 +159,7 @@ ACQUIRE = (
     + _NEXT_TOKEN
     + _PRUNE
     + _ENTRY
+    + _INDEX_DUE
     + """
 local holder = redis.call('HGET', KEYS[1], 'owner')
 if holder == ARGV[1] then
@@ -137,9 +181,13 @@ if turn and fair then
 end
 if not turn then
   if wait_ms > 0 then
+    -- The sets expire with their latest registration: those of a waiter that crashed
+    -- go even if no script on this name ever runs again to prune them.
     redis.call('ZADD', KEYS[3], now_ms + wait_ms, ARGV[1])
+    if redis.call('PTTL', KEYS[3]) < wait_ms then redis.call('PEXPIRE', KEYS[3], wait_ms) end
     if fair then
       redis.call('ZADD', KEYS[4], 'NX', now[1] * 1000000 + now[2], ARGV[1])
+      if redis.call('PTTL', KEYS[4]) < wait_ms then redis.call('PEXPIRE', KEYS[4], wait_ms) end
     end
   end
   if holder then return {0, 0, redis.call('PTTL', KEYS[1])} end
@@ -165,30 +213,43 @@ if KEYS[5] then
       .. ARGV[7]
   end
   redis.call('HSET', KEYS[5], ARGV[3], value)
+  redis.call('ZADD', KEYS[5] .. ':expiry', now_ms + tonumber(ARGV[2]), ARGV[3])
+  index_prune(KEYS[5], now_ms)
 end
 return {1, token, tonumber(ARGV[2])}
 """
 )
 
-# KEYS: lock hash, waiters, queue, signal, fence counter[, listing index]. ARGV: owner,
-# wake key prefix[, name: the index field, with the index].
+
+# KEYS: lock hash, waiters, queue, signal, fence counter, tombstone[, listing index].
+# ARGV: owner, wake key prefix[, name: the index field, with the index ('' without it),
+# request id].
 # Compare-and-delete, then wake one waiter. No lease is live any more: the counter is
 # kept only until the clock passes it (and the grace), not until the lease would have
-# ended, so a per-call name with a long ttl goes soon after its release.
+# ended, so a per-call name with a long ttl goes soon after its release. With a request
+# id it leaves the owner's tombstone, and a repeated request that finds it answers 1.
+# (Redlock's give-back sends an attempt id as ARGV[3] and no request id.)
 RELEASE = (
     _WAKE
     + _NOW
     + _NEXT_TOKEN
     + """
-if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
+  if ARGV[4] and redis.call('GET', KEYS[6]) == ARGV[4] then return 1 end
+  return 0
+end
 redis.call('DEL', KEYS[1])
+if ARGV[4] then redis.call('SET', KEYS[6], ARGV[4], 'PX', FENCE_GRACE_MS) end
 keep_fence(KEYS[5], 0, now_ms)
-if KEYS[6] then redis.call('HDEL', KEYS[6], ARGV[3]) end
+if KEYS[7] then
+  redis.call('HDEL', KEYS[7], ARGV[3])
+  redis.call('ZREM', KEYS[7] .. ':expiry', ARGV[3])
+end
 if redis.call('EXISTS', KEYS[2]) == 1 then
   wake(KEYS[2], KEYS[3], KEYS[4], ARGV[2], now_ms)
 end
 return 1
-"""
+""".replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
 )
 
 # KEYS: lock hash, fence counter[, listing index]. ARGV: owner, ttl ms[, name].
@@ -288,7 +349,10 @@ local token = redis.call('HGET', KEYS[1], 'token')
 if not token then return 0 end
 if ARGV[2] ~= '' and tonumber(token) ~= tonumber(ARGV[2]) then return 0 end
 redis.call('DEL', KEYS[1])
-if KEYS[6] then redis.call('HDEL', KEYS[6], ARGV[3]) end
+if KEYS[6] then
+  redis.call('HDEL', KEYS[6], ARGV[3])
+  redis.call('ZREM', KEYS[6] .. ':expiry', ARGV[3])
+end
 next_token(KEYS[2], now, 0)
 wake(KEYS[3], KEYS[4], KEYS[5], ARGV[1], now_ms)
 return 1
@@ -368,7 +432,10 @@ for i = 2, #KEYS, 2 do
   describe(KEYS[i], KEYS[i + 1], out)
   local name = ARGV[i / 2] or out[at + 2]
   if #out == at then
-    if ARGV[i / 2] then redis.call('HDEL', KEYS[1], name) end
+    if ARGV[i / 2] then
+      redis.call('HDEL', KEYS[1], name)
+      redis.call('ZREM', KEYS[1] .. ':expiry', name)
+    end
   elseif name then
     local expires = ''
     if out[at + 11] >= 0 then expires = string.format('%d', now_ms + out[at + 11]) end

@@ -84,7 +84,8 @@ return 1
 # KEYS and ARGV as the single-node release, plus ARGV[3]: an attempt id.
 # The release of what an attempt got and does not count on, which may reach a master
 # late (its request was still running, or timed out). By then the owner's next
-# attempt may have taken the entry over, or the lease renewed it: those are left.
+# attempt may have taken the entry over, or the lease renewed it: those are left. It
+# sends no request id, so it leaves no tombstone: it releases no lease.
 GIVE_BACK = (
     _OURS
     + """
