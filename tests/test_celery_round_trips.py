@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from distlocks import get_backend
 from distlocks.backends.base import Holder
 from distlocks.contrib.celery import single_execution
-from distlocks.exceptions import LockNotAcquired
+from distlocks.exceptions import LockLost, LockNotAcquired
 from distlocks.locks import current_holder
 from tests.celery_app import app
 
@@ -142,15 +142,41 @@ def test_a_queued_or_running_run_keeps_its_marker_and_takes_both_in_one_round_tr
         trips = sends.count
     finally:
         app.conf.task_store_eager_result = False
-    # The acquire of both, the release of the run lock, the release of the marker
-    # (four before), and the body's own two inspections; the result backend is not
-    # the lock server's database.
-    assert trips == 3 + 2
+    # The acquire of both, then the release of both (four round trips before), and
+    # the body's own two inspections; the result backend is not the lock server's.
+    assert trips == 2 + 2
     ((run, marker),) = inside
     assert run is not None and run.extra["celery_task_id"] == sent.id
     assert marker is not None and marker.extra["celery_task_id"] == sent.id
     assert backend.inspect(f"trips-qor:{n}") is None
     assert backend.inspect(f"trips-qor:{n}:queued") is None
+
+
+@single_execution(
+    app=app, name="trips.qor_lost", key="trips-lost:{n}", unique_while="queued_or_running"
+)  # fmt: skip
+def loses_its_lock(n: int) -> int:
+    get_backend("default").force_release(f"trips-lost:{n}")  # an operator frees it
+    return n
+
+
+def test_a_run_lock_lost_while_running_fails_the_task_and_still_frees_the_marker(
+    broker: redis.Redis,
+) -> None:
+    """The releases sent together report as the plain ones: a run lock lost while the
+    body ran fails the task with LockLost, and the marker is let go all the same."""
+    n = _n()
+    backend = get_backend("default")
+    sent = loses_its_lock.apply_async((n,), queue=IDLE_QUEUE)
+    app.conf.task_store_eager_result = True
+    try:
+        result = loses_its_lock.apply((n,), task_id=sent.id)
+    finally:
+        app.conf.task_store_eager_result = False
+    assert result.failed()
+    assert isinstance(result.result, LockLost), result.result
+    assert backend.inspect(f"trips-lost:{n}:queued") is None
+    assert backend.inspect(f"trips-lost:{n}") is None
 
 
 @pytest.mark.parametrize("task", [queued, queued_or_running], ids=["queued", "queued_or_running"])

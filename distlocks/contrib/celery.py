@@ -66,6 +66,7 @@ from distlocks.handler import backends, check_alias
 from distlocks.lease import Lease
 from distlocks.locks import (
     Lock,
+    _exit_problem,
     _when_dropped,
     current_holder,
     finish_lease,
@@ -711,19 +712,41 @@ class SingleExecutionTask(_TaskBase):
             _running.reset(running)
             _current.reset(current)
             fencing.leave(fence)
-            try:
-                self._finish(lease, started, body_failed=True)
-            finally:
-                _end_marker(marker)
+            self._finish_run(lease, marker, started, body_failed=True)
             raise
         _running.reset(running)
         _current.reset(current)
         fencing.leave(fence)
+        self._finish_run(lease, marker, started, body_failed=False)
+        return result
+
+    def _finish_run(
+        self, lease: Lease, marker: Lease | None, started: float, *, body_failed: bool
+    ) -> None:
+        """The end of a run: the run lock released (or kept, see :meth:`_finish`), then
+        the marker kept for it; on Redis both releases in one round trip."""
+        if (
+            marker is not None
+            and self._single.lock_at_least_for is None
+            and _together.usable(lease._backend)  # type: ignore[arg-type]
+        ):
+            lease.held()  # notices a lease that ran out while the body ran
+            try:
+                freed = _together.release_both(lease, marker)
+            except LockError:
+                if not body_failed:
+                    raise
+                logger.exception("Could not release lock %r after an error in its task", lease.name)
+                return
+            if freed is not None:
+                problem = _exit_problem(lease, body_failed)
+                if problem is not None:
+                    raise problem
+                return
         try:
-            self._finish(lease, started, body_failed=False)
+            self._finish(lease, started, body_failed=body_failed)
         finally:
             _end_marker(marker)
-        return result
 
     def _claim(self, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Claim the rows the run will change, with the run lock's token."""

@@ -24,16 +24,25 @@ Both return None where they cannot be used; the caller then makes the plain call
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any
 
+from distlocks import signals, transactions
 from distlocks.backends.base import AcquireResult, BaseBackend, Holder
+from distlocks.exceptions import LockError
+from distlocks.lease import FREE_LOST, RELEASE, Lease
 
 try:
     import redis
     from redis.exceptions import NoScriptError
 
     from distlocks.backends.redis import RedisBackend
-    from distlocks.backends.redis.calls import _DRIVER_ERRORS, _text
+    from distlocks.backends.redis.calls import (
+        _DRIVER_ERRORS,
+        _hiredis_pack,
+        _HiredisPacker,
+        _text,
+    )
     from distlocks.backends.redis.scripts import ACQUIRE
 except ImportError:  # pragma: no cover - without redis-py no backend here is a Redis one
     _REDIS = False
@@ -78,6 +87,10 @@ class _Script:
 
 ENQUEUE = _Script(_CHECK + ACQUIRE)
 
+logger = logging.getLogger("distlocks.contrib.celery")
+#: Release steps that send a release to the server.
+_SENT = (RELEASE, FREE_LOST)
+
 #: :func:`enqueue`'s answers.
 TAKEN, RUNNING, QUEUED = "taken", "running", "queued"
 
@@ -107,7 +120,11 @@ def send_together(backend: Any, calls: list[tuple[Any, list[str], list[Any]]]) -
         ]
         got: list[Any] = []
         try:
-            conn.send_packed_command(conn.pack_commands(commands))
+            if _hiredis_pack is not None and type(conn._command_packer) is _HiredisPacker:
+                # As the backend's own calls do: our arguments are str and int.
+                conn.send_packed_command([_hiredis_pack(command) for command in commands])
+            else:
+                conn.send_packed_command(conn.pack_commands(commands))
             for _ in commands:
                 try:
                     got.append(conn.read_response())
@@ -196,3 +213,65 @@ def enqueue(
     if kind == 3:
         return QUEUED, _text(reply[1])
     return TAKEN, backend._acquire_result(reply)
+
+
+def release_both(lease: Lease, marker: Lease) -> bool | None:
+    """Release the run lock's ``lease`` and then the queue ``marker`` in one round trip,
+    with what :meth:`Lease.release` does for each (a loss found is reported, the
+    ``lock_released`` receivers hear of each release): whether the run lock was freed
+    by this call, as ``lease.release()`` answers. A failed marker release is logged
+    (it runs out by itself). None where it is not done here (a lease held twice, a
+    release that waits for a transaction, a forked child): the caller releases them
+    one by one."""
+    backend: Any = lease._backend
+    if (
+        lease._inherited()
+        or marker._inherited()
+        or lease._depth > 1
+        or marker._depth > 1
+        or lease._deferral is not None
+        or marker._deferral is not None
+    ):
+        return None
+    if lease.release_on_commit is not False and transactions.open_transactions():
+        return None  # lease.release() decides whether it waits for the transaction
+    with lease._mutex, marker._mutex:
+        steps = [lease._release_step(), marker._release_step()]
+        sent = [(i, item) for i, item in enumerate((lease, marker)) if steps[i] in _SENT]
+        calls = [release_call(backend, item.name, item.owner) for _, item in sent]
+        replies = send_together(backend, calls) if calls else []
+        if replies is None:  # the connection broke: the plain calls (safe to repeat)
+            replies = [_release_or_error(backend, item.name, item.owner) for _, item in sent]
+        answers: list[Any] = [None, None]
+        for (i, _), reply in zip(sent, replies, strict=True):
+            answers[i] = reply
+        marker_answer = answers[1]
+        if isinstance(marker_answer, Exception):
+            logger.warning("Could not release queue marker %r: %s", marker.name, marker_answer)
+        elif steps[1] == RELEASE and marker._released(bool(marker_answer)):
+            marker._on_finished()
+            _released_signal(marker)
+        answer = answers[0]
+        if steps[0] != RELEASE:
+            return False
+        if isinstance(answer, Exception):
+            if isinstance(answer, LockError):
+                raise answer
+            raise backend._error("release", lease.name, answer) from answer
+        if not lease._released(bool(answer)):
+            return False
+    lease._on_finished()
+    _released_signal(lease)
+    return True
+
+
+def _release_or_error(backend: Any, name: str, owner: str) -> Any:
+    try:
+        return backend.release(name, owner)
+    except LockError as exc:
+        return exc
+
+
+def _released_signal(lease: Lease) -> None:
+    if signals.lock_released.receivers:
+        signals.lock_released.send(sender=Lease, lease=lease)
