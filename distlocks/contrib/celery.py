@@ -123,6 +123,11 @@ _current: ContextVar[Lease | None] = ContextVar("distlocks_celery_lease", defaul
 #: Run locks held by the current context, so a nested (eager) run of the same key,
 #: such as an eager ``self.retry()``, does not wait for its own lock.
 _running: ContextVar[frozenset[str]] = ContextVar("distlocks_celery_running", default=frozenset())
+#: In a run: its marker (None: still the run's), and the markers a message published
+#: under the run's own id took (their lifetime), which the run's end keeps for it.
+_republished: ContextVar[dict[str, float | None] | None] = ContextVar(
+    "distlocks_celery_republished", default=None
+)
 
 
 def current_lease() -> Lease | None:
@@ -401,8 +406,22 @@ class SingleExecutionTask(_TaskBase):
             # self.retry() of the running task, under its own id: the marker is its own
             # (same owner), or a newer copy's in "queued" mode; either way the retry is
             # published, never answered with another task's result.
-            backend.acquire(marker, owner, ttl, holder, wait=0.0)
-            return super().apply_async(args, kwargs, task_id=task_id, **options)
+            taken = backend.acquire(marker, owner, ttl, holder, wait=0.0).acquired
+            markers = _republished.get()
+            held_by_run = markers is not None and marker in markers
+            try:
+                published = super().apply_async(args, kwargs, task_id=task_id, **options)
+            except BaseException:
+                # Not published: nothing may keep duplicates away, but a marker the run
+                # holds is the run's to let go, at its end.
+                if taken and not held_by_run:
+                    backend.release_quietly(marker, owner)
+                raise
+            if taken and markers is not None:
+                # A message of this id is queued now (a retry with throw=False, or
+                # self.replace()): the run's end keeps the marker for it.
+                markers[marker] = ttl
+            return published
         existing = None
         running_check = single.unique_while == "queued_or_running"
         # On Redis, the check and the marker are one script: one round trip.
@@ -697,36 +716,51 @@ class SingleExecutionTask(_TaskBase):
         fence = fencing.enter(lease)
         current = _current.set(lease)
         running = _running.set(_running.get() | {name})
+        markers: dict[str, float | None] = {} if marker is None else {marker.name: None}
+        republished = _republished.set(markers)
         started = time.monotonic()
         try:
             if self._single.claim is not None:
                 self._claim(lease, args, kwargs)
             result = super().__call__(*args, **kwargs)
         except Retry as exc:
+            _republished.reset(republished)
             _running.reset(running)
             _current.reset(current)
             fencing.leave(fence)
             self._keep_for_retry(lease, marker, exc, started)
             raise
         except BaseException:
+            _republished.reset(republished)
             _running.reset(running)
             _current.reset(current)
             fencing.leave(fence)
-            self._finish_run(lease, marker, started, body_failed=True)
+            self._finish_run(lease, marker, started, body_failed=True, markers=markers)
             raise
+        _republished.reset(republished)
         _running.reset(running)
         _current.reset(current)
         fencing.leave(fence)
-        self._finish_run(lease, marker, started, body_failed=False)
+        self._finish_run(lease, marker, started, body_failed=False, markers=markers)
         return result
 
     def _finish_run(
-        self, lease: Lease, marker: Lease | None, started: float, *, body_failed: bool
+        self,
+        lease: Lease,
+        marker: Lease | None,
+        started: float,
+        *,
+        body_failed: bool,
+        markers: Mapping[str, float | None],
     ) -> None:
         """The end of a run: the run lock released (or kept, see :meth:`_finish`), then
-        the marker kept for it; on Redis both releases in one round trip."""
+        the marker kept for it; on Redis both releases in one round trip. A marker that
+        a message of the run's own id took meanwhile (``self.replace()``, a retry with
+        ``throw=False``) is kept for that message instead."""
+        keep = None if marker is None else markers.get(marker.name)
         if (
             marker is not None
+            and keep is None
             and self._single.lock_at_least_for is None
             and _together.usable(lease._backend)  # type: ignore[arg-type]
         ):
@@ -746,7 +780,7 @@ class SingleExecutionTask(_TaskBase):
         try:
             self._finish(lease, started, body_failed=body_failed)
         finally:
-            _end_marker(marker)
+            _end_marker(marker, keep=keep)
 
     def _claim(self, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Claim the rows the run will change, with the run lock's token."""
