@@ -80,21 +80,21 @@ def _commands(client: Any, call: Callable[[], None], count: int) -> dict[str, fl
     return dict(sorted(per_call.items()))
 
 
-def _round_trips(db: int, call: Callable[[], None], count: int) -> tuple[float, float]:
-    """Requests this thread sends per call of ``call``: (to the lock server's database,
-    to any other: the broker). A pipeline of several commands is one request, one round
-    trip; the server's command count cannot tell them apart."""
+def _round_trips(call: Callable[[], None], count: int) -> float:
+    """Requests this thread sends to Redis per call of ``call`` (the benchmark's locks
+    and broker are one server). A pipeline of several commands is one request, one
+    round trip; the server's command count cannot tell them apart."""
     import threading
 
     from redis.connection import AbstractConnection
 
     original = AbstractConnection.send_packed_command
     thread = threading.get_ident()
-    sent = [0, 0]
+    sent = [0]
 
     def counted(conn: Any, command: Any, check_health: bool = True) -> None:
         if threading.get_ident() == thread:
-            sent[0 if conn.db == db else 1] += 1
+            sent[0] += 1
         original(conn, command, check_health)
 
     call()  # connected, scripts loaded: what is counted is the steady state
@@ -104,7 +104,7 @@ def _round_trips(db: int, call: Callable[[], None], count: int) -> tuple[float, 
             call()
     finally:
         AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
-    return sent[0] / count, sent[1] / count
+    return sent[0] / count
 
 
 def _cycle(impl: Any, counter: Iterator[int]) -> Callable[[], None]:
@@ -156,19 +156,16 @@ def main(argv: list[str] | None = None) -> int:
         from distlocks import get_backend
         from distlocks.locks import Lock, finish_lease
 
-        db = int(get_backend("default").client.connection_pool.connection_kwargs.get("db", 0))
-        print("\n== Round trips per task (requests sent: lock server / broker)\n")
+        print("\n== Round trips to Redis per task (locks and broker: one server)\n")
         print(f"{'implementation':22} {'run':>10} {'enqueue':>10} {'cycle':>10}")
         for impl in impls:
             run = "-"
             if "celery-run" in impl.workloads:
-                run = f"{_round_trips(db, _numbered(impl.task.apply, counter), 100)[0]:.2f}"
-            lock, broker = _round_trips(db, _numbered(impl.task.apply_async, counter), 100)
-            enqueue = f"{lock:.2f}/{broker:.2f}"
+                run = f"{_round_trips(_numbered(impl.task.apply, counter), 100):.2f}"
+            enqueue = f"{_round_trips(_numbered(impl.task.apply_async, counter), 100):.2f}"
             _purge(impl.app)
             impl.delete_markers()
-            lock, broker = _round_trips(db, _cycle(impl, counter), 100)
-            cycle = f"{lock:.2f}/{broker:.2f}"
+            cycle = f"{_round_trips(_cycle(impl, counter), 100):.2f}"
             print(f"{impl.name:22} {run:>10} {enqueue:>10} {cycle:>10}")
 
         single = by_name["celery-single"].task
