@@ -283,3 +283,46 @@ def test_the_enqueue_check_follows_the_rules_in_every_state(
         for lock_name, owner in taken:
             backend.release_quietly(lock_name, owner)
         broker.delete(IDLE_QUEUE)
+
+
+def test_the_calls_sent_together_survive_a_flushed_script_cache(
+    redis_client: redis.Redis, broker: redis.Redis
+) -> None:
+    """After a restart or SCRIPT FLUSH the server knows none of the scripts: the enqueue
+    script and the pipelined calls load them again and go on, in their order."""
+    backend = get_backend("default")
+    for task, marker_of in (
+        (queued, lambda n: queued.lock_name((n,)) + ":queued"),
+        (queued_or_running, lambda n: f"trips-qor:{n}:queued"),
+    ):
+        n = _n()
+        redis_client.script_flush()
+        sent = task.apply_async((n,), queue=IDLE_QUEUE)
+        info = backend.inspect(marker_of(n))
+        assert info is not None and info.extra["celery_task_id"] == sent.id
+        redis_client.script_flush()
+        app.conf.task_store_eager_result = True
+        try:
+            assert task.apply((n,), task_id=sent.id).get() == n
+        finally:
+            app.conf.task_store_eager_result = False
+        assert backend.inspect(marker_of(n)) is None
+        assert backend.inspect(task.lock_name((n,))) is None
+
+
+def test_the_calls_sent_together_survive_a_broken_connection(
+    redis_client: redis.Redis, broker: redis.Redis
+) -> None:
+    """The server drops this process's connections (a restart, a proxy): the next run
+    makes its calls again on a new connection, and ends with both locks free."""
+    backend = get_backend("default")
+    n = _n()
+    sent = queued_or_running.apply_async((n,), queue=IDLE_QUEUE)
+    redis_client.client_kill_filter(_type="normal", skipme=True)
+    app.conf.task_store_eager_result = True
+    try:
+        assert queued_or_running.apply((n,), task_id=sent.id).get() == n
+    finally:
+        app.conf.task_store_eager_result = False
+    assert backend.inspect(f"trips-qor:{n}:queued") is None
+    assert backend.inspect(f"trips-qor:{n}") is None
