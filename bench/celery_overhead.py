@@ -17,6 +17,10 @@ Three workloads, all on the benchmark's Redis, which is also the broker:
   marker release, the peers' clean-up) is measured without a worker's noise;
 * ``celery-enqueue``: ``task.apply_async()`` to the real broker, no worker: the
   enqueue-side work (key, marker, the check for a running task) plus the publish;
+* ``celery-cycle``: both ends of one task in one thread: ``apply_async()`` to the
+  broker, the message taken back from the queue and run as a worker runs it (its
+  ``Request.execute()``, not eager), so a marker is taken at enqueue and let go by the
+  run, as in production;
 * ``celery-e2e``: tasks per second through one real worker (prefork, two
   processes), from the first publish to the last task's end; per task, the time
   the worker took to run it.
@@ -49,8 +53,8 @@ from bench.base import (
 from bench.celery_names import BROKER_PREFIX, QUEUE, SINGLETON_PREFIX
 from distlocks.testing.servers import _parent_death_signal
 
-RUN, ENQUEUE, E2E = "celery-run", "celery-enqueue", "celery-e2e"
-CELERY_WORKLOADS = frozenset({RUN, ENQUEUE, E2E})
+RUN, ENQUEUE, CYCLE, E2E = "celery-run", "celery-enqueue", "celery-cycle", "celery-e2e"
+CELERY_WORKLOADS = frozenset({RUN, ENQUEUE, CYCLE, E2E})
 #: Where the end-to-end tasks note their run and finish times (one list per round).
 DONE_PREFIX = "bench:celery-e2e:"
 # bench.settings.DISTLOCKS_KEY_PREFIX: that module is read only once the servers run.
@@ -63,7 +67,7 @@ class CeleryTask(Implementation):
 
     family = "celery"
     servers = frozenset({"redis"})
-    workloads = frozenset({RUN, ENQUEUE})
+    workloads = frozenset({RUN, ENQUEUE, CYCLE})
     distribution = "distlocks"
     #: Attribute of :mod:`bench.celery_tasks` holding the task.
     task_attr: ClassVar[str]
@@ -147,14 +151,14 @@ class CelerySingle(CeleryTask):
 class CelerySingleQueued(CeleryTask):
     """``@single_execution(unique_while="queued")``: a queue marker taken by ``apply_async``.
 
-    Its run side is that of ``celery-single-unique`` (the marker is released when the
-    run starts either way), so it takes part in the enqueue workload only.
+    In ``celery-run`` (``task.apply()``: no marker to let go) its run side would be that
+    of ``celery-single``, so it takes part in the enqueue and cycle workloads only.
     """
 
     name = "celery-single-queued"
     label = 'single_execution(unique_while="queued")'
     role = "distlocks"
-    workloads = frozenset({ENQUEUE})
+    workloads = frozenset({ENQUEUE, CYCLE})
     task_attr = "single_queued"
     key_patterns = (f"{DISTLOCKS_KEY_PREFIX}:*",)
     marker_patterns = (_marker_pattern("bench.celery.single_queued"),)
@@ -281,6 +285,52 @@ class CeleryEnqueue(_CeleryWorkload):
         # Every call published: none was taken for a duplicate, none was lost.
         if published != count:
             raise BenchError(f"{impl.name}: {published} messages queued for {count} calls")
+        return Measurement(latencies, count, seconds)
+
+
+@workload
+class CeleryCycle(_CeleryWorkload):
+    name = CYCLE
+    title = "Celery enqueue + run, apply_async() then the worker's execution in-process"
+    description = (
+        "One thread publishes a task with apply_async() to the real Redis broker, takes "
+        "the message back from the queue (basic_get, no_ack) and runs it as a "
+        "worker does, in-process: Celery's worker Request and its execute() (the tracer "
+        "and the task's __call__, not eager). An argument that changes every call; one "
+        "sample is the publish, the fetch and the run of one task."
+    )
+
+    def measure(self, impl: Implementation, round_no: int) -> Measurement:
+        from celery.worker.request import Request
+
+        assert isinstance(impl, CeleryTask)
+        count = self.warm_up_iterations if round_no < 0 else self.batch
+        task, app = impl.task, impl.app
+        apply_async = task.apply_async
+        clock = time.perf_counter_ns
+        latencies = [0] * count
+        with app.connection_for_read() as conn:
+            channel = conn.default_channel
+            began = clock()
+            for i in range(count):
+                started = clock()
+                apply_async(args=(i,))
+                # Acknowledged as it is taken: the broker's bookkeeping of unacknowledged
+                # messages (two more round trips, the same in every row) stays out.
+                message = channel.basic_get(QUEUE, no_ack=True)
+                if message is None:
+                    # Every call carries a new argument: none may be taken for a duplicate.
+                    raise BenchError(f"{impl.name}: task({i}) was not queued")
+                request = Request(message, app=app, task=task, hostname="distlocks-bench")
+                result = request.execute()
+                latencies[i] = clock() - started
+                if result != i:
+                    raise BenchError(f"{impl.name}: task({i}) returned {result!r}")
+            seconds = (clock() - began) / 1e9
+        left = _purge(app)
+        impl.delete_markers()
+        if left:
+            raise BenchError(f"{impl.name}: {left} messages were left in the queue")
         return Measurement(latencies, count, seconds)
 
 

@@ -6,7 +6,8 @@ analysis in docs/benchmarks.md. On the same kind of throwaway Redis as
 
 1. counts the Redis commands of one task of each kind, run side (``apply()``)
    and enqueue side (``apply_async()``), from the server's ``INFO commandstats``
-   (a count does not depend on the machine);
+   (a count does not depend on the machine), and the round trips (requests sent,
+   a pipeline being one) per run, per enqueue and per ``celery-cycle``;
 2. times the pieces of a ``single_execution`` run, interleaved in blocks, wall
    clock and the client thread's CPU time per call: the key alone, the run lock's
    acquire + release alone (``Lock`` and ``finish_lease``, as the task does), the
@@ -79,6 +80,50 @@ def _commands(client: Any, call: Callable[[], None], count: int) -> dict[str, fl
     return dict(sorted(per_call.items()))
 
 
+def _round_trips(call: Callable[[], None], count: int) -> float:
+    """Requests this thread sends to Redis per call of ``call`` (the benchmark's locks
+    and broker are one server). A pipeline of several commands is one request, one
+    round trip; the server's command count cannot tell them apart."""
+    import threading
+
+    from redis.connection import AbstractConnection
+
+    original = AbstractConnection.send_packed_command
+    thread = threading.get_ident()
+    sent = [0]
+
+    def counted(conn: Any, command: Any, check_health: bool = True) -> None:
+        if threading.get_ident() == thread:
+            sent[0] += 1
+        original(conn, command, check_health)
+
+    call()  # connected, scripts loaded: what is counted is the steady state
+    AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
+    try:
+        for _ in range(count):
+            call()
+    finally:
+        AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
+    return sent[0] / count
+
+
+def _cycle(impl: Any, counter: Iterator[int]) -> Callable[[], None]:
+    """Enqueue, fetch and run one task as ``celery-cycle`` does."""
+    from celery.worker.request import Request
+
+    from bench.celery_names import QUEUE
+
+    app, task = impl.app, impl.task
+    channel = app.connection_for_read().default_channel
+
+    def cycle() -> None:
+        task.apply_async(args=(next(counter),))
+        message = channel.basic_get(QUEUE, no_ack=True)
+        Request(message, app=app, task=task, hostname="distlocks-bench").execute()
+
+    return cycle
+
+
 def _format(commands: dict[str, float]) -> str:
     return ", ".join(f"{name} {count:g}" for name, count in commands.items()) or "none"
 
@@ -110,6 +155,18 @@ def main(argv: list[str] | None = None) -> int:
 
         from distlocks import get_backend
         from distlocks.locks import Lock, finish_lease
+
+        print("\n== Round trips to Redis per task (locks and broker: one server)\n")
+        print(f"{'implementation':22} {'run':>10} {'enqueue':>10} {'cycle':>10}")
+        for impl in impls:
+            run = "-"
+            if "celery-run" in impl.workloads:
+                run = f"{_round_trips(_numbered(impl.task.apply, counter), 100):.2f}"
+            enqueue = f"{_round_trips(_numbered(impl.task.apply_async, counter), 100):.2f}"
+            _purge(impl.app)
+            impl.delete_markers()
+            cycle = f"{_round_trips(_cycle(impl, counter), 100):.2f}"
+            print(f"{impl.name:22} {run:>10} {enqueue:>10} {cycle:>10}")
 
         single = by_name["celery-single"].task
         backend = get_backend("default")

@@ -31,7 +31,7 @@ LOCK_REFERENCES = {"redis": "distlocks", "postgres": "distlocks-pg"}
 SAVE_FLOORS = {"postgres": "plain-save"}
 SAVE_REFERENCES = {"postgres": "fenced-save"}
 #: The workloads that run Celery tasks; a plain task is their floor.
-CELERY_WORKLOADS = ("celery-run", "celery-enqueue", "celery-e2e")
+CELERY_WORKLOADS = ("celery-run", "celery-enqueue", "celery-cycle", "celery-e2e")
 CELERY_FLOORS = {"celery": "celery-plain"}
 CELERY_REFERENCES = {"celery": "celery-single"}
 #: The admin page of live locks: a raw client reading every lock once is its floor.
@@ -310,6 +310,8 @@ def test_celery_workloads_run_every_task_and_leave_nothing(smoke_run: tuple[str,
     assert set(sections["celery-enqueue"]["results"]) == {
         *sections["celery-run"]["results"], "celery-single-queued",
     }  # fmt: skip
+    # Enqueue and run of one task, every row (the peers' and a "queued" marker's too).
+    assert set(sections["celery-cycle"]["results"]) == set(sections["celery-enqueue"]["results"])
     e2e = sections["celery-e2e"]
     assert set(e2e["results"]) == {"celery-plain", "celery-single"}
     assert (e2e["params"]["pool"], e2e["params"]["concurrency"]) == ("prefork", 2)

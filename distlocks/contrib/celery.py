@@ -36,6 +36,9 @@ through a retry's countdown), which recognise each other by the holder metadata.
 The helpers below the class (the key made from the arguments, the marker's
 lifetime, the retry and eta arithmetic) exist only for it and must agree between
 the two ends. Split, each end of the hand-off would be read without the other.
+What is apart, in :mod:`distlocks.contrib.celery_redis`, is how the two locks share
+round trips on a Redis server (pipelined calls, the enqueue check as one script):
+an optimisation of the calls made here, not a part of the protocol.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import json
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, fields
@@ -57,12 +61,21 @@ from uuid import UUID
 
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks import fencing
+from distlocks import fencing, signals, transactions
 from distlocks.backends.base import AcquireResult, BaseBackend
+from distlocks.contrib import celery_redis as _together
 from distlocks.exceptions import LockError, LockNotAcquired
 from distlocks.handler import backends, check_alias
 from distlocks.lease import Lease
-from distlocks.locks import Lock, current_holder, finish_lease, holder_extra
+from distlocks.locks import (
+    Lock,
+    _exit_problem,
+    _when_dropped,
+    current_holder,
+    finish_lease,
+    holder_extra,
+    new_owner,
+)
 from distlocks.renewal import renewer
 from distlocks.validation import (
     MAX_NAME_LENGTH,
@@ -113,6 +126,11 @@ _current: ContextVar[Lease | None] = ContextVar("distlocks_celery_lease", defaul
 #: Run locks held by the current context, so a nested (eager) run of the same key,
 #: such as an eager ``self.retry()``, does not wait for its own lock.
 _running: ContextVar[frozenset[str]] = ContextVar("distlocks_celery_running", default=frozenset())
+#: In a run: its marker (None: still the run's), and the markers a message published
+#: under the run's own id took (their lifetime), which the run's end keeps for it.
+_republished: ContextVar[dict[str, float | None] | None] = ContextVar(
+    "distlocks_celery_republished", default=None
+)
 
 
 def current_lease() -> Lease | None:
@@ -296,6 +314,13 @@ class SingleExecutionTask(_TaskBase):
         """
         bound = self._bind(tuple(args or ()), dict(kwargs or {}))
         key = self._single.key
+        if key is None:
+            prefix = self.__dict__.get("_distlocks_key_prefix")
+            if prefix is None:
+                prefix = self.__dict__["_distlocks_key_prefix"] = _default_prefix(self.name)
+            if prefix:
+                # The prefix was checked once; a hex digest needs no check.
+                return prefix + _digest(self.name, bound.arguments)
         # As the message carries them (tuples become lists, dict keys strings), so the
         # publisher and the worker make the same name whatever the serializer.
         arguments = {} if key is None else {p: _as_sent(v) for p, v in bound.arguments.items()}
@@ -384,16 +409,46 @@ class SingleExecutionTask(_TaskBase):
             # self.retry() of the running task, under its own id: the marker is its own
             # (same owner), or a newer copy's in "queued" mode; either way the retry is
             # published, never answered with another task's result.
-            backend.acquire(marker, owner, ttl, holder, wait=0.0)
-            return super().apply_async(args, kwargs, task_id=task_id, **options)
+            taken = backend.acquire(marker, owner, ttl, holder, wait=0.0).acquired
+            markers = _republished.get()
+            held_by_run = markers is not None and marker in markers
+            try:
+                published = super().apply_async(args, kwargs, task_id=task_id, **options)
+            except BaseException:
+                # Not published: nothing may keep duplicates away, but a marker the run
+                # holds is the run's to let go, at its end.
+                if taken and not held_by_run:
+                    backend.release_quietly(marker, owner)
+                raise
+            if taken and markers is not None:
+                # A message of this id is queued now (a retry with throw=False, or
+                # self.replace()): the run's end keeps the marker for it.
+                markers[marker] = ttl
+            return published
         existing = None
-        if single.unique_while == "queued_or_running":
+        running_check = single.unique_while == "queued_or_running"
+        # On Redis, the check and the marker are one script: one round trip.
+        together = (
+            _together.enqueue(backend, marker, owner, ttl, holder, name if running_check else None)
+            if _together.usable(backend)
+            else None
+        )
+        if together is not None:
+            kind, found = together
+            if kind == _together.TAKEN:
+                if not found.acquired:
+                    raise LockNotAcquired(marker, backend.alias, 0)
+            elif not found:  # the marker is held, by no task: nothing to return
+                raise LockNotAcquired(marker, backend.alias, 0)
+            else:
+                existing = found
+        elif running_check:
             # A run that no marker covers (started by apply(), send_task(), or after
             # its marker ran out, or a retry's countdown): it is the task to return.
             # Checked *before* the marker is taken, so a taken marker is never given
             # back and no caller sees the id of a message that is not published.
             existing = self._holder_task_id(backend, name)
-        if existing is None:
+        if existing is None and together is None:
             for _attempt in range(5):
                 if backend.acquire(marker, owner, ttl, holder, wait=0.0).acquired:
                     break
@@ -471,35 +526,54 @@ class SingleExecutionTask(_TaskBase):
         scope = holder_extra.set({**holder_extra.get(), **extra})
         try:
             single = self._single
-            marker: Lease | None = None
-            if (
+            backend = self._lock_backend()
+            if single.lock_at_least_for is not None:
+                self._lock_backend("lock_at_least_for")
+            ttl = single.lease_ttl
+            # With "queued_or_running" the marker is taken over first (its owner is
+            # this task id): through a redelivery's wait for a dead worker's lease, the
+            # key stays covered. Not for a run by apply() whose result is not stored:
+            # a duplicate call is then published (and meets the run lock), never
+            # handed an id that would stay PENDING. With "queued" it is let go once
+            # the run lock (or the duplicate holding it) covers the key.
+            hold = bool(
                 single.unique_while == "queued_or_running"
                 and task_id
                 and "celery_eager" not in extra
-            ):
-                # Take the marker over first (its owner is this task id): through a
-                # redelivery's wait for a dead worker's lease, the key stays covered.
-                # Not for a run by apply() whose result is not stored: a duplicate call
-                # is then published (and meets the run lock), never handed an id that
-                # would stay PENDING.
-                marker = self._hold_marker(name, task_id)
+            )
+            drop = bool(single.unique_while == "queued" and task_id)
+            marker: Lease | None = None
+            first: tuple[Lease | None, Lease | None] | None = None
+            if (hold or drop) and _together.usable(backend) and not transactions.pending:
+                # On Redis, the marker's call and the first attempt at the run lock
+                # go in one round trip, in the same order.
+                first = self._first_together(backend, name, str(task_id), ttl, hold)
+            if first is not None:
+                lease, marker = first
+                if hold and marker is None:
+                    self._marker_taken(name, str(task_id))
+                drop = False
+            elif hold:
+                marker = self._hold_marker(name, str(task_id))
             try:
-                lease, redelivered = self._take_run_lock(name, task_id, attempt)
+                if first is not None and lease is not None:
+                    redelivered = False
+                else:
+                    lease, redelivered = self._take_run_lock(
+                        backend, name, task_id, attempt, ttl, tried=first is not None
+                    )
             except BaseException:
                 _end_marker(marker)
                 raise
             finally:
-                if single.unique_while == "queued" and task_id:
-                    # The run lock (or the duplicate holding it) now covers this key.
-                    self._lock_backend().release_quietly(
-                        name + QUEUED_SUFFIX, _marker_owner(task_id)
-                    )
+                if drop:
+                    backend.release_quietly(name + QUEUED_SUFFIX, _marker_owner(str(task_id)))
             if lease is None:
                 if redelivered:
                     # Our own earlier delivery is alive and holds the lock: this one
                     # writes no state, so the real run's result is the one stored. The
                     # marker is that delivery's too: leave it to its renewal.
-                    _end_marker(marker, keep=single.lease_ttl)
+                    _end_marker(marker, keep=ttl)
                     raise Ignore()
                 _end_marker(marker)
                 return self._duplicate(name, attempt)
@@ -507,30 +581,88 @@ class SingleExecutionTask(_TaskBase):
         finally:
             holder_extra.reset(scope)
 
+    def _first_together(
+        self, backend: BaseBackend, name: str, task_id: str, ttl: float, hold: bool
+    ) -> tuple[Lease | None, Lease | None] | None:
+        """The first attempt at the run lock and the marker's call in one round trip:
+        (the run lock's lease or None, the marker held with ``hold`` or None), or None
+        where they could not be sent together (the caller makes them one by one)."""
+        marker_name, marker_owner = name + QUEUED_SUFFIX, _marker_owner(task_id)
+        began = time.monotonic()
+        owner, holder = new_owner(), current_holder()
+        run = _together.acquire_call(backend, name, owner, ttl, holder)
+        if hold:
+            calls = [_together.acquire_call(backend, marker_name, marker_owner, ttl, holder), run]
+        else:
+            calls = [run, _together.release_call(backend, marker_name, marker_owner)]
+        try:
+            replies = _together.send_together(backend, calls)
+        except Exception as exc:
+            if hold:  # in doubt, like the run lock: given back
+                backend._acquire_error(marker_name, marker_owner, exc)  # type: ignore[attr-defined]
+            error = backend._acquire_error(name, owner, exc)  # type: ignore[attr-defined]
+            _not_acquired(backend, name, began, error)
+            raise error from exc
+        if replies is None:
+            return None
+        run_reply = replies[1] if hold else replies[0]
+        marker_reply = replies[0] if hold else replies[1]
+        if not hold and isinstance(marker_reply, Exception):
+            logger.warning("Could not release queue marker %r: %s", marker_name, marker_reply)
+        try:
+            if hold and isinstance(marker_reply, Exception):
+                _together.acquired(backend, marker_name, marker_owner, marker_reply)  # raises
+            result = _together.acquired(backend, name, owner, run_reply)
+        except LockError as error:
+            # Nothing half-done stays behind: what was granted is given back.
+            if not isinstance(run_reply, Exception) and run_reply[0]:
+                backend.release_quietly(name, owner)
+            if hold and not isinstance(marker_reply, Exception) and marker_reply[0]:
+                backend.release_quietly(marker_name, marker_owner)
+            _not_acquired(backend, name, began, error)
+            raise
+        marker = None
+        if hold:
+            held = _together.acquired(backend, marker_name, marker_owner, marker_reply)
+            if held.acquired:
+                marker = _granted(backend, marker_name, marker_owner, ttl, held, began)
+        return _granted(backend, name, owner, ttl, result, began, signal=True), marker
+
     def _hold_marker(self, name: str, task_id: str) -> Lease | None:
         """The queue marker of ``task_id``, held (renewed like the run lock) for as long
         as its run lasts, with ``"queued_or_running"``."""
         marker = name + QUEUED_SUFFIX
         held = _hold(self._lock_backend(), marker, _marker_owner(task_id), self._single.lease_ttl)
         if held is None:
-            logger.warning(
-                "Task %s[%s]: its queue marker %r ran out and was taken by another call; "
-                "that call's message will meet the run lock.", self.name, task_id, marker,
-            )  # fmt: skip
+            self._marker_taken(name, task_id)
         return held
 
+    def _marker_taken(self, name: str, task_id: str) -> None:
+        logger.warning(
+            "Task %s[%s]: its queue marker %r ran out and was taken by another call; "
+            "that call's message will meet the run lock.",
+            self.name, task_id, name + QUEUED_SUFFIX,
+        )  # fmt: skip
+
     def _take_run_lock(
-        self, name: str, task_id: str | None, attempt: int
+        self,
+        backend: BaseBackend,
+        name: str,
+        task_id: str | None,
+        attempt: int,
+        ttl: float,
+        *,
+        tried: bool = False,
     ) -> tuple[Lease | None, bool]:
         """The run lock's lease (None: a duplicate), and whether the lock is held by
-        an earlier delivery of this very message that is still alive."""
+        an earlier delivery of this very message that is still alive. ``tried``: the
+        first attempt was made already, and the lock was busy."""
         single = self._single
-        if single.lock_at_least_for is not None:
-            self._lock_backend("lock_at_least_for")
-        run_lock = Lock(name, backend=single.backend, ttl=single.lease_ttl)
-        with _suppress_not_acquired():
-            return run_lock.acquire(timeout=0), False
-        backend = self._lock_backend()
+        if not tried:
+            lease = _try_lease(backend, name, ttl)
+            if lease is not None:
+                return lease, False
+        run_lock = Lock(name, backend=single.backend, ttl=ttl)
         info = backend.inspect(name) if task_id else None
         if info is not None and str(info.extra.get("celery_task_id") or "") == task_id:
             held_attempt = _attempt_of(info.extra)
@@ -553,7 +685,7 @@ class SingleExecutionTask(_TaskBase):
                     self.name, task_id, name,
                 )  # fmt: skip
                 with _suppress_not_acquired():
-                    return run_lock.acquire(timeout=single.lease_ttl + 1.0), False
+                    return run_lock.acquire(timeout=ttl + 1.0), False
                 return None, True
         if single.timeout > 0:
             with _suppress_not_acquired():
@@ -587,34 +719,71 @@ class SingleExecutionTask(_TaskBase):
         fence = fencing.enter(lease)
         current = _current.set(lease)
         running = _running.set(_running.get() | {name})
+        markers: dict[str, float | None] = {} if marker is None else {marker.name: None}
+        republished = _republished.set(markers)
         started = time.monotonic()
         try:
             if self._single.claim is not None:
                 self._claim(lease, args, kwargs)
             result = super().__call__(*args, **kwargs)
         except Retry as exc:
+            _republished.reset(republished)
             _running.reset(running)
             _current.reset(current)
             fencing.leave(fence)
             self._keep_for_retry(lease, marker, exc, started)
             raise
         except BaseException:
+            _republished.reset(republished)
             _running.reset(running)
             _current.reset(current)
             fencing.leave(fence)
-            try:
-                self._finish(lease, started, body_failed=True)
-            finally:
-                _end_marker(marker)
+            self._finish_run(lease, marker, started, body_failed=True, markers=markers)
             raise
+        _republished.reset(republished)
         _running.reset(running)
         _current.reset(current)
         fencing.leave(fence)
-        try:
-            self._finish(lease, started, body_failed=False)
-        finally:
-            _end_marker(marker)
+        self._finish_run(lease, marker, started, body_failed=False, markers=markers)
         return result
+
+    def _finish_run(
+        self,
+        lease: Lease,
+        marker: Lease | None,
+        started: float,
+        *,
+        body_failed: bool,
+        markers: Mapping[str, float | None],
+    ) -> None:
+        """The end of a run: the run lock released (or kept, see :meth:`_finish`), then
+        the marker kept for it; on Redis both releases in one round trip. A marker that
+        a message of the run's own id took meanwhile (``self.replace()``, a retry with
+        ``throw=False``) is kept for that message instead."""
+        keep = None if marker is None else markers.get(marker.name)
+        if (
+            marker is not None
+            and keep is None
+            and self._single.lock_at_least_for is None
+            and _together.usable(lease._backend)  # type: ignore[arg-type]
+        ):
+            lease.held()  # notices a lease that ran out while the body ran
+            try:
+                freed = _together.release_both(lease, marker)
+            except LockError:
+                if not body_failed:
+                    raise
+                logger.exception("Could not release lock %r after an error in its task", lease.name)
+                return
+            if freed is not None:
+                problem = _exit_problem(lease, body_failed)
+                if problem is not None:
+                    raise problem
+                return
+        try:
+            self._finish(lease, started, body_failed=body_failed)
+        finally:
+            _end_marker(marker, keep=keep)
 
     def _claim(self, lease: Lease, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Claim the rows the run will change, with the run lock's token."""
@@ -753,6 +922,75 @@ def _hold(backend: BaseBackend, name: str, owner: str, ttl: float) -> Lease | No
     return lease
 
 
+def _try_lease(backend: BaseBackend, name: str, ttl: float) -> Lease | None:
+    """One attempt at the run lock: what ``Lock(name, ttl=ttl).acquire(timeout=0)``
+    does (the same lease, renewal, signals), without the lock object and its checks,
+    which the task's options passed once. None if the lock is busy."""
+    if transactions.pending:
+        # A lock released inside a transaction that has not ended may be this one:
+        # lock() knows how to take it back.
+        with _suppress_not_acquired():
+            return Lock(name, backend=backend.alias, ttl=ttl).acquire(timeout=0)
+        return None
+    began = time.monotonic()
+    owner = new_owner()
+    try:
+        result = backend.acquire(name, owner, ttl, current_holder(), wait=0.0)
+    except LockError as exc:
+        _not_acquired(backend, name, began, exc)
+        raise
+    return _granted(backend, name, owner, ttl, result, began, signal=True)
+
+
+def _granted(
+    backend: BaseBackend,
+    name: str,
+    owner: str,
+    ttl: float,
+    result: AcquireResult,
+    began: float,
+    *,
+    signal: bool = False,
+) -> Lease | None:
+    """The lease of a grant (None: not granted), renewed in the background, as
+    :func:`~distlocks.locks.acquire_lease` makes it; with ``signal``, the
+    ``lock_acquired``/``lock_not_acquired`` receivers hear of it (not for markers)."""
+    if not result.acquired:
+        if signal:
+            _not_acquired(backend, name, began, LockNotAcquired(name, backend.alias, 0))
+        return None
+    # Nothing expires on the server: the local lease starts at the grant.
+    started = began if backend.expires_on_server else time.monotonic()
+    lease = Lease(
+        backend=backend, name=name, owner=owner, fencing_token=result.fencing_token,
+        ttl=ttl, started=started, remaining=result.remaining,
+    )  # fmt: skip
+    due = lease._renewal_due()
+    if due is not None:
+        renewer(backend.alias).add(lease, due)
+    elif not backend.expires_on_server:
+        # Dropped without a release, it is released then (as lock() guards it).
+        weakref.finalize(lease, _when_dropped, backend, name, owner, lease._ended)
+    if signal and signals.lock_acquired.receivers:
+        try:
+            signals.lock_acquired.send(sender=Lease, lease=lease, waited=time.monotonic() - began)
+        except BaseException:
+            # A failing receiver must not leave a lease that nobody will release.
+            with contextlib.suppress(Exception):
+                lease.release()
+            raise
+    return lease
+
+
+def _not_acquired(backend: BaseBackend, name: str, began: float, error: LockError) -> None:
+    """Tell ``lock_not_acquired`` receivers (metrics) that an attempt got no lease."""
+    if signals.lock_not_acquired.receivers:
+        signals.lock_not_acquired.send_robust(
+            sender=type(backend), name=name, backend=backend.alias,
+            waited=time.monotonic() - began, error=error,
+        )  # fmt: skip
+
+
 def _end_marker(marker: Lease | None, keep: float | None = None) -> None:
     """Give back the queue marker kept for a run that has ended (with ``keep``: stop
     renewing it and let it run out that many seconds from now)."""
@@ -827,6 +1065,25 @@ def _as_sent(value: Any) -> Any:
 
 def _default_name(task_name: str, arguments: Mapping[str, Any]) -> str:
     """``celery:<task name>:<digest>``: readable, stable, and short enough."""
+    room = MAX_NAME_LENGTH - len(KEY_PREFIX) - _DIGEST_LENGTH - 1
+    return f"{KEY_PREFIX}{task_name[:room]}:{_digest(task_name, arguments)}"
+
+
+def _default_prefix(task_name: str) -> str:
+    """``celery:<task name>:`` of the default names, checked as a lock name ("" when it
+    is not one: the full name is then checked, and refused, at every call)."""
+    room = MAX_NAME_LENGTH - len(KEY_PREFIX) - _DIGEST_LENGTH - 1
+    prefix = f"{KEY_PREFIX}{task_name[:room]}:"
+    try:
+        validate_name(prefix)
+    except (TypeError, ValueError):
+        return ""
+    return prefix
+
+
+def _digest(task_name: str, arguments: Mapping[str, Any]) -> str:
+    """The digest of the default names: the arguments as canonical JSON (and the task's
+    name where it is too long to show whole), hashed."""
     encoded = json.dumps(
         {param: _canonical(value, task_name, param) for param, value in arguments.items()},
         sort_keys=True,
@@ -838,8 +1095,7 @@ def _default_name(task_name: str, arguments: Mapping[str, Any]) -> str:
         # The name is cut short in the key: the digest covers it whole, so two tasks
         # whose long names share a beginning never share a lock.
         encoded = f"{task_name}\x00{encoded}"
-    digest = hashlib.sha256(encoded.encode()).hexdigest()[:_DIGEST_LENGTH]
-    return f"{KEY_PREFIX}{task_name[:room]}:{digest}"
+    return hashlib.sha256(encoded.encode()).hexdigest()[:_DIGEST_LENGTH]
 
 
 def _canonical(value: Any, task: str, path: str) -> Any:
