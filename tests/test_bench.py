@@ -312,6 +312,20 @@ def test_celery_workloads_run_every_task_and_leave_nothing(smoke_run: tuple[str,
     }  # fmt: skip
     # Enqueue and run of one task, every row (the peers' and a "queued" marker's too).
     assert set(sections["celery-cycle"]["results"]) == set(sections["celery-enqueue"]["results"])
+    # Issue 29's Celery targets are evaluated on the run, each on its own row.
+    targets = {target["id"]: target for target in report["targets"]}
+    overhead = targets["celery-run-overhead"]
+    run = sections["celery-run"]["results"]
+    assert overhead["value"] == pytest.approx(
+        run["celery-single"]["median_us"] - run["celery-plain"]["median_us"]
+    )
+    assert overhead["met"] == (overhead["value"] <= 450.0)
+    cycle = targets["celery-queued-cycle-vs-peers"]
+    rows = sections["celery-cycle"]["results"]
+    for peer in ("celery-once", "celery-singleton"):
+        expected = rows["celery-single-queued"]["median_us"] / rows[peer]["median_us"]
+        assert cycle["value"][peer] == pytest.approx(expected)
+    assert cycle["met"] == all(v <= 1.0 for v in cycle["value"].values())
     e2e = sections["celery-e2e"]
     assert set(e2e["results"]) == {"celery-plain", "celery-single"}
     assert (e2e["params"]["pool"], e2e["params"]["concurrency"]) == ("prefork", 2)
