@@ -230,9 +230,10 @@ class BaseBackend(ABC):
     option_keys: ClassVar[frozenset[str] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Refuse a class that writes a capability's methods without declaring the
-        capability: nothing would ever call them (the live-locks page would say it
-        cannot list, waiters would poll), and nobody would be told why."""
+        """Refuse a class that has a capability's methods or settings without declaring
+        the capability: nothing would ever call them (the live-locks page would say it
+        cannot list, waiters would poll), and nobody would be told why. They count
+        wherever the class gets them: written in it, or from a mixin of no capability."""
         super().__init_subclass__(**kwargs)
         # Imported here: the capabilities are subclasses of this class. While that
         # module is still being made (defining the capabilities themselves), it has no
@@ -241,12 +242,24 @@ class BaseBackend(ABC):
         for capability in getattr(module, "CAPABILITIES", ()):
             if issubclass(cls, capability):
                 continue
-            written = sorted(set(vars(cls)) & capability.methods)
-            if written:
+            # No class of the MRO is the capability: whatever defines one of its
+            # names is the class itself, a backend that was checked, or a mixin.
+            found = {
+                attr: klass
+                for klass in reversed(cls.__mro__)
+                for attr in vars(klass)
+                if attr in capability.methods or attr in capability.attributes
+            }
+            if found:
+                names = [
+                    attr + ("()" if attr in capability.methods else "")
+                    + ("" if klass is cls else f" (from {klass.__qualname__})")
+                    for attr, klass in sorted(found.items())
+                ]  # fmt: skip
                 raise TypeError(
-                    f"{cls.__qualname__} defines {'(), '.join(written)}() but does not "
-                    f"declare the {capability.__name__} capability, so nothing would call "
-                    f"{'them' if len(written) > 1 else 'it'}: add "
+                    f"{cls.__qualname__} defines {', '.join(names)} but does not declare "
+                    f"the {capability.__name__} capability, so nothing would use "
+                    f"{'them' if len(names) > 1 else 'it'}: add "
                     f"distlocks.backends.capabilities.{capability.__name__} to its bases "
                     f"(class {cls.__name__}({capability.__name__}, ...))."
                 )
