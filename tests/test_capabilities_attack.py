@@ -41,6 +41,7 @@ from distlocks.exceptions import LockNotAcquired
 from distlocks.handler import backend_class
 from distlocks.locks import MAX_POLL_INTERVAL
 from distlocks.primitives import PermitServer, asemaphore, semaphore
+from distlocks.testing.contract import BackendContract
 from tests.thirdparty.sqlite_locks import MinimalSQLiteBackend, SQLiteLockBackend
 
 HERE = "tests.test_capabilities_attack"
@@ -466,3 +467,25 @@ def test_the_command_on_a_backend_without_capabilities(mixed: dict[str, Any], na
         assert held.release() is False  # evicted: its release frees nothing
     finally:
         held.release()
+
+
+# -- the kit against a backend that declares Permits for semaphores only --------------------
+
+
+class SemaphoreOnlyLocMem(LocMemBackend):
+    """Permits for semaphores only; its permit_acquire, as a third party writes it, does
+    not check the kind itself (the primitives refuse a kind not served before it)."""
+
+    permit_kinds = frozenset({"semaphore"})
+
+    def permit_acquire(self, kind: str, *args: Any, **kwargs: Any) -> AcquireResult:
+        if kind != "semaphore":
+            return AcquireResult(True, 0, None)  # never reached through the public API
+        return super().permit_acquire(kind, *args, **kwargs)
+
+
+class TestSemaphoreOnlyBackend(BackendContract):
+    """The kit asks what the docs say: semaphores work, read-write locks are refused
+    with the one answer through the public API."""
+
+    backend_config = {"BACKEND": f"{HERE}.SemaphoreOnlyLocMem", "LOCATION": "semaphores-only"}
