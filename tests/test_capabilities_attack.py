@@ -489,3 +489,81 @@ class TestSemaphoreOnlyBackend(BackendContract):
     with the one answer through the public API."""
 
     backend_config = {"BACKEND": f"{HERE}.SemaphoreOnlyLocMem", "LOCATION": "semaphores-only"}
+
+
+# -- any hierarchy a user may build ------------------------------------------------------------
+
+_WHERE = ["nowhere", "body", "mixin", "backend"]
+
+
+@given(
+    plan=st.fixed_dictionaries(
+        {
+            capability: st.tuples(st.booleans(), st.sampled_from(_WHERE))
+            for capability in CAPABILITIES
+        }
+    ),
+    mixins_first=st.booleans(),
+)
+def test_any_hierarchy_is_refused_exactly_when_a_capability_would_be_lost(
+    plan: dict[type, tuple[bool, str]], mixins_first: bool
+) -> None:
+    """Each capability declared or not, its methods written nowhere, in the class body,
+    in a mixin of no capability or in an intermediate backend class: refused at
+    definition exactly when some capability's method is there undeclared; else usable
+    exactly when every declared capability's methods are written (a configuration error
+    naming them otherwise)."""
+    declared = [c for c, (is_declared, _) in plan.items() if is_declared]
+    lost = any(where != "nowhere" and not is_declared for is_declared, where in plan.values())
+    # A mixin after the capability it implements is hidden behind its abstract methods.
+    hidden = not mixins_first and any(
+        is_declared and where == "mixin" for is_declared, where in plan.values()
+    )
+
+    def methods(capability: type) -> dict[str, Any]:
+        body: dict[str, Any] = dict.fromkeys(capability.__abstractmethods__, _never)
+        if capability is Permits:
+            body["permit_kinds"] = frozenset({"semaphore"})
+        return body
+
+    def build() -> type:
+        body: dict[str, Any] = {}
+        mixins: list[type] = []
+        direct = list(declared)
+        intermediate: type = MinimalSQLiteBackend
+        for capability, (is_declared, where) in plan.items():
+            if where == "body":
+                body.update(methods(capability))
+            elif where == "mixin":
+                mixins.append(type(f"{capability.__name__}Mixin", (), methods(capability)))
+            elif where == "backend":
+                # An intermediate backend class writes it (and declares it, if declared).
+                bases = (capability, intermediate) if is_declared else (intermediate,)
+                intermediate = type("Middle", bases, methods(capability))
+                if is_declared:
+                    direct.remove(capability)
+        bases = (*mixins, *direct) if mixins_first else (*direct, *mixins)
+        return type("Built", (*bases, intermediate), body)
+
+    if lost:
+        with pytest.raises(TypeError, match="does not declare the"):
+            build()
+        return
+    if hidden:
+        with pytest.raises(TypeError, match="hides"):
+            build()
+        return
+    cls = build()
+    assert all(issubclass(cls, capability) for capability in declared)
+    unwritten = [c for c in declared if plan[c][1] == "nowhere"]
+    config = {"BACKEND": "unused", "LOCATION": "/nonexistent/never-opened"}
+    if unwritten:
+        from distlocks.backends.capabilities import unwritten as describe
+
+        text = describe(cls)
+        assert all(f"the {c.__name__} capability" in text for c in unwritten), text
+        with pytest.raises(TypeError):
+            cls("x", config)
+    else:
+        assert cls.__abstractmethods__ == frozenset()
+        cls("x", config)

@@ -211,6 +211,33 @@ def unknown_options(backend: str, options: Mapping[Any, Any], known: frozenset[s
     return problems
 
 
+def _refuse_hidden_methods(cls: type) -> None:
+    """Refuse a class whose bases put an abstract method (of BaseBackend or of a
+    capability) in front of a class that writes it, a mixin named after the capability
+    it implements: the written one would never be found, and the class would only be
+    found abstract when it is first used."""
+    for name in dir(cls):
+        first = next((k for k in cls.__mro__ if name in vars(k)), None)
+        if first is None or not getattr(vars(first)[name], "__isabstractmethod__", False):
+            continue
+        later = cls.__mro__[cls.__mro__.index(first) + 1 :]
+        hidden = next(
+            (
+                k
+                for k in later
+                if name in vars(k) and not getattr(vars(k)[name], "__isabstractmethod__", False)
+            ),
+            None,
+        )
+        if hidden is not None:
+            raise TypeError(
+                f"{cls.__qualname__}: the abstract {first.__name__}.{name}() hides "
+                f"{hidden.__qualname__}.{name}(), which would never be called: name "
+                f"{hidden.__name__} before {first.__name__} in the bases of "
+                f"{cls.__name__} (or of the class that names both)."
+            )
+
+
 class BaseBackend(ABC):
     """Base class of lock backends: the operations every backend must have.
 
@@ -240,7 +267,9 @@ class BaseBackend(ABC):
         # CAPABILITIES yet and nothing is checked.
         module = importlib.import_module("distlocks.backends.capabilities")
         for capability in getattr(module, "CAPABILITIES", ()):
-            if issubclass(cls, capability):
+            # Not issubclass(): ABCMeta's cache of a class of the same id, gone since,
+            # may answer for a class that is not even finished.
+            if capability in cls.__mro__:
                 continue
             # No class of the MRO is the capability: whatever defines one of its
             # names is the class itself, a backend that was checked, or a mixin.
@@ -263,6 +292,7 @@ class BaseBackend(ABC):
                     f"distlocks.backends.capabilities.{capability.__name__} to its bases "
                     f"(class {cls.__name__}({capability.__name__}, ...))."
                 )
+        _refuse_hidden_methods(cls)
 
     def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
         self.alias = alias
