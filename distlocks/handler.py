@@ -11,6 +11,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from distlocks.backends.base import BaseBackend
+from distlocks.backends.capabilities import unwritten
 from distlocks.conf import conf
 from distlocks.redaction import redact, redact_exception
 
@@ -91,6 +92,12 @@ def backend_class(alias: str, config: Any) -> type[BaseBackend]:
         raise ImproperlyConfigured(
             f"DISTLOCKS_BACKENDS[{alias!r}]['BACKEND'] = {path!r} is not a subclass of "
             f"distlocks.backends.base.BaseBackend."
+        )
+    if getattr(cls, "__abstractmethods__", None):
+        # Said here (manage.py check, the first use) rather than by a TypeError when
+        # the first request builds it.
+        raise ImproperlyConfigured(
+            f"DISTLOCKS_BACKENDS[{alias!r}]['BACKEND'] = {path!r} cannot be used: {unwritten(cls)}"
         )
     return cls
 

@@ -211,6 +211,33 @@ def unknown_options(backend: str, options: Mapping[Any, Any], known: frozenset[s
     return problems
 
 
+def _refuse_hidden_methods(cls: type) -> None:
+    """Refuse a class whose bases put an abstract method (of BaseBackend or of a
+    capability) in front of a class that writes it, a mixin named after the capability
+    it implements: the written one would never be found, and the class would only be
+    found abstract when it is first used."""
+    for name in dir(cls):
+        first = next((k for k in cls.__mro__ if name in vars(k)), None)
+        if first is None or not getattr(vars(first)[name], "__isabstractmethod__", False):
+            continue
+        later = cls.__mro__[cls.__mro__.index(first) + 1 :]
+        hidden = next(
+            (
+                k
+                for k in later
+                if name in vars(k) and not getattr(vars(k)[name], "__isabstractmethod__", False)
+            ),
+            None,
+        )
+        if hidden is not None:
+            raise TypeError(
+                f"{cls.__qualname__}: the abstract {first.__name__}.{name}() hides "
+                f"{hidden.__qualname__}.{name}(), which would never be called: name "
+                f"{hidden.__name__} before {first.__name__} in the bases of "
+                f"{cls.__name__} (or of the class that names both)."
+            )
+
+
 class BaseBackend(ABC):
     """Base class of lock backends: the operations every backend must have.
 
@@ -230,26 +257,42 @@ class BaseBackend(ABC):
     option_keys: ClassVar[frozenset[str] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Refuse a class that writes a capability's methods without declaring the
-        capability: nothing would ever call them (the live-locks page would say it
-        cannot list, waiters would poll), and nobody would be told why."""
+        """Refuse a class that has a capability's methods or settings without declaring
+        the capability: nothing would ever call them (the live-locks page would say it
+        cannot list, waiters would poll), and nobody would be told why. They count
+        wherever the class gets them: written in it, or from a mixin of no capability."""
         super().__init_subclass__(**kwargs)
         # Imported here: the capabilities are subclasses of this class. While that
         # module is still being made (defining the capabilities themselves), it has no
         # CAPABILITIES yet and nothing is checked.
         module = importlib.import_module("distlocks.backends.capabilities")
         for capability in getattr(module, "CAPABILITIES", ()):
-            if issubclass(cls, capability):
+            # Not issubclass(): ABCMeta's cache of a class of the same id, gone since,
+            # may answer for a class that is not even finished.
+            if capability in cls.__mro__:
                 continue
-            written = sorted(set(vars(cls)) & capability.methods)
-            if written:
+            # No class of the MRO is the capability: whatever defines one of its
+            # names is the class itself, a backend that was checked, or a mixin.
+            found = {
+                attr: klass
+                for klass in reversed(cls.__mro__)
+                for attr in vars(klass)
+                if attr in capability.methods or attr in capability.attributes
+            }
+            if found:
+                names = [
+                    attr + ("()" if attr in capability.methods else "")
+                    + ("" if klass is cls else f" (from {klass.__qualname__})")
+                    for attr, klass in sorted(found.items())
+                ]  # fmt: skip
                 raise TypeError(
-                    f"{cls.__qualname__} defines {'(), '.join(written)}() but does not "
-                    f"declare the {capability.__name__} capability, so nothing would call "
-                    f"{'them' if len(written) > 1 else 'it'}: add "
+                    f"{cls.__qualname__} defines {', '.join(names)} but does not declare "
+                    f"the {capability.__name__} capability, so nothing would use "
+                    f"{'them' if len(names) > 1 else 'it'}: add "
                     f"distlocks.backends.capabilities.{capability.__name__} to its bases "
                     f"(class {cls.__name__}({capability.__name__}, ...))."
                 )
+        _refuse_hidden_methods(cls)
 
     def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
         self.alias = alias

@@ -32,7 +32,7 @@ import logging
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterator
-from typing import ClassVar, TypeVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -61,6 +61,8 @@ class Listing(BaseBackend):
 
     #: The methods that belong to this capability (a class writing one declares it).
     methods: ClassVar[frozenset[str]] = frozenset({"iter_locks", "iter_permits"})
+    #: The class attributes that belong to it (a class setting one declares it).
+    attributes: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def iter_locks(self) -> Iterator[LockInfo]:
@@ -81,6 +83,7 @@ class Waiting(BaseBackend):
     methods: ClassVar[frozenset[str]] = frozenset(
         {"wait", "leave_queue", "await_release", "aleave_queue"}
     )
+    attributes: ClassVar[frozenset[str]] = frozenset({"wakes_on_release"})
     #: True when :meth:`wait` returns as soon as the lock is released (the lock layer
     #: then waits as long as the holder's lease allows); False to be polled with a
     #: growing pause between calls of :meth:`wait`.
@@ -133,9 +136,32 @@ class Permits(BaseBackend):
             "apermit_extend", "apermit_wait", "apermit_leave",
         }
     )  # fmt: skip
+    attributes: ClassVar[frozenset[str]] = frozenset({"permit_kinds"})
     #: The permit kinds (``"semaphore"``, ``"read"``, ``"write"``) this backend serves
     #: (an instance may narrow them: PostgreSQL has none in transaction mode).
     permit_kinds: frozenset[str] = frozenset()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse ``permit_kinds`` that cannot be served: a misspelt kind would never be
+        served and never be reported, and a read-write lock needs both of its sides."""
+        super().__init_subclass__(**kwargs)
+        kinds = cls.__dict__.get("permit_kinds")
+        if kinds is None or isinstance(kinds, property):  # inherited, or per instance
+            return
+        problem = ""
+        if not isinstance(kinds, frozenset | set):
+            problem = f"must be a frozenset of kinds, not {type(kinds).__name__}"
+        elif unknown := sorted(map(repr, set(kinds) - {SEMAPHORE, READ, WRITE})):
+            problem = f"has unknown kind(s) {', '.join(unknown)}"
+        elif (READ in kinds) != (WRITE in kinds):
+            problem = (
+                "must have both 'read' and 'write' (the sides of a read-write lock) or neither"
+            )
+        if problem:
+            raise TypeError(
+                f"{cls.__qualname__}.permit_kinds = {kinds!r} {problem}: use a frozenset of "
+                f"'semaphore', 'read' and 'write'."
+            )
 
     def unsupported(self, kind: str) -> NotSupported:
         """The error for a permit kind this backend does not serve (to raise)."""
@@ -195,7 +221,11 @@ class Permits(BaseBackend):
 
     def permit_wakes_on_release(self, kind: str) -> bool:
         """True when :meth:`permit_wait` returns as soon as a permit may be free (by
-        default: when the backend wakes the waiters of its locks)."""
+        default: when the backend writes its own :meth:`permit_wait` and wakes the
+        waiters of its locks). The default :meth:`permit_wait` only sleeps: a waiter on
+        it must be polled, not left asleep until the holder's lease ends."""
+        if type(self).permit_wait is Permits.permit_wait:
+            return False
         return isinstance(self, Waiting) and self.wakes_on_release
 
     def permit_wait(
@@ -338,6 +368,30 @@ def _check_capability(capability: object) -> None:
             f"{capability!r} is not a backend capability; use one of "
             f"{', '.join(c.__name__ for c in CAPABILITIES)}."
         )
+
+
+def unwritten(cls: type[BaseBackend]) -> str:
+    """What ``cls`` declares but does not write (its abstract methods, by the capability
+    or the base class that asks for them), as one sentence; "" when it writes it all.
+    Said when the class is named in settings, not at its first use deep in a request."""
+    missing: dict[str, list[str]] = {}
+    for method in sorted(getattr(cls, "__abstractmethods__", ())):
+        owner = next(
+            (k for k in (*CAPABILITIES, BaseBackend) if method in vars(k) and issubclass(cls, k)),
+            None,
+        )
+        what = "" if owner is None else owner.__name__
+        missing.setdefault(what, []).append(f"{method}()")
+    parts = []
+    for what, methods in missing.items():
+        listed = ", ".join(methods)
+        if what == BaseBackend.__name__:
+            parts.append(f"does not write {listed}, required of every backend")
+        elif what:
+            parts.append(f"declares the {what} capability but does not write {listed}")
+        else:
+            parts.append(f"leaves {listed} abstract")
+    return f"{cls.__qualname__} {'; it '.join(parts)}." if parts else ""
 
 
 # ``capability`` is typed as a callable returning C, not ``type[C]``: mypy refuses an
