@@ -10,16 +10,34 @@ command in the entry's message.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
-from django.contrib.admin.models import DELETION, LogEntry
-from django.contrib.auth import get_user_model
-from django.contrib.contenttypes.models import ContentType
+from django.apps import apps
 
 from distlocks.redaction import escape_control
 
 if TYPE_CHECKING:
+    from django.contrib.admin.models import LogEntry
+
     from distlocks.livelocks import ForceReleased
+
+logger = logging.getLogger(__name__)
+
+#: What the action history needs; a project without them (no admin site) still gets
+#: every force release on this module's logger, and the command says where it went.
+HISTORY_APPS = ("django.contrib.admin", "django.contrib.auth", "django.contrib.contenttypes")
+
+
+def history_available() -> bool:
+    """Whether the admin's action history (``LogEntry``) can record a release."""
+    return all(apps.is_installed(app) for app in HISTORY_APPS)
+
+
+def missing_apps() -> list[str]:
+    """The apps of :data:`HISTORY_APPS` that are not installed."""
+    return [app for app in HISTORY_APPS if not apps.is_installed(app)]
+
 
 #: The account command-line force releases are recorded under, without ``--user``.
 COMMAND_LINE_USERNAME = "distlocks-command-line"
@@ -31,6 +49,8 @@ SEPARATOR = "\x1f"
 def command_line_user(username: str | None = None) -> Any:
     """The user a command-line force release is recorded under: ``username`` (which
     must exist: LookupError otherwise), or the service account, created on first use."""
+    from django.contrib.auth import get_user_model
+
     model = get_user_model()
     manager = model._default_manager
     if username:
@@ -53,7 +73,9 @@ def command_line_user(username: str | None = None) -> Any:
 
 def log_force_release(done: ForceReleased, user: Any, note: str = "") -> LogEntry | None:
     """Record ``done`` in the action history under ``user``; nothing when no holder was
-    evicted (nothing happened, so there is nothing to audit)."""
+    evicted (nothing happened, so there is nothing to audit). Every release recorded is
+    also logged (INFO) on ``distlocks.audit``; without the admin's apps (no history to
+    write to) it is logged only, as a WARNING, and None is returned."""
     from distlocks import livelocks
 
     if not done.released:
@@ -79,6 +101,18 @@ def log_force_release(done: ForceReleased, user: Any, note: str = "") -> LogEntr
     message = f"{what} (was held): {holder}{counter}."
     if note:
         message += f" {note}"
+    if not history_available():
+        logger.warning(
+            "%s: %s (not in the admin's action history: %s not installed)",
+            escape_control(object_repr),
+            escape_control(message),
+            ", ".join(missing_apps()),
+        )
+        return None
+    from django.contrib.admin.models import DELETION, LogEntry
+    from django.contrib.contenttypes.models import ContentType
+
+    logger.info("%s: %s", escape_control(object_repr), escape_control(message))
     return LogEntry.objects.create(
         user_id=user.pk,
         content_type_id=ContentType.objects.get_for_model(

@@ -252,11 +252,19 @@ class Command(BaseCommand):
             answer = sys.stdin.readline()  # "" at end of input: not confirmed
             if answer.strip().lower() not in ("y", "yes"):
                 raise CommandError("Not released (not confirmed; pass --yes to skip the question).")
-        try:
-            # Who the admin's action history will name: known before anything is done.
-            recorded_as = audit.command_line_user(options.get("user"))
-        except LookupError as exc:
-            raise CommandError(f"{exc} Nothing was released (--user).") from exc
+        recorded_as: Any = None
+        if audit.history_available():
+            try:
+                # Who the admin's action history will name: known before anything is done.
+                recorded_as = audit.command_line_user(options.get("user"))
+            except LookupError as exc:
+                raise CommandError(f"{exc} Nothing was released (--user).") from exc
+        elif options.get("user"):
+            raise CommandError(
+                f"--user names who the admin's action history records, and this project has "
+                f"none ({', '.join(audit.missing_apps())} not installed). Nothing was "
+                f"released; leave --user out (the release is then logged on distlocks.audit)."
+            )
         try:
             done = livelocks.force_release(
                 alias,
@@ -286,7 +294,12 @@ class Command(BaseCommand):
                 escape_control(
                     f"Released {name!r} on backend {alias!r} (was held by {item.holder}, "
                     f"token {item.info.fencing_token}{', owner ' + owner if owner else ''})"
-                    f"{counter}; recorded in the admin's history as {recorded_as}."
+                    f"{counter}; "
+                    + (
+                        f"recorded in the admin's history as {recorded_as}."
+                        if recorded_as is not None
+                        else "logged on distlocks.audit (no admin action history in this project)."
+                    )
                 )
             )
         )
