@@ -380,3 +380,22 @@ def test_summary_reports_microseconds_and_rate() -> None:
     summary = summarize(samples)
     assert summary["median_us"] == 2.0
     assert summary["ops_per_s"] == 6.0
+
+
+def test_compare_marks_a_row_slower_only_beyond_its_rounds_spread() -> None:
+    from bench.compare import compare
+
+    def report(ratio: float, rounds: list[float]) -> dict[str, Any]:
+        row = {"role": "distlocks", "x_floor": ratio, "x_floor_by_round": rounds}
+        floor = {"role": "floor", "x_floor": 1.0, "x_floor_by_round": [1.0] * 4}
+        return {"workloads": {"cycle": {"results": {"floor": floor, "distlocks": row}}}}
+
+    steady = [1.0, 1.0, 1.0, 1.0]
+    assert compare(report(1.0, steady), report(1.3, steady))[0][-1] == "slower"
+    assert compare(report(1.3, steady), report(1.0, steady))[0][-1] == "faster"
+    noisy = [0.6, 0.8, 1.2, 1.4]
+    assert compare(report(1.0, noisy), report(1.3, noisy))[0][-1] == "same"
+    # The floor is never compared with itself.
+    assert [line[1] for line in compare(report(1.0, steady), report(1.0, steady))] == [
+        "distlocks"
+    ]
