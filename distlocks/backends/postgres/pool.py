@@ -69,6 +69,10 @@ class Watchdog:
                 self._thread = thread
 
     def _run(self) -> None:
+        # Ticking from the start: a request registered from now on is found at the next
+        # tick, and sets no event (``_asleep`` was True until the first quiet tick, so a
+        # client that never paused paid an event set per request for as long as it ran).
+        self._asleep = False
         seen = -1
         while True:
             if not self._watched and self._requests == seen:
@@ -109,6 +113,24 @@ class Connection(psycopg.Connection[Any]):
     reply_timeout: float | None = None
     lock_wait: float = 0.0
     _cut = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The cursor of fetchone(), and the lock that keeps its result to the caller
+        # whose statement made it.
+        self._cursor: psycopg.Cursor[Any] | None = None
+        self._cursor_lock = threading.Lock()
+
+    def fetchone(self, query: str, params: Any) -> Any:
+        """The first row of ``query`` (None if it has none), on this connection's own
+        cursor: ``execute()`` builds a new cursor each time, and with it new adapters
+        that look up how to send each parameter again (about 20 us of client CPU per
+        lock cycle). Not for pipelines, whose results are read later."""
+        with self._cursor_lock:
+            cursor = self._cursor
+            if cursor is None:
+                cursor = self._cursor = self.cursor()
+            return cursor.execute(query, params).fetchone()
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         if self.reply_timeout is None:
