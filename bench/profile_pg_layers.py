@@ -6,10 +6,11 @@ one times the uncontended cycle of the ``cycle`` workload from the floor up, one
 added per row, interleaved in blocks (the order rotating each block):
 
 1. the floor: ``pg_try_advisory_lock`` + ``pg_advisory_unlock`` on a bare connection;
-2. distlocks' acquire and unlock statements on a bare ``psycopg.Connection`` opened with
-   the pool's own connection arguments (prepared after two uses, as the pool's are);
-3. the same on the pool's :class:`~distlocks.backends.postgres.pool.Connection`, whose
-   every request registers with the reply watchdog;
+2. distlocks' acquire and unlock statements on one cursor of a bare
+   ``psycopg.Connection`` opened with the pool's own connection arguments (prepared after
+   two uses, as the pool's are);
+3. the same through :meth:`~distlocks.backends.postgres.pool.Connection.fetchone` of
+   the pool's connection class, whose every request registers with the reply watchdog;
 4. ``PostgresBackend.acquire`` / ``release`` (checkout, owner's parameters, held lease);
 5. ``with lock(..., auto_renew=False)``; 6. ``with lock(...)`` (default).
 
@@ -76,9 +77,17 @@ def _variants(cleanup: contextlib.ExitStack) -> list[Variant]:
         params = backend._params(name, uuid.uuid4().hex, 30.0, holder)
         unlock = {"key": params["key"], "reader": 0, "guard": backend._guard(name)}
 
+        # One cursor, as the backend's connections keep (Connection.fetchone).
+        fetchone = getattr(conn, "fetchone", None) if isinstance(conn, pg_pool.Connection) else None
+        cursor = conn.cursor()
+
         def cycle() -> None:
-            conn.execute(sql.ACQUIRE_TRY, params).fetchone()
-            conn.execute(sql.UNLOCK, unlock).fetchone()
+            if fetchone is not None:
+                fetchone(sql.ACQUIRE_TRY, params)
+                fetchone(sql.UNLOCK, unlock)
+            else:
+                cursor.execute(sql.ACQUIRE_TRY, params).fetchone()
+                cursor.execute(sql.UNLOCK, unlock).fetchone()
 
         return cycle
 
@@ -98,8 +107,8 @@ def _variants(cleanup: contextlib.ExitStack) -> list[Variant]:
 
     return [
         (FLOOR, floor),
-        ("statements, bare psycopg connection", statements(bare, NAME + ":bare")),
-        ("statements, pool's Connection", statements(watched, NAME + ":watched")),
+        ("statements, bare psycopg, one cursor", statements(bare, NAME + ":bare")),
+        ("statements, pool's Connection.fetchone", statements(watched, NAME + ":watched")),
         ("PostgresBackend.acquire/release", backend_cycle),
         ("lock(), auto_renew=False", api(auto_renew=False)),
         (PROFILED, api()),

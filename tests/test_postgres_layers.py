@@ -12,7 +12,7 @@ import pytest
 
 from distlocks import get_backend, lock
 from distlocks.backends.postgres import PostgresBackend
-from distlocks.backends.postgres.pool import Connection, Watchdog
+from distlocks.backends.postgres.pool import Connection, Pool, PoolExhausted, Watchdog
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
@@ -122,3 +122,27 @@ def test_fetchone_after_a_failed_statement_still_answers() -> None:
         assert conn.fetchone("SELECT %s::int", (7,)) == (7,)
     finally:
         pg().pool.put(conn)
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["given-back", "discarded"])
+def test_a_caller_waiting_for_a_full_pool_gets_the_connection_put_back(closed: bool) -> None:
+    pool = Pool(pg()._connect_kwargs(), max_size=1, timeout=60.0, reply_timeout=5.0)
+    first = pool.get()
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.get()))
+    waiter.start()
+    try:
+        wait_for(lambda: pool._waiting == 1, 15, "the second caller waiting")
+        if closed:
+            first.close()
+        pool.put(first)
+        waiter.join(30)
+        assert not waiter.is_alive(), "the waiter was not woken by the connection put back"
+        assert len(got) == 1 and not got[0].closed
+        assert (got[0] is first) is not closed
+        with pytest.raises(PoolExhausted):
+            pool.get(timeout=0.01)
+        pool.put(got[0])
+    finally:
+        waiter.join(60)
+        pool.close()
