@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from distlocks import signals, transactions
+from distlocks import process, signals, transactions
 from distlocks.conf import conf
 from distlocks.exceptions import LockError, LockLost
 from distlocks.reentrancy import forget
@@ -112,7 +112,7 @@ class BaseLease:
         self._freed_on_server = False
         # Shared with the renewer and the drop guard, which hold no reference to the
         # lease: whether it ended, and the process it belongs to.
-        self._ended: dict[str, Any] = {"ended": False, "pid": os.getpid()}
+        self._ended: dict[str, Any] = {"ended": False, "pid": process.pid}
         self._depth = 1
         # Serialises release, extension and renewal (held across their server call).
         self._mutex = threading.RLock()
@@ -175,7 +175,7 @@ class BaseLease:
 
     def _inherited(self) -> bool:
         """True in a process forked from the one that acquired the lease."""
-        return self._ended["pid"] != os.getpid()
+        return self._ended["pid"] != process.pid
 
     def _inherited_error(self) -> LockLost:
         return LockLost(
@@ -601,7 +601,7 @@ def release_dropped(backend: LeaseServer, name: str, owner: str, ended: dict[str
     release it any more); ``ended`` is the lease's own flag, set when it ended."""
     if ended["ended"]:
         return  # released or lost before it was collected: nothing to do
-    if ended["pid"] != os.getpid():
+    if ended["pid"] != process.pid:
         return  # a copy inherited by a forked child: the lock is the parent's
     logger.warning("Lock %r was dropped without release(); releasing it", name)
     backend.release_quietly(name, owner)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from types import MappingProxyType, TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from distlocks import fencing, reentrancy, signals, transactions
+from distlocks import fencing, process, reentrancy, signals, transactions
 from distlocks.backends.base import AcquireResult, BaseBackend, Holder, LeaseServer, WaitServer
 from distlocks.backends.capabilities import waiting_side
 from distlocks.conf import conf
@@ -65,7 +65,7 @@ def current_holder() -> Holder:
     """Who is asking: this host, process and thread, and the context's extra metadata."""
     thread = threading.current_thread().name
     extra = holder_extra.get()
-    pid = os.getpid()  # not cached: a forked child must record its own
+    pid = process.pid  # renewed in a forked child, which must record its own
     holder: Holder | None = getattr(_holders, "holder", None)
     if holder is None or holder.thread != thread or holder.extra is not extra or holder.pid != pid:
         holder = _holders.holder = Holder(host=_HOSTNAME, pid=pid, thread=thread, extra=extra)
@@ -203,7 +203,7 @@ def _when_dropped(backend: LeaseServer, name: str, owner: str, ended: dict[str, 
     """The finalizer of a guarded lease: a lease that ended (released, lost) or that a
     forked child inherited needs nothing, and most leases are collected after they
     ended, so only a lease really dropped while held costs a clean-up thread."""
-    if not ended["ended"] and ended["pid"] == os.getpid():
+    if not ended["ended"] and ended["pid"] == process.pid:
         _in_thread(release_dropped, backend, name, owner, ended)
 
 

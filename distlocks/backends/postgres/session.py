@@ -79,7 +79,7 @@ class SessionLocks(PooledBackend):
             left = deadline - time.monotonic()
             if left > 0:
                 return self._acquire_blocking(conn, params, left)
-        row = conn.execute(sql.ACQUIRE_TRY, params).fetchone()
+        row = conn.fetchone(sql.ACQUIRE_TRY, params)
         return None if row is None else int(row[0])
 
     def _release_session(self, name: str, owner: str) -> bool:
@@ -93,7 +93,7 @@ class SessionLocks(PooledBackend):
         """Unlock on the lease's own connection, then return it to the pool."""
         try:
             params = {"key": held.key, "reader": held.reader, "guard": held.guard}
-            row = held.conn.execute(held.unlock, params).fetchone()
+            row = held.conn.fetchone(held.unlock, params)
         except psycopg.Error:
             # The connection is gone, and the server freed the lock with it.
             self._discard(held.conn)
@@ -109,7 +109,7 @@ class SessionLocks(PooledBackend):
             return False
         classid, objid = key_parts(held.key)
         try:
-            row = held.conn.execute(sql.HOLDS, (classid, objid)).fetchone()
+            row = held.conn.fetchone(sql.HOLDS, (classid, objid))
         except psycopg.Error:
             # Terminated or cut off: a session lock does not outlive its connection.
             with self._held_lock:
