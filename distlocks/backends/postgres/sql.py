@@ -9,29 +9,71 @@ one and bind its parameters. Keys are the signed 64-bit advisory-lock keys of
 from __future__ import annotations
 
 TABLE = "distlocks_lockregistry"
+# The per-key token ceilings (docs/safety.md, "PostgreSQL tokens"): the registry is
+# UNLOGGED (a crash truncates it, and ends every advisory lock with it), this table is
+# logged, and every token ever issued for a key is at most its ceiling.
+FENCE = "distlocks_lockfence"
 
 # Tokens are floored by the server clock in microseconds, like the other backends,
 # so that they stay comparable and survive a registry that was emptied.
 CLOCK_US = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
 
+#: How far past a token its key's ceiling is set when the token passes it, in token
+#: units (microseconds while tokens follow the clock): a name's ceiling is written
+#: about once per RESERVE_US of its use, and a token after a crash is at most this far
+#: ahead of the one before it.
+RESERVE_US = 600_000_000
+
+# The ceiling is written only when a token passes it, and that transaction commits
+# durably whatever the connection's synchronous_commit (off by default for lock
+# connections): "off" becomes "on" for this transaction only (set_config's is_local),
+# which PostgreSQL reads at COMMIT. A ceiling is therefore never visible, and never
+# relied upon, before it is on disk. Other settings (on, remote_write, ...) are kept.
+_DURABLE = (
+    "set_config('synchronous_commit', CASE current_setting('synchronous_commit')"
+    " WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true)"
+)
+
+# Raise the ceiling of %(key)s past the token in {minted}(fencing_token) if it passed
+# it: {ceiling} is the ceiling the statement read (its snapshot's; one raised since by
+# another transaction is only higher, and greatest() keeps the higher one).
+RAISE = f"""INSERT INTO {FENCE} AS f (key, ceiling)
+SELECT %(key)s, minted.fencing_token + {RESERVE_US} FROM {{minted}} AS minted
+WHERE minted.fencing_token > coalesce(({{ceiling}}), -1) AND {_DURABLE} IS NOT NULL
+ON CONFLICT (key) DO UPDATE SET ceiling = greatest(f.ceiling, EXCLUDED.ceiling)"""
+
+# The ceiling of %(key)s (NULL if none).
+CEILING = f"SELECT ceiling FROM {FENCE} WHERE key = %(key)s"
+
 # The registry upsert shared by both modes; {lock} is a query taking the lock and
-# yielding one boolean "ok". The upsert runs only if the lock was granted, and
-# bumps the counter in the same statement.
+# yielding one boolean "ok". The upsert runs only if the lock was granted, and mints
+# the token in the same statement: one more than the row's (the row, unlogged, lives
+# as long as the server has not crashed, and holds the key's last token since), or,
+# with no row (a new key, or a registry truncated by a crash), one more than the
+# key's ceiling; floored by the clock either way. The ceiling moves only if passed.
 ACQUIRE = f"""
-WITH granted AS MATERIALIZED ({{lock}})
+WITH granted AS MATERIALIZED ({{lock}}),
+fence AS MATERIALIZED ({CEILING}),
+minted AS (
 INSERT INTO {TABLE} AS r
     (key, name, fencing_token, owner, host, pid, thread, backend_pid,
      acquired_at, ttl, renewals, extra)
-SELECT %(key)s, %(name)s, {CLOCK_US}, %(owner)s, %(host)s, %(pid)s, %(thread)s,
+SELECT %(key)s, %(name)s,
+       greatest(coalesce((SELECT ceiling FROM fence), 0) + 1, {CLOCK_US}),
+       %(owner)s, %(host)s, %(pid)s, %(thread)s,
        pg_backend_pid(), clock_timestamp(), %(ttl)s, 0, %(extra)s
 FROM granted WHERE granted.ok
 ON CONFLICT (key) DO UPDATE SET
-    fencing_token = greatest(r.fencing_token + 1, EXCLUDED.fencing_token),
+    fencing_token = greatest(r.fencing_token + 1, {CLOCK_US}),
     name = EXCLUDED.name, owner = EXCLUDED.owner,
     host = EXCLUDED.host, pid = EXCLUDED.pid, thread = EXCLUDED.thread,
     backend_pid = EXCLUDED.backend_pid, acquired_at = EXCLUDED.acquired_at,
     ttl = EXCLUDED.ttl, renewals = 0, extra = EXCLUDED.extra
 RETURNING r.fencing_token
+), raised AS (
+{RAISE.format(minted="minted", ceiling="SELECT ceiling FROM fence")}
+)
+SELECT fencing_token FROM minted
 """
 
 # Live advisory locks of this database (classid/objid are the high/low 32 bits of
@@ -142,13 +184,15 @@ WRITE_ACQUIRE = ACQUIRE.replace(
 assert "cleared" in WRITE_ACQUIRE
 
 # The read side: a shared lock on the same key, and a row of the reader's own (the
-# lock's row, created if missing, is where the listing finds it by name). A row of
+# lock's row, created if missing, is where the listing finds it by name; created with
+# the key's ceiling as its token, which is at least every write token issued, so the
+# next writer's token, one more, stays above them). A row of
 # an earlier reader on this same session is stale: a session holds one lease.
 READ_ACQUIRE = (
     f"""
 WITH granted AS MATERIALIZED ({{lock}}), anchor AS (
     INSERT INTO {TABLE} (key, name, fencing_token, owner, host, thread, renewals, extra)
-    SELECT %(key)s, %(name)s, 0, '', '', '', 0,
+    SELECT %(key)s, %(name)s, coalesce(({CEILING}), 0), '', '', '', 0,
            jsonb_build_object('kind', 'write', 'of', %(of)s::text)
     FROM granted WHERE granted.ok
     ON CONFLICT (key) DO NOTHING
@@ -244,8 +288,14 @@ REGISTERED_FOR_UPDATE = (
     f"SELECT fencing_token, backend_pid FROM {TABLE} WHERE key = %(key)s FOR UPDATE"
 )
 
-# The last fencing token of a key (0 if it has no row).
-COUNTER = f"SELECT fencing_token FROM {TABLE} WHERE key = %s"
+# The last fencing token of a key, from its registry row; with no row (never locked,
+# or the registry truncated by a crash) its ceiling, an upper bound of every token
+# issued for it; 0 if it has neither. Always one row.
+COUNTER = f"""
+SELECT coalesce((SELECT fencing_token FROM {TABLE} WHERE key = k.key),
+                (SELECT ceiling FROM {FENCE} WHERE key = k.key), 0)
+FROM (SELECT %s::bigint AS key) AS k
+"""
 
 # The listing's own query: the columns of LOCKS that a LockInfo needs, the holder
 # details as JSON text (parsed only when there are some), rows as plain tuples.

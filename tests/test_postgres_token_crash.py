@@ -1,0 +1,284 @@
+"""PostgreSQL tokens across crashes, with the server clock taken out of the proof.
+
+The registry (the per-name counter) is UNLOGGED: a crash of the server truncates it.
+What keeps tokens increasing is the logged table of per-key ceilings, written durably
+whenever a token passes its key's ceiling (docs/safety.md, "PostgreSQL tokens").
+
+Tokens are also floored by the server clock, which would hide a broken ceiling: a
+token minted after the restart is a clock value, above every earlier clock-made token.
+So every test here first moves the name's tokens far ahead of the clock (its ceiling
+set 10**12 us, about eleven days, ahead: what an upgraded registry or a token_floor-like
+start gives), so that only the ceiling can keep the next token above the earlier ones.
+A scheme that hands a token out twice fails them: without the ceiling's raise, or with
+the raise committed asynchronously (lost in the crash like the registry's rows), the
+first token after the crash repeats one issued before it.
+
+The server is ``PostgresServer(durable=True)`` (fsync on) with a WAL writer that waits
+10 s, so that what was committed asynchronously just before a crash is surely lost;
+the crash is an immediate shutdown (SIGQUIT to the postmaster: no checkpoint).
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connections
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from distlocks.backends.base import WRITE, Holder
+from distlocks.backends.postgres import TABLE, PostgresBackend
+from distlocks.backends.postgres.sql import FENCE
+from distlocks.testing.servers import PostgresServer
+from tests.test_postgres_durable import ALIAS, durable  # noqa: F401 - the fixture
+
+HOLDER = Holder(host="test", pid=1, thread="main")
+AHEAD = 10**12  # tokens this far ahead of the clock: the clock floor cannot help
+_owners = itertools.count()
+
+
+def _sql(server: PostgresServer, statement: str, params: Any = ()) -> list[tuple[Any, ...]]:
+    with psycopg.connect(server.url, autocommit=True) as conn:
+        cursor = conn.execute(statement, params)
+        return cursor.fetchall() if cursor.description else []
+
+
+def _ahead_of_the_clock(server: PostgresServer, key: int) -> int:
+    """Set ``key``'s ceiling far ahead of the server clock, durably; returns it."""
+    (ceiling,) = _sql(
+        server,
+        f"INSERT INTO {FENCE} (key, ceiling)"
+        " SELECT %s, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint + %s"
+        " RETURNING ceiling",
+        (key, AHEAD),
+    )[0]
+    _sql(server, "CHECKPOINT")
+    return int(ceiling)
+
+
+def _crash(server: PostgresServer) -> None:
+    """Immediate shutdown: committed work not yet flushed is lost, unlogged tables are
+    truncated at the next start (crash recovery)."""
+    assert server.process is not None
+    server.process.send_signal(signal.SIGQUIT)
+    server.process.wait(30)
+    server.start(port=server.port)
+    connections[ALIAS].close()  # Django's connection to it died with it
+
+
+def _restart(server: PostgresServer) -> None:
+    """A clean restart (shutdown checkpoint): unlogged tables keep their rows."""
+    server.stop()
+    server.start(port=server.port)
+    connections[ALIAS].close()
+
+
+def _registry_rows(server: PostgresServer, key: int) -> int:
+    return int(_sql(server, f"SELECT count(*) FROM {TABLE} WHERE key = %s", (key,))[0][0])
+
+
+def _backend(synchronous_commit: str | None) -> PostgresBackend:
+    return PostgresBackend(
+        "pg_crash", {"DATABASE": ALIAS, "OPTIONS": {"synchronous_commit": synchronous_commit}}
+    )
+
+
+def _cycle(backend: PostgresBackend, name: str, *, hold: bool = False) -> int:
+    owner = f"owner-{next(_owners)}"
+    result = backend.acquire(name, owner, 30.0, HOLDER)
+    assert result.acquired
+    if not hold:
+        assert backend.release(name, owner)
+    return result.fencing_token
+
+
+@pytest.mark.parametrize("synchronous_commit", ["off", "on"])
+def test_no_token_is_issued_twice_across_a_crash_ahead_of_the_clock(
+    durable: PostgresServer,  # noqa: F811 - the fixture
+    django_db_blocker: Any,
+    synchronous_commit: str,
+) -> None:
+    name = f"crash:ahead:{synchronous_commit}"
+    with django_db_blocker.unblock():
+        backend = _backend(synchronous_commit)
+        try:
+            key = backend.key(name)
+            ceiling = _ahead_of_the_clock(durable, key)
+            tokens = [_cycle(backend, name) for _ in range(5)]
+            tokens.append(_cycle(backend, name, hold=True))  # the crash ends this one
+            # The first token took the ceiling's next value: the clock played no part.
+            assert tokens == list(range(ceiling + 1, ceiling + 7))
+            assert backend.fencing_counter(name) == tokens[-1]
+        finally:
+            backend.close()
+
+        _crash(durable)
+
+        # The crash emptied the registry: the counter itself is gone...
+        assert _registry_rows(durable, key) == 0
+        backend = _backend(synchronous_commit)
+        try:
+            # ...what is left is an upper bound of every token issued,
+            bound = backend.fencing_counter(name)
+            after = _cycle(backend, name)
+            # ...and the next token is above every token issued before the crash.
+            assert after > max(tokens), f"token {after} issued again after the crash"
+            assert bound >= max(tokens)
+            assert _cycle(backend, name) == after + 1
+        finally:
+            backend.close()
+
+
+def test_the_write_side_of_a_read_write_lock_across_a_crash(
+    durable: PostgresServer,  # noqa: F811 - the fixture
+    django_db_blocker: Any,
+) -> None:
+    """After a crash a reader recreates the read-write lock's row first; the writer's
+    next token must still be above the write tokens issued before."""
+    name = "crash:rw"
+    with django_db_blocker.unblock():
+        backend = _backend("off")
+        try:
+            of = backend._of(WRITE, name)
+            _ahead_of_the_clock(durable, of)
+            tokens = []
+            for i in range(4):
+                result = backend.permit_acquire(WRITE, name, f"w{i}", 30.0, HOLDER)
+                assert result.acquired
+                tokens.append(result.fencing_token)
+                assert backend.permit_release(WRITE, name, f"w{i}")
+        finally:
+            backend.close()
+
+        _crash(durable)
+
+        backend = _backend("off")
+        try:
+            assert backend.permit_acquire("read", name, "r", 30.0, HOLDER).acquired
+            assert backend.permit_release("read", name, "r")
+            bound = backend.permit_counter(name)
+            result = backend.permit_acquire(WRITE, name, "w-after", 30.0, HOLDER)
+            assert result.acquired
+            assert result.fencing_token > max(tokens), "a write token issued again"
+            assert bound >= max(tokens)
+            assert backend.permit_release(WRITE, name, "w-after")
+        finally:
+            backend.close()
+
+
+def test_a_clean_restart_keeps_the_registry_and_its_counter(
+    durable: PostgresServer,  # noqa: F811 - the fixture
+    django_db_blocker: Any,
+) -> None:
+    name = "restart:clean"
+    with django_db_blocker.unblock():
+        backend = _backend("off")
+        try:
+            key = backend.key(name)
+            _ahead_of_the_clock(durable, key)
+            tokens = [_cycle(backend, name) for _ in range(3)]
+        finally:
+            backend.close()
+        _restart(durable)
+        assert _registry_rows(durable, key) == 1  # unlogged, yet kept by a clean stop
+        backend = _backend("off")
+        try:
+            assert backend.fencing_counter(name) == tokens[-1]  # exact, not a bound
+            assert _cycle(backend, name) == tokens[-1] + 1
+        finally:
+            backend.close()
+
+
+class _Crashes(RuleBasedStateMachine):
+    """Acquisitions, held locks, force releases, crashes and clean restarts of the
+    server, in any order, on names whose tokens start far ahead of the clock: every
+    token of a name is above all its earlier ones."""
+
+    NAMES = ("a", "b")
+
+    def __init__(self, server: PostgresServer, synchronous_commit: str) -> None:
+        super().__init__()
+        self.server, self.sync = server, synchronous_commit
+        run = uuid.uuid4().hex[:8]
+        self.names = {n: f"machine:{run}:{n}" for n in self.NAMES}
+        self.backend = _backend(self.sync)
+        self.issued: dict[str, list[int]] = {n: [] for n in self.NAMES}
+        self.held: dict[str, str] = {}
+        for name in self.names.values():
+            _ahead_of_the_clock(server, self.backend.key(name))
+
+    def _new_backend(self) -> None:
+        self.backend.close()
+        self.backend = _backend(self.sync)
+        self.held.clear()  # the server's sessions ended, and their locks with them
+
+    @rule(which=st.sampled_from(NAMES), hold=st.booleans())
+    def acquire(self, which: str, hold: bool) -> None:
+        name = self.names[which]
+        if which in self.held:
+            return  # held: another acquire would just be refused
+        owner = f"owner-{next(_owners)}"
+        result = self.backend.acquire(name, owner, 30.0, HOLDER)
+        assert result.acquired
+        earlier = self.issued[which]
+        assert not earlier or result.fencing_token > max(earlier), (
+            f"{result.fencing_token} after {earlier}"
+        )
+        earlier.append(result.fencing_token)
+        if hold:
+            self.held[which] = owner
+        else:
+            assert self.backend.release(name, owner)
+
+    @rule(which=st.sampled_from(NAMES))
+    def force_release(self, which: str) -> None:
+        name = self.names[which]
+        freed = self.backend.force_release(name)
+        assert freed == (which in self.held)
+        owner = self.held.pop(which, None)
+        if owner is not None:
+            assert not self.backend.release(name, owner)  # its session was ended
+
+    @rule()
+    def crash(self) -> None:
+        _crash(self.server)
+        self._new_backend()
+
+    @rule()
+    def clean_restart(self) -> None:
+        _restart(self.server)
+        self._new_backend()
+
+    @invariant()
+    def counter_bounds_the_tokens(self) -> None:
+        for which, tokens in self.issued.items():
+            if tokens:
+                assert self.backend.fencing_counter(self.names[which]) >= max(tokens)
+
+    def teardown(self) -> None:
+        self.backend.close()
+
+
+@pytest.mark.parametrize("synchronous_commit", ["off", "on"])
+def test_tokens_strictly_increase_through_any_sequence_of_crashes(
+    durable: PostgresServer,  # noqa: F811 - the fixture
+    django_db_blocker: Any,
+    synchronous_commit: str,
+) -> None:
+    with django_db_blocker.unblock():
+        run_state_machine_as_test(
+            lambda: _Crashes(durable, synchronous_commit),
+            settings=settings(
+                max_examples=10,
+                stateful_step_count=10,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
