@@ -27,6 +27,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.core.management import call_command
 from django.db import connections
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -34,7 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from distlocks.backends.base import WRITE, Holder
 from distlocks.backends.postgres import TABLE, PostgresBackend
-from distlocks.backends.postgres.sql import FENCE
+from distlocks.backends.postgres.sql import FENCE, RESERVE_US
 from distlocks.testing.servers import PostgresServer
 from tests.test_postgres_durable import ALIAS, durable  # noqa: F401 - the fixture
 
@@ -282,3 +283,45 @@ def test_tokens_strictly_increase_through_any_sequence_of_crashes(
                 suppress_health_check=list(HealthCheck),
             ),
         )
+
+
+def test_an_upgrade_seeds_the_ceilings_from_the_registry_and_survives_a_crash(
+    durable: PostgresServer,  # noqa: F811 - the fixture
+    django_db_blocker: Any,
+) -> None:
+    """Migration 0003 on a registry that holds tokens (far ahead of the clock): the
+    ceilings start above them, the registry becomes unlogged, and a crash right after
+    the upgrade issues no token again. Reversing it makes the registry logged again."""
+    name = "upgrade:tokens"
+    with django_db_blocker.unblock():
+        backend = _backend("off")
+        key = backend.key(name)
+        call_command("migrate", "distlocks", "0002", database=ALIAS, verbosity=0)
+        persistence = f"SELECT relpersistence FROM pg_class WHERE relname = '{TABLE}'"
+        assert _sql(durable, persistence) == [("p",)]
+        (before,) = _sql(
+            durable,
+            f"INSERT INTO {TABLE} (key, name, fencing_token, owner, host, thread, renewals,"
+            " extra) SELECT %s, %s, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
+            " + %s, '', '', '', 0, '{}' RETURNING fencing_token",
+            (key, name, AHEAD),
+        )[0]
+        call_command("migrate", "distlocks", database=ALIAS, verbosity=0)
+        connections[ALIAS].close()
+        assert _sql(durable, persistence) == [("u",)]
+        assert _sql(durable, f"SELECT ceiling FROM {FENCE} WHERE key = %s", (key,)) == [
+            (before + RESERVE_US,)
+        ]
+        try:
+            tokens = [_cycle(backend, name) for _ in range(3)]
+            assert tokens == [before + 1, before + 2, before + 3]  # the row goes on
+        finally:
+            backend.close()
+
+        _crash(durable)
+
+        backend = _backend("off")
+        try:
+            assert _cycle(backend, name) > max(tokens)
+        finally:
+            backend.close()
