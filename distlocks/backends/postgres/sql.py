@@ -36,10 +36,12 @@ _DURABLE = (
 
 # Raise the ceiling of %(key)s past the token in {minted}(fencing_token) if it passed
 # it: {ceiling} is the ceiling the statement read (its snapshot's; one raised since by
-# another transaction is only higher, and greatest() keeps the higher one).
+# another transaction is only higher, and greatest() keeps the higher one). CASE, not
+# AND: the planner may order AND's terms, and set_config must run only for a raise.
 RAISE = f"""INSERT INTO {FENCE} AS f (key, ceiling)
 SELECT %(key)s, minted.fencing_token + {RESERVE_US} FROM {{minted}} AS minted
-WHERE minted.fencing_token > coalesce(({{ceiling}}), -1) AND {_DURABLE} IS NOT NULL
+WHERE CASE WHEN minted.fencing_token > coalesce(({{ceiling}}), -1)
+           THEN {_DURABLE} IS NOT NULL ELSE false END
 ON CONFLICT (key) DO UPDATE SET ceiling = greatest(f.ceiling, EXCLUDED.ceiling)"""
 
 # The ceiling of %(key)s (NULL if none).
