@@ -276,7 +276,7 @@ def test_tokens_strictly_increase_through_any_sequence_of_crashes(
         run_state_machine_as_test(
             lambda: _Crashes(durable, synchronous_commit),
             settings=settings(
-                max_examples=10,
+                max_examples=6,
                 stateful_step_count=10,
                 deadline=None,
                 database=None,
