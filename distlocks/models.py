@@ -4,8 +4,8 @@
   are rejected when a newer lock holder has already written the row.
 * :class:`LockRegistry`: the PostgreSQL backend's name registry and per-name
   fencing counter (advisory locks know only a 64-bit key); UNLOGGED on PostgreSQL.
-* :class:`LockFence`: the per-key token ceilings that keep that counter's tokens
-  increasing across a server crash.
+* :class:`LockFence` and :class:`LockEpoch`: the token ceiling and the server
+  lifetime marker that keep that counter's tokens increasing across a server crash.
 * :class:`LiveLock`: unmanaged, no table; the admin page of live locks and its
   permissions.
 """
@@ -581,16 +581,16 @@ class LockRegistry(models.Model):
 
 
 class LockFence(models.Model):
-    """The PostgreSQL backend's token ceiling of each lock key: every fencing token
-    ever issued for the key is at most ``ceiling``.
+    """The PostgreSQL backend's token ceiling: one row (``id`` 1), at or above every
+    fencing token ever issued, for any key.
 
     The registry is UNLOGGED (no WAL per acquisition; a crash truncates it, and ends
     every advisory lock with it); this table is logged and written only when a token
-    passes the ceiling, durably, so a token minted after a crash is above every one
-    minted before it (docs/safety.md).
+    passes the ceiling (about once per 10 minutes for the whole server), durably, so a
+    token minted after a crash is above every one minted before it (docs/safety.md).
     """
 
-    key = models.BigIntegerField(primary_key=True)
+    id = models.PositiveSmallIntegerField(primary_key=True)
     ceiling = models.BigIntegerField()
 
     class Meta:
@@ -599,7 +599,27 @@ class LockFence(models.Model):
         verbose_name_plural = _("lock fences")
 
     def __str__(self) -> str:
-        return f"{self.key}: {self.ceiling}"
+        return f"ceiling {self.ceiling}"
+
+
+class LockEpoch(models.Model):
+    """The PostgreSQL backend's server lifetime marker: one row (``id`` 1) in an
+    UNLOGGED table, so it exists only if no crash truncated the unlogged tables since
+    it was written. ``floor`` was the ceiling plus one then: every token issued before
+    that crash is below it, so a key with no registry row gets a token of at least
+    ``floor`` with no durable write (docs/safety.md).
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True)
+    floor = models.BigIntegerField()
+
+    class Meta:
+        db_table = "distlocks_lockepoch"
+        verbose_name = _("lock epoch")
+        verbose_name_plural = _("lock epochs")
+
+    def __str__(self) -> str:
+        return f"floor {self.floor}"
 
 
 class LiveLock(models.Model):

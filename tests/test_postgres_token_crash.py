@@ -1,17 +1,20 @@
 """PostgreSQL tokens across crashes, with the server clock taken out of the proof.
 
 The registry (the per-name counter) is UNLOGGED: a crash of the server truncates it.
-What keeps tokens increasing is the logged table of per-key ceilings, written durably
-whenever a token passes its key's ceiling (docs/safety.md, "PostgreSQL tokens").
+What keeps tokens increasing is the one logged ceiling G, written durably whenever a
+token passes it, and the unlogged marker M of the server's lifetime, which a crash
+truncates too: with M missing a key without a row gets G + 1, with M present its
+floor F (docs/safety.md, "PostgreSQL tokens").
 
-Tokens are also floored by the server clock, which would hide a broken ceiling: a
+Tokens are also floored by the server clock, which would hide a broken scheme: a
 token minted after the restart is a clock value, above every earlier clock-made token.
-So every test here first moves the name's tokens far ahead of the clock (its ceiling
-set 10**12 us, about eleven days, ahead: what an upgraded registry or a token_floor-like
-start gives), so that only the ceiling can keep the next token above the earlier ones.
-A scheme that hands a token out twice fails them: without the ceiling's raise, or with
-the raise committed asynchronously (lost in the crash like the registry's rows), the
-first token after the crash repeats one issued before it.
+So every test here first moves the tokens far ahead of the clock (G set 10**12 us,
+about eleven days, ahead, and M removed: what an upgraded registry or a token_floor-like
+start gives), so that only G and M can keep the next token above the earlier ones.
+A scheme that hands a token out twice fails them: without the raise of G, with the
+raise committed asynchronously (lost in the crash like the registry's rows), or with
+a marker that outlives a crash (logged) or is not consulted, the first token after the
+crash repeats one issued before it.
 
 The server is ``PostgresServer(durable=True)`` (fsync on) with a WAL writer that waits
 10 s, so that what was committed asynchronously just before a crash is surely lost;
@@ -35,7 +38,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from distlocks.backends.base import WRITE, Holder
 from distlocks.backends.postgres import TABLE, PostgresBackend
-from distlocks.backends.postgres.sql import FENCE, RESERVE_US
+from distlocks.backends.postgres.sql import EPOCH, FENCE, RESERVE_US
 from distlocks.testing.servers import PostgresServer
 from tests.test_postgres_durable import ALIAS, durable  # noqa: F401 - the fixture
 
@@ -50,17 +53,26 @@ def _sql(server: PostgresServer, statement: str, params: Any = ()) -> list[tuple
         return cursor.fetchall() if cursor.description else []
 
 
-def _ahead_of_the_clock(server: PostgresServer, key: int) -> int:
-    """Set ``key``'s ceiling far ahead of the server clock, durably; returns it."""
+def _ahead_of_the_clock(server: PostgresServer) -> int:
+    """Set the ceiling G far ahead of the server clock, durably, and remove the marker
+    (as a crash would): the next key without a row gets G + 1. Returns G."""
+    _sql(server, f"DELETE FROM {EPOCH}")
     (ceiling,) = _sql(
         server,
-        f"INSERT INTO {FENCE} (key, ceiling)"
-        " SELECT %s, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint + %s"
+        f"INSERT INTO {FENCE} AS f (id, ceiling)"
+        " SELECT 1, (extract(epoch FROM clock_timestamp()) * 1000000)::bigint + %s"
+        " ON CONFLICT (id) DO UPDATE SET ceiling = greatest(f.ceiling, EXCLUDED.ceiling)"
         " RETURNING ceiling",
-        (key, AHEAD),
+        (AHEAD,),
     )[0]
     _sql(server, "CHECKPOINT")
     return int(ceiling)
+
+
+def _ceiling(server: PostgresServer) -> tuple[int, int]:
+    """G, and the transaction id that last wrote its row."""
+    (ceiling, xmin) = _sql(server, f"SELECT ceiling, xmin::text::bigint FROM {FENCE}")[0]
+    return int(ceiling), int(xmin)
 
 
 def _crash(server: PostgresServer) -> None:
@@ -105,33 +117,40 @@ def test_no_token_is_issued_twice_across_a_crash_ahead_of_the_clock(
     django_db_blocker: Any,
     synchronous_commit: str,
 ) -> None:
-    name = f"crash:ahead:{synchronous_commit}"
+    name, other = f"crash:ahead:{synchronous_commit}", f"crash:other:{synchronous_commit}"
     with django_db_blocker.unblock():
         backend = _backend(synchronous_commit)
         try:
             key = backend.key(name)
-            ceiling = _ahead_of_the_clock(durable, key)
+            ceiling = _ahead_of_the_clock(durable)
             tokens = [_cycle(backend, name) for _ in range(5)]
             tokens.append(_cycle(backend, name, hold=True))  # the crash ends this one
-            # The first token took the ceiling's next value: the clock played no part.
+            # The first token took G's next value: the clock played no part.
             assert tokens == list(range(ceiling + 1, ceiling + 7))
             assert backend.fencing_counter(name) == tokens[-1]
+            # Another name, new while the marker exists: its floor, no new raise.
+            tokens.append(_cycle(backend, other))
+            assert tokens[-1] == ceiling + 1
         finally:
             backend.close()
 
         _crash(durable)
 
-        # The crash emptied the registry: the counter itself is gone...
+        # The crash emptied the registry: the counter itself is gone (read as 0, as on
+        # a Redis restart without persistence)...
         assert _registry_rows(durable, key) == 0
+        assert _sql(durable, f"SELECT count(*) FROM {EPOCH}") == [(0,)]  # ...and M
         backend = _backend(synchronous_commit)
         try:
-            # ...what is left is an upper bound of every token issued,
-            bound = backend.fencing_counter(name)
+            assert backend.fencing_counter(name) == 0
+            # ...the first name locked after it, new or not, is above every token
+            # issued before the crash, for any name,
+            first = _cycle(backend, f"crash:fresh:{synchronous_commit}")
+            assert first > max(tokens), f"token {first} issued again after the crash"
             after = _cycle(backend, name)
-            # ...and the next token is above every token issued before the crash.
             assert after > max(tokens), f"token {after} issued again after the crash"
-            assert bound >= max(tokens)
             assert _cycle(backend, name) == after + 1
+            assert _cycle(backend, other) > max(tokens)
         finally:
             backend.close()
 
@@ -146,8 +165,7 @@ def test_the_write_side_of_a_read_write_lock_across_a_crash(
     with django_db_blocker.unblock():
         backend = _backend("off")
         try:
-            of = backend._of(WRITE, name)
-            _ahead_of_the_clock(durable, of)
+            _ahead_of_the_clock(durable)
             tokens = []
             for i in range(4):
                 result = backend.permit_acquire(WRITE, name, f"w{i}", 30.0, HOLDER)
@@ -182,7 +200,7 @@ def test_a_clean_restart_keeps_the_registry_and_its_counter(
         backend = _backend("off")
         try:
             key = backend.key(name)
-            _ahead_of_the_clock(durable, key)
+            _ahead_of_the_clock(durable)
             tokens = [_cycle(backend, name) for _ in range(3)]
         finally:
             backend.close()
@@ -196,28 +214,86 @@ def test_a_clean_restart_keeps_the_registry_and_its_counter(
             backend.close()
 
 
+def _wal_insert_lsn(server: PostgresServer) -> str:
+    return str(_sql(server, "SELECT pg_current_wal_insert_lsn()::text")[0][0])
+
+
+def _wal_since(server: PostgresServer, lsn: str) -> int:
+    return int(
+        _sql(server, "SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s)", (lsn,))[0][0]
+    )
+
+
+def test_a_burst_of_new_names_makes_no_durable_write(
+    durable: PostgresServer,  # noqa: F811 - the fixture
+    django_db_blocker: Any,
+) -> None:
+    """Locks per entity ("payment:{id}"): every name new. While the marker exists a
+    new name's token is the marker's floor (or the clock), under G: nothing logged is
+    written, and nothing waits for a flush. Counted on the server, not timed: G's row
+    is not written again (same value, same xmin), and the WAL of ``new`` new names is that
+    of as many cycles of one name (a logged write per name, a ceiling row say, would
+    add well over 100 bytes each). G is set far ahead first, so that the clock cannot
+    pass it during the burst however slow the machine."""
+    new = 300
+    _sql(durable, "ALTER SYSTEM SET autovacuum = off")  # no WAL but ours
+    _sql(durable, "SELECT pg_reload_conf()")
+    with django_db_blocker.unblock():
+        backend = _backend("off")
+        try:
+            ceiling = _ahead_of_the_clock(durable)
+            # The marker is missing: this first token is G + 1, G is raised durably, and
+            # the marker written with floor G + 1.
+            assert _cycle(backend, "burst:first") == ceiling + 1
+            raised = _ceiling(durable)
+            assert raised[0] == ceiling + 1 + RESERVE_US
+            assert _sql(durable, f"SELECT floor FROM {EPOCH}") == [(ceiling + 1,)]
+
+            start = _wal_insert_lsn(durable)
+            tokens = [_cycle(backend, f"burst:{i}") for i in range(new)]
+            new_names_wal = _wal_since(durable, start)
+            start = _wal_insert_lsn(durable)
+            same = [_cycle(backend, "burst:first") for _ in range(new)]
+            one_name_wal = _wal_since(durable, start)
+
+            assert tokens == [ceiling + 1] * new  # the floor, each for a name of its own
+            assert same == list(range(ceiling + 2, ceiling + 2 + new))
+            assert _ceiling(durable) == raised, "G was written during the burst"
+            assert new_names_wal <= one_name_wal + 8192, (new_names_wal, one_name_wal)
+        finally:
+            backend.close()
+
+
 class _Crashes(RuleBasedStateMachine):
-    """Acquisitions, held locks, force releases, crashes and clean restarts of the
-    server, in any order, on names whose tokens start far ahead of the clock: every
-    token of a name is above all its earlier ones."""
+    """Acquisitions of known and of new names, held locks, force releases, crashes and
+    clean restarts of the server, in any order, with tokens far ahead of the clock:
+    every token of a name is above all its earlier ones, and every token issued after
+    a crash is above every token issued before it, for any name."""
 
     NAMES = ("a", "b")
 
     def __init__(self, server: PostgresServer, synchronous_commit: str) -> None:
         super().__init__()
         self.server, self.sync = server, synchronous_commit
-        run = uuid.uuid4().hex[:8]
-        self.names = {n: f"machine:{run}:{n}" for n in self.NAMES}
+        self.run = uuid.uuid4().hex[:8]
+        self.names = {n: f"machine:{self.run}:{n}" for n in self.NAMES}
         self.backend = _backend(self.sync)
         self.issued: dict[str, list[int]] = {n: [] for n in self.NAMES}
         self.held: dict[str, str] = {}
-        for name in self.names.values():
-            _ahead_of_the_clock(server, self.backend.key(name))
+        self.lost: set[str] = set()  # names whose row a crash truncated
+        self.before_crash = 0  # the highest token issued before the last crash
+        self.highest = 0
+        self.fresh = itertools.count()
+        _ahead_of_the_clock(server)
 
     def _new_backend(self) -> None:
         self.backend.close()
         self.backend = _backend(self.sync)
         self.held.clear()  # the server's sessions ended, and their locks with them
+
+    def _issued(self, token: int) -> None:
+        assert token > self.before_crash, f"{token} issued again after a crash"
+        self.highest = max(self.highest, token)
 
     @rule(which=st.sampled_from(NAMES), hold=st.booleans())
     def acquire(self, which: str, hold: bool) -> None:
@@ -232,10 +308,16 @@ class _Crashes(RuleBasedStateMachine):
             f"{result.fencing_token} after {earlier}"
         )
         earlier.append(result.fencing_token)
+        self._issued(result.fencing_token)
+        self.lost.discard(which)
         if hold:
             self.held[which] = owner
         else:
             assert self.backend.release(name, owner)
+
+    @rule()
+    def acquire_a_new_name(self) -> None:
+        self._issued(_cycle(self.backend, f"machine:{self.run}:new:{next(self.fresh)}"))
 
     @rule(which=st.sampled_from(NAMES))
     def force_release(self, which: str) -> None:
@@ -250,6 +332,8 @@ class _Crashes(RuleBasedStateMachine):
     def crash(self) -> None:
         _crash(self.server)
         self._new_backend()
+        self.before_crash = self.highest
+        self.lost = {which for which, tokens in self.issued.items() if tokens}
 
     @rule()
     def clean_restart(self) -> None:
@@ -259,8 +343,11 @@ class _Crashes(RuleBasedStateMachine):
     @invariant()
     def counter_bounds_the_tokens(self) -> None:
         for which, tokens in self.issued.items():
-            if tokens:
-                assert self.backend.fencing_counter(self.names[which]) >= max(tokens)
+            counter = self.backend.fencing_counter(self.names[which])
+            if which in self.lost or not tokens:
+                assert counter == 0  # no row: lost in a crash, or never locked
+            else:
+                assert counter >= max(tokens)
 
     def teardown(self) -> None:
         self.backend.close()
@@ -290,8 +377,9 @@ def test_an_upgrade_seeds_the_ceilings_from_the_registry_and_survives_a_crash(
     django_db_blocker: Any,
 ) -> None:
     """Migration 0003 on a registry that holds tokens (far ahead of the clock): the
-    ceilings start above them, the registry becomes unlogged, and a crash right after
-    the upgrade issues no token again. Reversing it makes the registry logged again."""
+    ceiling starts above them, the registry and the marker's table become unlogged, and
+    a crash right after the upgrade issues no token again. Reversing it makes the
+    registry logged again."""
     name = "upgrade:tokens"
     with django_db_blocker.unblock():
         backend = _backend("off")
@@ -309,9 +397,9 @@ def test_an_upgrade_seeds_the_ceilings_from_the_registry_and_survives_a_crash(
         call_command("migrate", "distlocks", database=ALIAS, verbosity=0)
         connections[ALIAS].close()
         assert _sql(durable, persistence) == [("u",)]
-        assert _sql(durable, f"SELECT ceiling FROM {FENCE} WHERE key = %s", (key,)) == [
-            (before + RESERVE_US,)
-        ]
+        assert _sql(durable, f"SELECT id, ceiling FROM {FENCE}") == [(1, before + RESERVE_US)]
+        assert _sql(durable, f"SELECT count(*) FROM {EPOCH}") == [(0,)]
+        assert _sql(durable, persistence.replace(TABLE, EPOCH)) == [("u",)]
         try:
             tokens = [_cycle(backend, name) for _ in range(3)]
             assert tokens == [before + 1, before + 2, before + 3]  # the row goes on

@@ -1,10 +1,12 @@
-"""The token ceilings of the PostgreSQL backend (docs/safety.md, "PostgreSQL tokens").
+"""The token ceiling of the PostgreSQL backend (docs/safety.md, "PostgreSQL tokens").
 
-Creates ``distlocks_lockfence`` on every database (like the registry, which the model
-state has everywhere), and on PostgreSQL only: seeds each key's ceiling from the
-registry's current token, so that an upgrade never issues a token again, then makes
-the registry UNLOGGED. Other vendors' tables are left as they were. Reversible: the
-registry is logged again and the ceilings are dropped.
+Creates ``distlocks_lockfence`` (the ceiling G, one logged row) and
+``distlocks_lockepoch`` (the server lifetime marker M, one row) on every database
+(like the registry, which the model state has everywhere). On PostgreSQL only: seeds
+G from the registry's highest token plus the reserve, so that an upgrade never issues
+a token again, and makes the registry and the marker's table UNLOGGED. The marker is
+left missing: the first acquisition writes it. Other vendors' tables are left as they
+were. Reversible: the registry is logged again and both tables are dropped.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from django.db import migrations, models
 
 REGISTRY = "distlocks_lockregistry"
 FENCE = "distlocks_lockfence"
+EPOCH = "distlocks_lockepoch"
 # The same reserve as the backend's (distlocks.backends.postgres.sql.RESERVE_US), kept
 # here as a literal: a migration must not change with later code.
 RESERVE_US = 600_000_000
@@ -24,18 +27,18 @@ def forwards(apps: Any, schema_editor: Any) -> None:
     if schema_editor.connection.vendor != "postgresql":
         return
     quote = schema_editor.quote_name
-    # Every token the registry shows was issued, and is now under its key's ceiling.
+    # Every token the registry shows was issued, and is now under the ceiling.
     schema_editor.execute(
-        f"INSERT INTO {quote(FENCE)} (key, ceiling)"
-        f" SELECT key, fencing_token + {RESERVE_US} FROM {quote(REGISTRY)}"
-        " WHERE fencing_token > 0"
-        f" ON CONFLICT (key) DO UPDATE SET ceiling = greatest({quote(FENCE)}.ceiling,"
+        f"INSERT INTO {quote(FENCE)} (id, ceiling)"
+        f" SELECT 1, coalesce(max(fencing_token), 0) + {RESERVE_US} FROM {quote(REGISTRY)}"
+        f" ON CONFLICT (id) DO UPDATE SET ceiling = greatest({quote(FENCE)}.ceiling,"
         " EXCLUDED.ceiling)"
     )
-    # The ceilings must be on disk before any token relies on them: the migration's
+    # The ceiling must be on disk before any token relies on it: the migration's
     # transaction commits durably whatever the server's default.
     schema_editor.execute("SET LOCAL synchronous_commit = on")
     schema_editor.execute(f"ALTER TABLE {quote(REGISTRY)} SET UNLOGGED")
+    schema_editor.execute(f"ALTER TABLE {quote(EPOCH)} SET UNLOGGED")
 
 
 def backwards(apps: Any, schema_editor: Any) -> None:
@@ -53,13 +56,25 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name="LockFence",
             fields=[
-                ("key", models.BigIntegerField(primary_key=True, serialize=False)),
+                ("id", models.PositiveSmallIntegerField(primary_key=True, serialize=False)),
                 ("ceiling", models.BigIntegerField()),
             ],
             options={
                 "verbose_name": "lock fence",
                 "verbose_name_plural": "lock fences",
                 "db_table": "distlocks_lockfence",
+            },
+        ),
+        migrations.CreateModel(
+            name="LockEpoch",
+            fields=[
+                ("id", models.PositiveSmallIntegerField(primary_key=True, serialize=False)),
+                ("floor", models.BigIntegerField()),
+            ],
+            options={
+                "verbose_name": "lock epoch",
+                "verbose_name_plural": "lock epochs",
+                "db_table": "distlocks_lockepoch",
             },
         ),
         migrations.RunPython(forwards, backwards, elidable=False),
