@@ -11,7 +11,8 @@ the benchmark's database on the durable server:
    prepared, with what-ifs (the statement as it was before issue 29, on a LOGGED copy of
    the registry; an UPDATE-then-INSERT form of the statement in use; the unlogged write
    without the ceiling's read; synchronous_commit off and on); the statements on a
-   pooled connection; ``PostgresBackend``; ``lock()``. Median wall clock per cycle, and
+   pooled connection; ``PostgresBackend`` (on one name, and on a new name each cycle, as
+   locks per entity take them); ``lock()``. Median wall clock per cycle, and
    the process's CPU time per cycle (``time.process_time()``: the backend's threads too);
 2. runs each variant alone for the server's side: the WAL written per cycle (from the
    insert position), each statement's execution time, WAL records, full-page images and
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import statistics
 import sys
@@ -108,10 +110,10 @@ RETURNING r.fencing_token
 
 # A candidate: the unlogged row updated in place when it exists, inserted otherwise
 # (no ON CONFLICT: the lock is held, so no one else inserts the key meanwhile), and
-# the ceiling raised as in the statement in use.
+# the ceiling raised and the marker written as in the statement in use.
 _UPDATE_THEN_INSERT = f"""
 WITH granted AS MATERIALIZED ({{lock}}),
-fence AS MATERIALIZED ({pg.sql.CEILING}),
+fence AS MATERIALIZED ({pg.sql.FENCE_READ}),
 updated AS (
     UPDATE {pg.TABLE} AS r SET fencing_token = greatest(r.fencing_token + 1, {pg._CLOCK_US}),
         name = %(name)s, owner = %(owner)s, host = %(host)s, pid = %(pid)s,
@@ -123,15 +125,17 @@ updated AS (
         (key, name, fencing_token, owner, host, pid, thread, backend_pid,
          acquired_at, ttl, renewals, extra)
     SELECT %(key)s, %(name)s,
-           greatest(coalesce((SELECT ceiling FROM fence), 0) + 1, {pg._CLOCK_US}),
+           greatest(coalesce(fence.floor, coalesce(fence.ceiling, 0) + 1), {pg._CLOCK_US}),
            %(owner)s, %(host)s, %(pid)s, %(thread)s,
            pg_backend_pid(), clock_timestamp(), %(ttl)s, 0, %(extra)s
-    FROM granted WHERE granted.ok AND NOT EXISTS (SELECT 1 FROM updated)
+    FROM granted, fence WHERE granted.ok AND NOT EXISTS (SELECT 1 FROM updated)
     RETURNING fencing_token
 ), minted AS (
     SELECT fencing_token FROM updated UNION ALL SELECT fencing_token FROM inserted
 ), raised AS (
-{pg.sql.RAISE.format(minted="minted", ceiling="SELECT ceiling FROM fence")}
+{pg.sql.RAISE.format(minted="minted", fence="fence")}
+), marked AS (
+{pg.sql.MARK.format(minted="minted", fence="fence")}
 )
 SELECT fencing_token FROM minted
 """
@@ -175,6 +179,15 @@ def _api_variants(backend: Any) -> list[Variant]:
         backend.acquire("bench:profile-pg-backend", "owner", 30.0, holder)
         backend.release("bench:profile-pg-backend", "owner")
 
+    # Locks per entity ("payment:{id}"): a name never locked before, each cycle.
+    new_names = itertools.count()
+    run = f"{os.getpid()}-{time.time_ns()}"
+
+    def new_name_cycle() -> None:
+        name = f"bench:profile-pg-new:{run}:{next(new_names)}"
+        backend.acquire(name, "owner", 30.0, holder)
+        backend.release(name, "owner")
+
     def api(alias: str, **options: Any) -> Callable[[], None]:
         def cycle() -> None:
             with lock("bench:profile-pg-api", backend=alias, ttl=30, timeout=0, **options):
@@ -184,6 +197,7 @@ def _api_variants(backend: Any) -> list[Variant]:
 
     return [
         ("PostgresBackend.acquire/release", backend_cycle),
+        ("PostgresBackend, a new name each cycle", new_name_cycle),
         ("lock(), auto_renew=False", api("pg-durable", auto_renew=False)),
         (PROFILED, api("pg-durable")),
         ("lock(), sync on", api("pg-durable-sync")),
