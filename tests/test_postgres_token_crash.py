@@ -214,6 +214,32 @@ def test_a_clean_restart_keeps_the_registry_and_its_counter(
             backend.close()
 
 
+def test_a_row_deleted_by_hand_falls_back_to_the_floor_unless_the_marker_goes_too(
+    durable: PostgresServer,  # noqa: F811 - the fixture
+    django_db_blocker: Any,
+) -> None:
+    """What docs/safety.md says of a registry row deleted by hand (no crash): the next
+    token is max(F, clock), which does not cover tokens ahead of the clock (here it
+    repeats one); deleting the marker in the same transaction makes it G + 1 again."""
+    name = "deleted:by-hand"
+    with django_db_blocker.unblock():
+        backend = _backend("off")
+        try:
+            key = backend.key(name)
+            ceiling = _ahead_of_the_clock(durable)
+            tokens = [_cycle(backend, name) for _ in range(3)]
+            assert tokens == [ceiling + 1, ceiling + 2, ceiling + 3]
+            _sql(durable, f"DELETE FROM {TABLE} WHERE key = %s", (key,))
+            assert _cycle(backend, name) == ceiling + 1  # F: the documented limit
+            with psycopg.connect(durable.url) as conn:  # one transaction
+                conn.execute(f"DELETE FROM {TABLE} WHERE key = %s", (key,))
+                conn.execute(f"DELETE FROM {EPOCH}")
+            (highest, _) = _ceiling(durable)
+            assert _cycle(backend, name) == highest + 1
+        finally:
+            backend.close()
+
+
 def _wal_insert_lsn(server: PostgresServer) -> str:
     return str(_sql(server, "SELECT pg_current_wal_insert_lsn()::text")[0][0])
 
