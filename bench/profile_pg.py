@@ -8,9 +8,11 @@ the benchmark's database on the durable server:
 
 1. times the uncontended cycle layer by layer, interleaved in blocks (the order rotating
    each block): the advisory-lock floor; distlocks' statements from bare psycopg,
-   prepared, with what-ifs (the fencing counter alone, a plain UPDATE for the upsert, an
-   UNLOGGED copy of the registry; synchronous_commit off and on); the statements on a
-   pooled connection; ``PostgresBackend``; ``lock()``. Median wall clock per cycle, and
+   prepared, with what-ifs (the statement as it was before issue 29, on a LOGGED copy of
+   the registry; an UPDATE-then-INSERT form of the statement in use; the unlogged write
+   without the ceiling's read; synchronous_commit off and on); the statements on a
+   pooled connection; ``PostgresBackend`` (on one name, and on a new name each cycle, as
+   locks per entity take them); ``lock()``. Median wall clock per cycle, and
    the process's CPU time per cycle (``time.process_time()``: the backend's threads too);
 2. runs each variant alone for the server's side: the WAL written per cycle (from the
    insert position), each statement's execution time, WAL records, full-page images and
@@ -23,7 +25,7 @@ the scheduler runs it on the client's core can move its round trip by more than 
 registry write costs. Rows 1-6 share one connection, rows 7-8 another; compare
 rows across connections only over several runs.
 
-The UNLOGGED copy is dropped and the durable server stopped at the end, also on an
+The LOGGED copy is dropped and the durable server stopped at the end, also on an
 error or Ctrl-C. Nothing is asserted; the figures are printed.
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import statistics
 import sys
@@ -52,7 +55,7 @@ from distlocks.locks import current_holder
 Variant = tuple[str, Callable[[], None]]
 FLOOR = "floor: try + unlock"
 PROFILED = "lock(), sync off (default)"
-UNLOGGED = "distlocks_profile_unlogged"
+LOGGED = "distlocks_profile_logged"
 _STATEMENTS = r"""
 SELECT calls, mean_exec_time, wal_records, wal_fpi, wal_bytes,
        regexp_replace(query, '\s+', ' ', 'g')
@@ -86,21 +89,69 @@ def _pair(conn: Any, first: str, second: str, params: dict[str, Any]) -> Callabl
     return cycle
 
 
+# The acquire statement as it was before issue 29: every token written to the logged
+# registry (timed on a logged copy of it, LOGGED).
+_BEFORE = f"""
+WITH granted AS MATERIALIZED ({{lock}})
+INSERT INTO {LOGGED} AS r
+    (key, name, fencing_token, owner, host, pid, thread, backend_pid,
+     acquired_at, ttl, renewals, extra)
+SELECT %(key)s, %(name)s, {pg._CLOCK_US}, %(owner)s, %(host)s, %(pid)s, %(thread)s,
+       pg_backend_pid(), clock_timestamp(), %(ttl)s, 0, %(extra)s
+FROM granted WHERE granted.ok
+ON CONFLICT (key) DO UPDATE SET
+    fencing_token = greatest(r.fencing_token + 1, EXCLUDED.fencing_token),
+    name = EXCLUDED.name, owner = EXCLUDED.owner,
+    host = EXCLUDED.host, pid = EXCLUDED.pid, thread = EXCLUDED.thread,
+    backend_pid = EXCLUDED.backend_pid, acquired_at = EXCLUDED.acquired_at,
+    ttl = EXCLUDED.ttl, renewals = 0, extra = EXCLUDED.extra
+RETURNING r.fencing_token
+"""
+
+# A candidate: the unlogged row updated in place when it exists, inserted otherwise
+# (no ON CONFLICT: the lock is held, so no one else inserts the key meanwhile), and
+# the ceiling raised and the marker written as in the statement in use.
+_UPDATE_THEN_INSERT = f"""
+WITH granted AS MATERIALIZED ({{lock}}),
+fence AS MATERIALIZED ({pg.sql.FENCE_READ}),
+updated AS (
+    UPDATE {pg.TABLE} AS r SET fencing_token = greatest(r.fencing_token + 1, {pg._CLOCK_US}),
+        name = %(name)s, owner = %(owner)s, host = %(host)s, pid = %(pid)s,
+        thread = %(thread)s, backend_pid = pg_backend_pid(), acquired_at = clock_timestamp(),
+        ttl = %(ttl)s, renewals = 0, extra = %(extra)s
+    FROM granted WHERE r.key = %(key)s AND granted.ok RETURNING r.fencing_token
+), inserted AS (
+    INSERT INTO {pg.TABLE}
+        (key, name, fencing_token, owner, host, pid, thread, backend_pid,
+         acquired_at, ttl, renewals, extra)
+    SELECT %(key)s, %(name)s,
+           greatest(coalesce(fence.floor, coalesce(fence.ceiling, 0) + 1), {pg._CLOCK_US}),
+           %(owner)s, %(host)s, %(pid)s, %(thread)s,
+           pg_backend_pid(), clock_timestamp(), %(ttl)s, 0, %(extra)s
+    FROM granted, fence WHERE granted.ok AND NOT EXISTS (SELECT 1 FROM updated)
+    RETURNING fencing_token
+), minted AS (
+    SELECT fencing_token FROM updated UNION ALL SELECT fencing_token FROM inserted
+), raised AS (
+{pg.sql.RAISE.format(minted="minted", fence="fence")}
+), marked AS (
+{pg.sql.MARK.format(minted="minted", fence="fence")}
+)
+SELECT fencing_token FROM minted
+"""
+
+
 def _statement_variants(connect: Callable[[str], Any], pooled: Any) -> list[Variant]:
     """distlocks' statements sent alone, and pieces of them, as (title, cycle)."""
     off, on = connect("off"), connect("on")
     key, guard = pg.lock_key("bench", "profile-pg"), pg.lock_key("bench", "profile-pg-guard")
     params = {**_ROW, "key": key, "guard": guard}
     acquire = pg._ACQUIRE.format(lock=pg.TRY)
-    unlogged = acquire.replace(pg.TABLE, UNLOGGED)
+    before = _BEFORE.format(lock=pg.TRY)
+    candidate = _UPDATE_THEN_INSERT.format(lock=pg.TRY)
     granted = f"WITH granted AS MATERIALIZED ({pg.TRY}) "
-    counter = granted + (
-        f"INSERT INTO {pg.TABLE} AS r (key, name, fencing_token, owner, host, thread, renewals,"
-        f" extra) SELECT %(key)s, %(name)s, {pg._CLOCK_US}, '', '', '', 0, '{{}}' FROM granted"
-        " WHERE ok ON CONFLICT (key) DO UPDATE SET fencing_token ="
-        " greatest(r.fencing_token + 1, EXCLUDED.fencing_token) RETURNING r.fencing_token"
-    )
-    update = granted + (
+    # The registry write alone, without the ceiling's read: what the ceiling costs.
+    no_ceiling = granted + (
         f"UPDATE {pg.TABLE} AS r SET fencing_token = greatest(r.fencing_token + 1,"
         f" {pg._CLOCK_US}), name = %(name)s, owner = %(owner)s, host = %(host)s, pid = %(pid)s,"
         " thread = %(thread)s, backend_pid = pg_backend_pid(), acquired_at = clock_timestamp(),"
@@ -111,12 +162,12 @@ def _statement_variants(connect: Callable[[str], Any], pooled: Any) -> list[Vari
     return [
         (FLOOR, _pair(off, pg.TRY, "SELECT pg_advisory_unlock(%(key)s)", params)),
         ("try + distlocks' guarded unlock", _pair(off, pg.TRY, unlock, params)),
-        ("counter-only upsert + unlock", _pair(off, counter, unlock, params)),
+        ("before: logged registry + unlock", _pair(off, before, unlock, params)),
         ("acquire statement + unlock", _pair(off, acquire, unlock, params)),
-        ("plain UPDATE (no upsert) + unlock", _pair(off, update, unlock, params)),
-        ("acquire + unlock, UNLOGGED copy", _pair(off, unlogged, unlock, params)),
+        ("UPDATE-then-INSERT + unlock", _pair(off, candidate, unlock, params)),
+        ("unlogged UPDATE, no ceiling + unlock", _pair(off, no_ceiling, unlock, params)),
+        ("before, sync on", _pair(on, before, unlock, params)),
         ("acquire + unlock, sync on", _pair(on, acquire, unlock, params)),
-        ("acquire + unlock, UNLOGGED, sync on", _pair(on, unlogged, unlock, params)),
         ("acquire + unlock, the pool's _Connection", _pair(pooled, acquire, unlock, params)),
     ]
 
@@ -128,6 +179,15 @@ def _api_variants(backend: Any) -> list[Variant]:
         backend.acquire("bench:profile-pg-backend", "owner", 30.0, holder)
         backend.release("bench:profile-pg-backend", "owner")
 
+    # Locks per entity ("payment:{id}"): a name never locked before, each cycle.
+    new_names = itertools.count()
+    run = f"{os.getpid()}-{time.time_ns()}"
+
+    def new_name_cycle() -> None:
+        name = f"bench:profile-pg-new:{run}:{next(new_names)}"
+        backend.acquire(name, "owner", 30.0, holder)
+        backend.release(name, "owner")
+
     def api(alias: str, **options: Any) -> Callable[[], None]:
         def cycle() -> None:
             with lock("bench:profile-pg-api", backend=alias, ttl=30, timeout=0, **options):
@@ -137,6 +197,7 @@ def _api_variants(backend: Any) -> list[Variant]:
 
     return [
         ("PostgresBackend.acquire/release", backend_cycle),
+        ("PostgresBackend, a new name each cycle", new_name_cycle),
         ("lock(), auto_renew=False", api("pg-durable", auto_renew=False)),
         (PROFILED, api("pg-durable")),
         ("lock(), sync on", api("pg-durable-sync")),
@@ -181,10 +242,9 @@ def _server_side(admin: Any, variants: list[Variant], cycles: int) -> None:
                   f" {int(size) / calls:5.0f}  {text}")  # fmt: skip
 
 
-def _explain(conn: Any, table: str) -> tuple[list[str], int, int]:
-    """The plan of the acquire statement on ``table`` (the last of three runs: the row
-    exists), and the rows it updated, and HOT-updated (its transaction's statistics)."""
-    statement = pg._ACQUIRE.format(lock=pg.TRY).replace(pg.TABLE, table)
+def _explain(conn: Any, statement: str, table: str) -> tuple[list[str], int, int]:
+    """The plan of an acquire statement writing ``table`` (the last of three runs: the
+    row exists), and the rows it updated, and HOT-updated (its transaction's statistics)."""
     params = {**_ROW, "key": 1, "name": "bench:profile-pg-explain"}
     counts = "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = %s"
     for _ in range(3):
@@ -226,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
 
         admin = connect("off")
         admin.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        admin.execute(f"CREATE UNLOGGED TABLE {UNLOGGED} (LIKE {pg.TABLE} INCLUDING ALL)")
-        cleanup.callback(admin.execute, f"DROP TABLE {UNLOGGED}")
+        admin.execute(f"CREATE TABLE {LOGGED} (LIKE {pg.TABLE} INCLUDING ALL)")
+        cleanup.callback(admin.execute, f"DROP TABLE {LOGGED}")
         for alias in ("pg-durable", "pg-durable-sync"):
             cleanup.callback(get_backend(alias).close)
         backend = cast(pg.PostgresBackend, get_backend("pg-durable"))
@@ -258,9 +318,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         _server_side(admin, variants, cycles)
         explain_conn = connect("off")
-        for title, table in (("registry", pg.TABLE), ("UNLOGGED copy", UNLOGGED)):
+        explained = (
+            ("in use, UNLOGGED registry", pg._ACQUIRE.format(lock=pg.TRY), pg.TABLE),
+            ("before issue 29, LOGGED copy", _BEFORE.format(lock=pg.TRY), LOGGED),
+        )
+        for title, statement, table in explained:
             print(f"\n== EXPLAIN (ANALYZE, BUFFERS, WAL) of the acquire statement, {title}\n")
-            plan, updated, hot = _explain(explain_conn, table)
+            plan, updated, hot = _explain(explain_conn, statement, table)
             print("\n".join(f"  {line}" for line in plan))
             print(f"  ({updated} row(s) updated, {hot} of them HOT: pg_stat_xact_user_tables)")
 

@@ -2,8 +2,10 @@
 
 * :class:`FencedModel`: an abstract base whose saves carry a fencing token and
   are rejected when a newer lock holder has already written the row.
-* :class:`LockRegistry`: the PostgreSQL backend's name registry and durable,
-  per-name fencing counter (advisory locks know only a 64-bit key).
+* :class:`LockRegistry`: the PostgreSQL backend's name registry and per-name
+  fencing counter (advisory locks know only a 64-bit key); UNLOGGED on PostgreSQL.
+* :class:`LockFence` and :class:`LockEpoch`: the token ceiling and the server
+  lifetime marker that keep that counter's tokens increasing across a server crash.
 * :class:`LiveLock`: unmanaged, no table; the admin page of live locks and its
   permissions.
 """
@@ -551,7 +553,9 @@ class LockRegistry(models.Model):
     """One row per lock name ever taken through the PostgreSQL backend.
 
     ``key`` is the advisory-lock key (a cryptographic hash of prefix and name);
-    ``fencing_token`` only ever grows. The holder columns describe the latest
+    ``fencing_token`` only ever grows. On PostgreSQL the table is UNLOGGED (migration
+    0003): a server crash empties it, and :class:`LockFence` keeps the tokens above
+    the ones issued before. The holder columns describe the latest
     acquisition; whether it is still held is told by ``pg_locks``, not by this row.
     """
 
@@ -575,6 +579,48 @@ class LockRegistry(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class LockFence(models.Model):
+    """The PostgreSQL backend's token ceiling: one row (``id`` 1), at or above every
+    fencing token ever issued, for any key.
+
+    The registry is UNLOGGED (no WAL per acquisition; a crash truncates it, and ends
+    every advisory lock with it); this table is logged and written only when a token
+    passes the ceiling (about once per 10 minutes for the whole server), durably, so a
+    token minted after a crash is above every one minted before it (docs/safety.md).
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True)
+    ceiling = models.BigIntegerField()
+
+    class Meta:
+        db_table = "distlocks_lockfence"
+        verbose_name = _("lock fence")
+        verbose_name_plural = _("lock fences")
+
+    def __str__(self) -> str:
+        return f"ceiling {self.ceiling}"
+
+
+class LockEpoch(models.Model):
+    """The PostgreSQL backend's server lifetime marker: one row (``id`` 1) in an
+    UNLOGGED table, so it exists only if no crash truncated the unlogged tables since
+    it was written. ``floor`` was the ceiling plus one then: every token issued before
+    that crash is below it, so a key with no registry row gets a token of at least
+    ``floor`` with no durable write (docs/safety.md).
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True)
+    floor = models.BigIntegerField()
+
+    class Meta:
+        db_table = "distlocks_lockepoch"
+        verbose_name = _("lock epoch")
+        verbose_name_plural = _("lock epochs")
+
+    def __str__(self) -> str:
+        return f"floor {self.floor}"
 
 
 class LiveLock(models.Model):

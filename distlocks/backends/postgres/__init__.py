@@ -2,8 +2,11 @@
 
 Locks are PostgreSQL advisory locks on a 64-bit key derived from the lock name
 with SHA-256 (never crc32 or ``hashtext``, which collide). The
-``distlocks_lockregistry`` table (a migration of this app) maps keys back to
-names and keeps the durable, strictly increasing per-name fencing counter.
+``distlocks_lockregistry`` table (a migration of this app; UNLOGGED) maps keys back
+to names and keeps the strictly increasing per-name fencing counter; the logged
+``distlocks_lockfence`` row keeps a ceiling above every token issued, and the unlogged
+``distlocks_lockepoch`` row marks the server's lifetime since its last crash, so that
+a crash, which empties the registry, never issues a token again.
 Taking the lock and bumping the counter is one SQL statement, and the counter
 moves only when the lock was granted.
 

@@ -9,29 +9,99 @@ one and bind its parameters. Keys are the signed 64-bit advisory-lock keys of
 from __future__ import annotations
 
 TABLE = "distlocks_lockregistry"
+# The token ceiling G (docs/safety.md, "PostgreSQL tokens"): one logged row, at or
+# above every token ever issued for any key, written durably when a token passes it.
+# The registry is UNLOGGED: a crash truncates it (and ends every advisory lock with it).
+FENCE = "distlocks_lockfence"
+# The server lifetime marker M: one UNLOGGED row, so it exists iff no crash truncated
+# the unlogged tables since it was written; its floor F was G + 1 when it was written,
+# above every token issued before that crash. A key without a registry row while M
+# exists had its last token before that crash: under F.
+EPOCH = "distlocks_lockepoch"
 
 # Tokens are floored by the server clock in microseconds, like the other backends,
 # so that they stay comparable and survive a registry that was emptied.
 CLOCK_US = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
 
+#: How far past a token the ceiling G is set when a token passes it, in token units
+#: (microseconds while tokens follow the clock): G is written about once per
+#: RESERVE_US for the whole server, and a token after a crash is at most about this
+#: far ahead of the clock.
+RESERVE_US = 600_000_000
+
+# G is written only when a token passes it, and that transaction commits durably
+# whatever the connection's synchronous_commit (off by default for lock connections):
+# "off" becomes "on" for this transaction only (set_config's is_local), which
+# PostgreSQL reads at COMMIT. A raised G is therefore never visible, and never relied
+# upon, before it is on disk. Other settings (on, remote_write, ...) are kept.
+_DURABLE = (
+    "set_config('synchronous_commit', CASE current_setting('synchronous_commit')"
+    " WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true)"
+)
+
+# G and F as the statement's snapshot sees them (NULL when missing): one row.
+FENCE_READ = (
+    f"SELECT (SELECT ceiling FROM {FENCE} WHERE id = 1) AS ceiling,"
+    f" (SELECT floor FROM {EPOCH} WHERE id = 1) AS floor"
+)
+
+# An upper bound of every token of a key that has no registry row: F - 1 while M
+# exists, else G (0 with neither: nothing was ever issued).
+ROWLESS_BOUND = (
+    f"coalesce((SELECT floor - 1 FROM {EPOCH} WHERE id = 1),"
+    f" (SELECT ceiling FROM {FENCE} WHERE id = 1), 0)"
+)
+
+# Raise G past the token in {minted}(fencing_token) if it passed the G the statement
+# read in {fence}(ceiling) (one raised since by another transaction is only higher,
+# and greatest() keeps the higher one). CASE, not AND: the planner may order AND's
+# terms, and set_config must run only for a raise.
+RAISE = f"""INSERT INTO {FENCE} AS f (id, ceiling)
+SELECT 1, minted.fencing_token + {RESERVE_US} FROM {{minted}} AS minted, {{fence}} AS fence
+WHERE CASE WHEN minted.fencing_token > coalesce(fence.ceiling, -1)
+           THEN {_DURABLE} IS NOT NULL ELSE false END
+ON CONFLICT (id) DO UPDATE SET ceiling = greatest(f.ceiling, EXCLUDED.ceiling)"""
+
+# Write M when it is missing (after a crash, or after install): F = G + 1, the G this
+# statement read, which is at least G on disk at the crash. Sessions may race here;
+# the first M stands (any of their floors is above every token before the crash).
+MARK = f"""INSERT INTO {EPOCH} (id, floor)
+SELECT 1, coalesce(fence.ceiling, 0) + 1 FROM {{minted}} AS minted, {{fence}} AS fence
+WHERE fence.floor IS NULL
+ON CONFLICT (id) DO NOTHING"""
+
 # The registry upsert shared by both modes; {lock} is a query taking the lock and
-# yielding one boolean "ok". The upsert runs only if the lock was granted, and
-# bumps the counter in the same statement.
+# yielding one boolean "ok". The upsert runs only if the lock was granted, and mints
+# the token in the same statement: one more than the row's (the row, unlogged, lives
+# as long as the server has not crashed, and holds the key's last token since); with
+# no row, F while M exists (no durable write), else G + 1 (after a crash, or the first
+# acquisition after install); floored by the clock in every case. G moves only if a
+# token passes it, durably; M is written when missing.
 ACQUIRE = f"""
-WITH granted AS MATERIALIZED ({{lock}})
+WITH granted AS MATERIALIZED ({{lock}}),
+fence AS MATERIALIZED ({FENCE_READ}),
+minted AS (
 INSERT INTO {TABLE} AS r
     (key, name, fencing_token, owner, host, pid, thread, backend_pid,
      acquired_at, ttl, renewals, extra)
-SELECT %(key)s, %(name)s, {CLOCK_US}, %(owner)s, %(host)s, %(pid)s, %(thread)s,
+SELECT %(key)s, %(name)s,
+       greatest(coalesce(fence.floor, coalesce(fence.ceiling, 0) + 1), {CLOCK_US}),
+       %(owner)s, %(host)s, %(pid)s, %(thread)s,
        pg_backend_pid(), clock_timestamp(), %(ttl)s, 0, %(extra)s
-FROM granted WHERE granted.ok
+FROM granted, fence WHERE granted.ok
 ON CONFLICT (key) DO UPDATE SET
-    fencing_token = greatest(r.fencing_token + 1, EXCLUDED.fencing_token),
+    fencing_token = greatest(r.fencing_token + 1, {CLOCK_US}),
     name = EXCLUDED.name, owner = EXCLUDED.owner,
     host = EXCLUDED.host, pid = EXCLUDED.pid, thread = EXCLUDED.thread,
     backend_pid = EXCLUDED.backend_pid, acquired_at = EXCLUDED.acquired_at,
     ttl = EXCLUDED.ttl, renewals = 0, extra = EXCLUDED.extra
 RETURNING r.fencing_token
+), raised AS (
+{RAISE.format(minted="minted", fence="fence")}
+), marked AS (
+{MARK.format(minted="minted", fence="fence")}
+)
+SELECT fencing_token FROM minted
 """
 
 # Live advisory locks of this database (classid/objid are the high/low 32 bits of
@@ -142,13 +212,15 @@ WRITE_ACQUIRE = ACQUIRE.replace(
 assert "cleared" in WRITE_ACQUIRE
 
 # The read side: a shared lock on the same key, and a row of the reader's own (the
-# lock's row, created if missing, is where the listing finds it by name). A row of
+# lock's row, created if missing, is where the listing finds it by name; created with
+# ROWLESS_BOUND as its token, which is at least every write token issued for a key
+# without a row, so the next writer's token, one more, stays above them). A row of
 # an earlier reader on this same session is stale: a session holds one lease.
 READ_ACQUIRE = (
     f"""
 WITH granted AS MATERIALIZED ({{lock}}), anchor AS (
     INSERT INTO {TABLE} (key, name, fencing_token, owner, host, thread, renewals, extra)
-    SELECT %(key)s, %(name)s, 0, '', '', '', 0,
+    SELECT %(key)s, %(name)s, {ROWLESS_BOUND}, '', '', '', 0,
            jsonb_build_object('kind', 'write', 'of', %(of)s::text)
     FROM granted WHERE granted.ok
     ON CONFLICT (key) DO NOTHING
@@ -244,7 +316,9 @@ REGISTERED_FOR_UPDATE = (
     f"SELECT fencing_token, backend_pid FROM {TABLE} WHERE key = %(key)s FOR UPDATE"
 )
 
-# The last fencing token of a key (0 if it has no row).
+# The last fencing token of a key, from its registry row; 0 with no row: never
+# locked, or (as on Redis after a restart without persistence) its row was lost in a
+# server crash: its next token is still above every earlier one.
 COUNTER = f"SELECT fencing_token FROM {TABLE} WHERE key = %s"
 
 # The listing's own query: the columns of LOCKS that a LockInfo needs, the holder
