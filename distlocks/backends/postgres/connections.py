@@ -133,9 +133,11 @@ class PooledBackend(capabilities.Listing, capabilities.Waiting, capabilities.Per
         cause = exc.__cause__ if isinstance(exc.__cause__, psycopg.Error) else exc
         hint = ""
         if isinstance(cause, psycopg.errors.UndefinedTable):
+            # The registry, or a table of a later migration (the token ceiling and
+            # its marker, 0003): either way, the database is behind distlocks' migrations.
             hint = (
-                f" The {TABLE} table is missing: run `manage.py migrate distlocks"
-                f" --database {self.database}`."
+                f" A table of distlocks is missing ({TABLE} or one a later migration adds):"
+                f" run `manage.py migrate distlocks --database {self.database}`."
             )
         elif isinstance(cause, psycopg.errors.InsufficientPrivilege):
             hint = (
