@@ -1,0 +1,123 @@
+"""Review 29: the calls a single-execution task sends together on Redis
+(:mod:`distlocks.contrib.celery_redis`) when the connection breaks after the server
+ran them and before their replies came back.
+
+The loss is real: a proxy between the backend and the test server (see
+:mod:`tests.lost_reply_proxy`) forwards the pipelined request, swallows the server's
+replies and resets the connection. What the server ran must be what the task
+believes: a run lock it took is its lease (not a stranger's that makes the task a
+duplicate of itself), releases it made are released (not reported lost).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from django.conf import settings as django_settings
+
+from distlocks import get_backend, lock
+from distlocks.backends.redis import RedisBackend
+from distlocks.contrib import celery_redis
+from distlocks.contrib.celery import single_execution
+from tests.celery_app import app
+from tests.lost_reply_proxy import LostReplyProxy
+
+pytestmark = pytest.mark.django_db
+
+ALIAS = "review29-lossy"
+
+
+@pytest.fixture(scope="module")
+def proxy() -> Iterator[LostReplyProxy]:
+    port = urlsplit(django_settings.REDIS_URL).port
+    assert port is not None
+    relay = LostReplyProxy(port)
+    yield relay
+    relay.close()
+
+
+@pytest.fixture
+def lossy(proxy: LostReplyProxy, settings: Any) -> Iterator[RedisBackend]:
+    """A backend alias whose connections go through the proxy."""
+    db = int(urlsplit(django_settings.REDIS_URL).path.strip("/") or 0)
+    prefix = f"r29-{uuid.uuid4().hex[:8]}"
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        ALIAS: {
+            "BACKEND": "distlocks.backends.redis.RedisBackend",
+            "LOCATION": proxy.url(db),
+            "OPTIONS": {"key_prefix": prefix},
+        },
+    }
+    backend = get_backend(ALIAS)
+    assert isinstance(backend, RedisBackend) and celery_redis.usable(backend)
+    for registered in backend._scripts.values():  # the lost request is the script's run
+        backend.client.script_load(registered.script)
+    backend.client.script_load(celery_redis.ENQUEUE.script)
+    yield backend
+    keys = list(backend.client.scan_iter(match=f"{prefix}:*", count=1000))
+    if keys:
+        backend.client.delete(*keys)
+
+
+def _sha(backend: RedisBackend, script: str) -> bytes:
+    """The script's SHA-1, with the script in the server's cache (the request whose
+    reply is lost is then the script's run, not one answered NOSCRIPT)."""
+    registered = backend._scripts[script]
+    registered.sha = backend.client.script_load(registered.script)
+    assert backend.client.script_exists(registered.sha) == [True]
+    return str(registered.sha).encode()
+
+
+def test_both_releases_run_with_their_replies_lost_report_released(
+    proxy: LostReplyProxy, lossy: RedisBackend
+) -> None:
+    """The run lock and the marker released in one round trip; the server ran both and
+    the replies were lost: neither lease is reported lost, and both are free."""
+    name = f"run-{uuid.uuid4().hex}"
+    lease = lock(name, backend=ALIAS, ttl=30, auto_renew=False).acquire()
+    marker = lock(name + ":queued", backend=ALIAS, ttl=30, auto_renew=False).acquire()
+    before = proxy.lost
+    proxy.lose_reply_to(_sha(lossy, "release"))
+    assert celery_redis.release_both(lease, marker) is True
+    assert proxy.lost == before + 1
+    assert lease.state == "released"
+    assert marker.state == "released"
+    assert lossy.inspect(name) is None
+    assert lossy.inspect(name + ":queued") is None
+
+
+ran: list[int] = []
+
+
+@single_execution(app=app, name="review29.queued", backend=ALIAS, unique_while="queued")
+def queued_task(n: int) -> int:
+    ran.append(n)
+    return n
+
+
+def test_a_run_lock_taken_with_its_reply_lost_is_the_runs_own(
+    proxy: LostReplyProxy, lossy: RedisBackend
+) -> None:
+    """The first attempt at the run lock and the marker's release went in one round
+    trip; the server ran them and the replies were lost. The lock the server granted
+    is this run's: the body runs, and both keys are free afterwards (not a duplicate
+    of itself, with the lock left held by an owner nobody renews or releases)."""
+    n = uuid.uuid4().int % 10**12
+    name = queued_task.lock_name((n,))
+    before = proxy.lost
+    proxy.lose_reply_to(_sha(lossy, "acquire"))
+    app.conf.task_store_eager_result = True
+    try:
+        result = queued_task.apply((n,), task_id=str(uuid.uuid4()))
+    finally:
+        app.conf.task_store_eager_result = False
+    assert proxy.lost == before + 1
+    assert result.get(propagate=True) == n
+    assert ran.count(n) == 1
+    assert lossy.inspect(name) is None
+    assert lossy.inspect(name + ":queued") is None
