@@ -219,6 +219,8 @@ class RedisPermits(RedisLocks):
         # An id of its own, as a lock's release: the same request retried after its
         # reply was lost is told it released (see SEM_RELEASE), by its tombstone key.
         keys.append(f"{keys[0]}:released:{owner}")
+        if self.listing_index:
+            keys.append(self.index_permits_key)  # the name leaves it with its last permit
         args = self._owner_args(kind, owner, f"{_pid()}.{next(_release_ids)}")
         with self._errors("release", name):
             return bool(self._permit_run(kind, "release", keys, args))
