@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 from django.conf import settings as django_settings
 
-from distlocks import get_backend, lock
+from distlocks import get_backend, lock, signals
 from distlocks.backends.redis import RedisBackend
 from distlocks.contrib import celery_redis
 from distlocks.contrib.celery import single_execution
@@ -121,3 +121,40 @@ def test_a_run_lock_taken_with_its_reply_lost_is_the_runs_own(
     assert ran.count(n) == 1
     assert lossy.inspect(name) is None
     assert lossy.inspect(name + ":queued") is None
+
+
+flushed: list[int] = []
+
+
+@single_execution(
+    app=app, name="review29.qor", key="r29-qor:{n}", unique_while="queued_or_running"
+)  # fmt: skip
+def flushing_task(n: int) -> int:
+    # The server forgets every script while the run holds both locks (SCRIPT FLUSH, a
+    # failover to a replica that never ran them): the end's pipelined releases meet
+    # NOSCRIPT for both calls.
+    get_backend("default").client.script_flush()
+    flushed.append(n)
+    return n
+
+
+def test_both_releases_after_a_script_flush_mid_run_free_both_keys() -> None:
+    backend = get_backend("default")
+    n = uuid.uuid4().int % 10**12
+    released: list[str] = []
+
+    def on_release(sender: Any, lease: Any, **_: Any) -> None:
+        released.append(lease.name)
+
+    signals.lock_released.connect(on_release)
+    app.conf.task_store_eager_result = True
+    try:
+        sent_id = str(uuid.uuid4())
+        assert flushing_task.apply((n,), task_id=sent_id).get() == n
+    finally:
+        app.conf.task_store_eager_result = False
+        signals.lock_released.disconnect(on_release)
+    assert flushed == [n]
+    assert backend.inspect(f"r29-qor:{n}") is None
+    assert backend.inspect(f"r29-qor:{n}:queued") is None
+    assert sorted(released) == [f"r29-qor:{n}", f"r29-qor:{n}:queued"]
