@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+import redis
 from django.conf import settings as django_settings
 
 from distlocks import get_backend, lock, signals
@@ -158,3 +159,52 @@ def test_both_releases_after_a_script_flush_mid_run_free_both_keys() -> None:
     assert backend.inspect(f"r29-qor:{n}") is None
     assert backend.inspect(f"r29-qor:{n}:queued") is None
     assert sorted(released) == [f"r29-qor:{n}", f"r29-qor:{n}:queued"]
+
+
+RESTART_ALIAS = "review29-own"
+IDLE_QUEUE = "distlocks-tests-review29"
+
+
+@single_execution(
+    app=app, name="review29.restart", key="r29-restart:{n}", backend=RESTART_ALIAS,
+    unique_while="queued_or_running",
+)  # fmt: skip
+def restarted_task(n: int) -> int:
+    return n
+
+
+def test_a_restart_without_persistence_between_enqueue_and_run(
+    own_redis: Any, settings: Any
+) -> None:
+    """The lock server restarts empty (no persistence) while the message waits: the
+    marker is gone and every connection and script with it. The run still runs once
+    and frees both keys; the next call is published, not answered with a lost id."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        RESTART_ALIAS: {
+            "BACKEND": "distlocks.backends.redis.RedisBackend",
+            "LOCATION": own_redis.url,
+        },
+    }
+    backend = get_backend(RESTART_ALIAS)
+    n = uuid.uuid4().int % 10**12
+    sent = restarted_task.apply_async((n,), queue=IDLE_QUEUE)
+    assert backend.inspect(f"r29-restart:{n}:queued") is not None
+    port = own_redis.port
+    own_redis.kill()
+    own_redis.start(port=port)
+    app.conf.task_store_eager_result = True
+    try:
+        assert restarted_task.apply((n,), task_id=sent.id).get() == n
+    finally:
+        app.conf.task_store_eager_result = False
+    assert backend.inspect(f"r29-restart:{n}") is None
+    assert backend.inspect(f"r29-restart:{n}:queued") is None
+    again = restarted_task.apply_async((n,), queue=IDLE_QUEUE)
+    assert again.id != sent.id
+    info = backend.inspect(f"r29-restart:{n}:queued")
+    assert info is not None and info.extra["celery_task_id"] == again.id
+    backend.release_quietly(f"r29-restart:{n}:queued", info.owner)
+    broker = redis.Redis.from_url(django_settings.CELERY_BROKER_URL)
+    broker.delete(IDLE_QUEUE)  # the two messages no worker consumes
+    broker.close()
