@@ -56,9 +56,7 @@ def lossy(proxy: LostReplyProxy, settings: Any) -> Iterator[RedisBackend]:
     }
     backend = get_backend(ALIAS)
     assert isinstance(backend, RedisBackend) and celery_redis.usable(backend)
-    for registered in backend._scripts.values():  # the lost request is the script's run
-        backend.client.script_load(registered.script)
-    backend.client.script_load(celery_redis.ENQUEUE.script)
+    backend.client.script_load(celery_redis.ENQUEUE.script)  # (_sha loads the others)
     yield backend
     keys = list(backend.client.scan_iter(match=f"{prefix}:*", count=1000))
     if keys:

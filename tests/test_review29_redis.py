@@ -72,3 +72,17 @@ def test_a_forked_childs_release_ids_differ_from_its_parents(backend: RedisBacke
     os.close(read)
     assert status == 0 and len(got) == 3
     assert not got & parent
+
+
+@pytest.mark.parametrize("kind", [SEMAPHORE, READ, WRITE])
+@pytest.mark.parametrize("by_owner", [True, False])
+def test_force_released_permits_leave_nothing_in_the_listing_index(
+    backend: RedisBackend, kind: str, by_owner: bool
+) -> None:
+    """A force release that evicts the last permit of a name takes the name out of the
+    listing's set too, as a release does (every permit, or the one owner's)."""
+    name = f"f-{uuid.uuid4().hex}"
+    assert backend.permit_acquire(kind, name, "o", 30, HOLDER, limit=2).acquired
+    assert backend.permit_force_release(kind, name, "o" if by_owner else None) == 1
+    members = {m.decode() for m in backend.client.smembers(backend.index_permits_key)}
+    assert [m for m in members if name in m] == []

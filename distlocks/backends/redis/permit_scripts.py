@@ -172,7 +172,8 @@ return 1
 """
 )
 
-# ARGV: owner, or '' for every permit. Returns how many live permits were evicted.
+# [KEYS[5]: the listing index's set of permit names.] ARGV: owner, or '' for every
+# permit. Returns how many live permits were evicted.
 SEM_FORCE = (
     _COMMON
     + """
@@ -186,6 +187,7 @@ else
   redis.call('HDEL', KEYS[2], ARGV[1])
   tidy(KEYS[1], KEYS[2])
 end
+unlist(KEYS[5], KEYS[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
 for _ = 1, evicted do signal(KEYS[4], redis.call('ZCARD', KEYS[3])) end
 return evicted
@@ -373,6 +375,7 @@ return 1
 """
 )
 
+# [KEYS[9]: the listing index's set of permit names.]
 # ARGV: owner, or '' for every lease. The write counter moves on in any case, so an
 # evicted writer's token is outdated. Returns how many live leases were evicted.
 RW_FORCE = (
@@ -389,6 +392,7 @@ else
   if writer == ARGV[1] then redis.call('DEL', KEYS[3]) end
   tidy(KEYS[1], KEYS[2], KEYS[3])
 end
+unlist(KEYS[9], KEYS[2])
 next_token(KEYS[8])
 wake_rw()
 return evicted

@@ -252,6 +252,8 @@ class RedisPermits(RedisLocks):
     def permit_force_release(self, kind: str, name: str, owner: str | None = None) -> int:
         self.check_permit_kind(kind)
         keys = self._permit_keys(kind, name)
+        if self.listing_index:
+            keys.append(self.index_permits_key)  # the name leaves it with its last permit
         with self._errors("force-release", name):
             return int(self._permit_run(kind, "force", keys, [owner or ""]))
 
