@@ -11,6 +11,7 @@ duplicate of itself), releases it made are released (not reported lost).
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +25,7 @@ from distlocks import get_backend, lock, signals
 from distlocks.backends.redis import RedisBackend
 from distlocks.contrib import celery_redis
 from distlocks.contrib.celery import single_execution
+from distlocks.exceptions import LockBackendUnavailable
 from tests.celery_app import app
 from tests.lost_reply_proxy import LostReplyProxy
 
@@ -206,3 +208,35 @@ def test_a_restart_without_persistence_between_enqueue_and_run(
     broker = redis.Redis.from_url(django_settings.CELERY_BROKER_URL)
     broker.delete(IDLE_QUEUE)  # the two messages no worker consumes
     broker.close()
+
+
+def test_a_stalled_pipelined_release_raises_lock_backend_unavailable(
+    proxy: LostReplyProxy, settings: Any
+) -> None:
+    """The server's replies to the releases sent together do not come back within the
+    socket timeout (a network stall): the caller gets the backend's error, as a plain
+    release would give it (LockBackendUnavailable, the driver's error chained), not a
+    bare driver exception that no handler of lock errors catches."""
+    db = int(urlsplit(django_settings.REDIS_URL).path.strip("/") or 0)
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        ALIAS: {
+            "BACKEND": "distlocks.backends.redis.RedisBackend",
+            "LOCATION": proxy.url(db),
+            "OPTIONS": {"key_prefix": f"r29-{uuid.uuid4().hex[:8]}", "socket_timeout": 0.3},
+        },
+    }
+    backend = get_backend(ALIAS)
+    name = f"stall-{uuid.uuid4().hex}"
+    lease = lock(name, backend=ALIAS, ttl=30, auto_renew=False).acquire()
+    marker = lock(name + ":queued", backend=ALIAS, ttl=30, auto_renew=False).acquire()
+    stalled = threading.Event()
+    # The replies are held back past the socket timeout, then the connection is reset.
+    proxy.lose_reply_to(_sha(backend, "release"), lambda: stalled.wait(1.5))
+    with pytest.raises(LockBackendUnavailable) as raised:
+        celery_redis.release_both(lease, marker)
+    assert isinstance(raised.value.__cause__, redis.TimeoutError)
+    stalled.set()
+    # The server ran both: nothing is left held.
+    assert backend.inspect(name) is None
+    assert backend.inspect(name + ":queued") is None

@@ -248,7 +248,12 @@ def release_both(lease: Lease, marker: Lease) -> bool | None:
         steps = [lease._release_step(), marker._release_step()]
         sent = [(i, item) for i, item in enumerate((lease, marker)) if steps[i] in _SENT]
         calls = [release_call(backend, item.name, item.owner) for _, item in sent]
-        replies = send_together(backend, calls) if calls else []
+        try:
+            replies = send_together(backend, calls) if calls else []
+        except _DRIVER_ERRORS as exc:
+            # A timeout (the server may have run them): as lease.release() reports it,
+            # and both leases end by expiry if it did not.
+            raise backend._error("release", lease.name, exc) from exc
         if replies is None:  # the connection broke twice: the same calls, one by one
             replies = [
                 _release_or_error(backend, item.name, call)
