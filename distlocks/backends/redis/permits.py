@@ -58,7 +58,7 @@ from distlocks.backends.base import (
     moment,
     permit_family,
 )
-from distlocks.backends.redis.lock import RedisLocks, _pid, _release_ids
+from distlocks.backends.redis.lock import RedisLocks, release_id
 from distlocks.backends.redis.permit_scripts import (
     PERMITS_TIDY,
     RW_ACQUIRE,
@@ -221,7 +221,7 @@ class RedisPermits(RedisLocks):
         keys.append(f"{keys[0]}:released:{owner}")
         if self.listing_index:
             keys.append(self.index_permits_key)  # the name leaves it with its last permit
-        args = self._owner_args(kind, owner, f"{_pid()}.{next(_release_ids)}")
+        args = self._owner_args(kind, owner, release_id())
         with self._errors("release", name):
             return bool(self._permit_run(kind, "release", keys, args))
 
