@@ -103,16 +103,17 @@ def usable(backend: BaseBackend) -> bool:
 def send_together(backend: Any, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any] | None:
     """Run the scripts of ``calls`` (script, keys, args; a script is a name of the
     backend's scripts or a :class:`_Script`) in one round trip, in order: the reply of
-    each, or the ``redis.ResponseError`` it met. None where it could not be done (no
-    pinned connection for this thread, or the connection broke): the caller makes the
-    calls one by one, which every call here is safe to repeat."""
+    each, or the ``redis.ResponseError`` it met. A connection broken on the way is
+    reconnected and the same calls sent once more (each is safe to repeat as it is).
+    None where it could not be done (no pinned connection for this thread, or the
+    connection broke twice): the caller makes the calls one by one."""
     conn = backend._pinned()
     if conn is None:
         return None
     scripts = [backend._scripts[s] if isinstance(s, str) else s for s, _, _ in calls]
     replies: list[Any] = [None] * len(calls)
     pending = list(range(len(calls)))
-    reloaded = False
+    reloaded = reconnected = False
     while True:
         commands = [
             ("EVALSHA", scripts[i].sha, len(calls[i][1]), *calls[i][1], *calls[i][2])
@@ -132,7 +133,15 @@ def send_together(backend: Any, calls: list[tuple[Any, list[str], list[Any]]]) -
                     got.append(exc)
         except redis.ConnectionError:
             conn.disconnect()  # reconnects at its next use
-            return None
+            if reconnected:
+                return None
+            # The server may have run some or all of them, their replies lost. The very
+            # same calls are sent again (not the caller's plain calls, which would be new
+            # ones): an acquire by the same owner is answered as granted, a release by
+            # the same request id as released (its tombstone), so what the server did
+            # the first time is what the caller is told.
+            reconnected = True
+            continue
         except BaseException:
             # A reply may be unread (a timeout): the connection cannot be trusted.
             conn.disconnect()
@@ -239,9 +248,17 @@ def release_both(lease: Lease, marker: Lease) -> bool | None:
         steps = [lease._release_step(), marker._release_step()]
         sent = [(i, item) for i, item in enumerate((lease, marker)) if steps[i] in _SENT]
         calls = [release_call(backend, item.name, item.owner) for _, item in sent]
-        replies = send_together(backend, calls) if calls else []
-        if replies is None:  # the connection broke: the plain calls (safe to repeat)
-            replies = [_release_or_error(backend, item.name, item.owner) for _, item in sent]
+        try:
+            replies = send_together(backend, calls) if calls else []
+        except _DRIVER_ERRORS as exc:
+            # A timeout (the server may have run them): as lease.release() reports it,
+            # and both leases end by expiry if it did not.
+            raise backend._error("release", lease.name, exc) from exc
+        if replies is None:  # the connection broke twice: the same calls, one by one
+            replies = [
+                _release_or_error(backend, item.name, call)
+                for (_, item), call in zip(sent, calls, strict=True)
+            ]
         answers: list[Any] = [None, None]
         for (i, _), reply in zip(sent, replies, strict=True):
             answers[i] = reply
@@ -265,11 +282,15 @@ def release_both(lease: Lease, marker: Lease) -> bool | None:
     return True
 
 
-def _release_or_error(backend: Any, name: str, owner: str) -> Any:
+def _release_or_error(backend: Any, name: str, call: tuple[str, list[str], list[Any]]) -> Any:
+    """The release ``call`` as built (its request id too: a release the server already
+    ran is answered by its tombstone), or the error it met."""
     try:
-        return backend.release(name, owner)
-    except LockError as exc:
-        return exc
+        return backend._run(*call)
+    except _DRIVER_ERRORS as exc:
+        error = backend._error("release", name, exc)
+        error.__cause__ = exc
+        return error
 
 
 def _released_signal(lease: Lease) -> None:

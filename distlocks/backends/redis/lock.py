@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -29,9 +30,25 @@ from distlocks.backends.redis.calls import (
 from distlocks.exceptions import LockError
 from redis.exceptions import NoScriptError
 
-#: Numbers the release calls of this process (with its pid: a forked child's differ).
+#: Numbers the release calls of this process, after a random id of the process. Not
+#: the pid: worker containers on many hosts share pids (each one's first process is
+#: pid 1) and, counting alike, would send the same ids for a queue marker's owner,
+#: which every delivery of a message shares (a release of a lock it no longer held
+#: would be told it released it). A forked child draws an id of its own.
 _release_ids = itertools.count()
-_pid = os.getpid
+_process_id = [secrets.token_hex(8)]
+
+
+def _redraw_process_id() -> None:
+    _process_id[0] = secrets.token_hex(8)
+
+
+os.register_at_fork(after_in_child=_redraw_process_id)
+
+
+def release_id() -> str:
+    """A new id for a release request, unique across processes and hosts."""
+    return f"{_process_id[0]}.{next(_release_ids)}"
 
 
 def _extra_json(extra: Mapping[str, Any]) -> str:
@@ -109,7 +126,7 @@ class RedisLocks(RedisCalls):
         # A release call of its own id: a retry of this very request (its reply lost)
         # sends the same id and is told it released the lock (see the RELEASE script).
         keys, args = self._release_call(name, owner)
-        args += (name, f"{_pid()}.{next(_release_ids)}")
+        args += (name, release_id())
         if self._index:
             return keys + self._index, args
         return keys, args

@@ -38,6 +38,12 @@ local function register(waiters, owner, register_ms)
   if redis.call('PTTL', waiters) < register_ms then redis.call('PEXPIRE', waiters, register_ms) end
 end
 
+-- The listing index's set of permit names (the key given, or nil without the index)
+-- loses the name whose last permit was given back: a per-call name leaves no member.
+local function unlist(index, info)
+  if index and redis.call('EXISTS', info) == 0 then redis.call('SREM', index, info) end
+end
+
 -- A release's tombstone (see the lock's RELEASE script), the key given: a release
 -- request sent again after its reply was lost finds the id it was sent with there.
 local function mark_released(tombstone, request)
@@ -118,7 +124,8 @@ return {0, 0, math.floor(tonumber(first[2]) - now_ms)}
 """
 )
 
-# KEYS[5]: the owner's release tombstone (holders key .. ':released:' .. owner).
+# KEYS[5]: the owner's release tombstone (holders key .. ':released:' .. owner)[, KEYS[6]:
+# the listing index's set of permit names].
 # ARGV: owner[, request id]. Gives back the caller's own live permit only; wakes one
 # waiter. With a request id, answers 1 to the same request sent again (its tombstone).
 SEM_RELEASE = (
@@ -134,6 +141,7 @@ mark_released(KEYS[5], ARGV[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 tidy(KEYS[1], KEYS[2])
+unlist(KEYS[6], KEYS[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
 signal(KEYS[4], redis.call('ZCARD', KEYS[3]))
 return 1
@@ -164,7 +172,8 @@ return 1
 """
 )
 
-# ARGV: owner, or '' for every permit. Returns how many live permits were evicted.
+# [KEYS[5]: the listing index's set of permit names.] ARGV: owner, or '' for every
+# permit. Returns how many live permits were evicted.
 SEM_FORCE = (
     _COMMON
     + """
@@ -178,6 +187,7 @@ else
   redis.call('HDEL', KEYS[2], ARGV[1])
   tidy(KEYS[1], KEYS[2])
 end
+unlist(KEYS[5], KEYS[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
 for _ = 1, evicted do signal(KEYS[4], redis.call('ZCARD', KEYS[3])) end
 return evicted
@@ -311,9 +321,10 @@ return {1, token, ttl}
 """
 )
 
-# KEYS[9]: the owner's release tombstone (holders key .. ':released:' .. owner).
-# ARGV: kind, owner[, request id]. Gives back the caller's own live lease of that kind
-# only. With a request id, answers 1 to the same request sent again (its tombstone).
+# KEYS[9]: the owner's release tombstone (holders key .. ':released:' .. owner)[, KEYS[10]:
+# the listing index's set of permit names]. ARGV: kind, owner[, request id]. Gives back
+# the caller's own live lease of that kind only. With a request id, answers 1 to the
+# same request sent again (its tombstone).
 RW_RELEASE = (
     _RW
     + """
@@ -328,6 +339,7 @@ redis.call('ZREM', KEYS[1], ARGV[2])
 redis.call('HDEL', KEYS[2], ARGV[2])
 if writer == ARGV[2] then redis.call('DEL', KEYS[3]) end
 tidy(KEYS[1], KEYS[2], KEYS[3])
+unlist(KEYS[10], KEYS[2])
 keep_fence()  -- down to the leases left: a long released one no longer counts
 wake_rw()
 return 1
@@ -363,6 +375,7 @@ return 1
 """
 )
 
+# [KEYS[9]: the listing index's set of permit names.]
 # ARGV: owner, or '' for every lease. The write counter moves on in any case, so an
 # evicted writer's token is outdated. Returns how many live leases were evicted.
 RW_FORCE = (
@@ -379,6 +392,7 @@ else
   if writer == ARGV[1] then redis.call('DEL', KEYS[3]) end
   tidy(KEYS[1], KEYS[2], KEYS[3])
 end
+unlist(KEYS[9], KEYS[2])
 next_token(KEYS[8])
 wake_rw()
 return evicted

@@ -58,7 +58,7 @@ from distlocks.backends.base import (
     moment,
     permit_family,
 )
-from distlocks.backends.redis.lock import RedisLocks, _pid, _release_ids
+from distlocks.backends.redis.lock import RedisLocks, release_id
 from distlocks.backends.redis.permit_scripts import (
     PERMITS_TIDY,
     RW_ACQUIRE,
@@ -219,7 +219,9 @@ class RedisPermits(RedisLocks):
         # An id of its own, as a lock's release: the same request retried after its
         # reply was lost is told it released (see SEM_RELEASE), by its tombstone key.
         keys.append(f"{keys[0]}:released:{owner}")
-        args = self._owner_args(kind, owner, f"{_pid()}.{next(_release_ids)}")
+        if self.listing_index:
+            keys.append(self.index_permits_key)  # the name leaves it with its last permit
+        args = self._owner_args(kind, owner, release_id())
         with self._errors("release", name):
             return bool(self._permit_run(kind, "release", keys, args))
 
@@ -250,6 +252,8 @@ class RedisPermits(RedisLocks):
     def permit_force_release(self, kind: str, name: str, owner: str | None = None) -> int:
         self.check_permit_kind(kind)
         keys = self._permit_keys(kind, name)
+        if self.listing_index:
+            keys.append(self.index_permits_key)  # the name leaves it with its last permit
         with self._errors("force-release", name):
             return int(self._permit_run(kind, "force", keys, [owner or ""]))
 
