@@ -289,3 +289,77 @@ def test_a_cancelled_alock_waiter_leaves_no_node(
     if not at_the_grant:
         assert on.release(name, "holder")
     wait_for(lambda: on.contenders(name) == [], timeout=20)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("pg_ready")
+def test_after_a_force_release_the_evicted_holders_fenced_write_is_refused(
+    aliases: list[str], name: str
+) -> None:
+    """The holder is evicted while a waiter waits just behind it; the waiter, granted by
+    its watch, writes a fenced row with its token; the evicted holder, waking up and
+    writing with its own token, is refused and changes nothing.
+
+    (The waiter's token is its own queueing's zxid: above the evicted holder's, though
+    below the counter the force release wrote, which the waiter queued before; see
+    docs/backend-zookeeper.md, Fencing tokens.)"""
+    from distlocks.exceptions import StaleFencingToken
+    from tests.testapp.models import Account
+
+    holding, waiting, operator = (get_backend(alias) for alias in aliases)
+    first = holding.acquire(name, "holder", 30, HOLDER)
+    row = Account(owner="ann", balance=100)
+    row.save(fencing_token=first.fencing_token)
+    holder_path = holding._nodes[(name, "holder")].path
+    waiter = Waiter(aliases[1], name)
+    wait_for(lambda: watching(waiting._ready("test", name), holder_path), timeout=20)
+    assert operator.force_release(name, first.fencing_token)
+    lease = waiter.join()
+    mine = Account.objects.get(pk=row.pk)
+    mine.balance = 50
+    mine.save(fencing_token=lease)
+    row.balance = 1
+    with pytest.raises(StaleFencingToken):
+        row.save(fencing_token=first.fencing_token)
+    stored = Account.objects.get(pk=row.pk)
+    assert (stored.balance, stored.fencing_token) == (50, lease.fencing_token)
+    lease.release()
+
+
+def test_kazoo_forgets_watches_at_a_connection_loss(
+    zk_server: ZooKeeperServer, proxy: FaultProxy
+) -> None:
+    """What the grant with no request rests on: kazoo tells every watch an event with no
+    type when the connection drops (the session may live on), and does not set them
+    again on the next connection, so no deletion is ever told after a reconnect, out
+    of zxid order with the watch on the waiter's own node. A kazoo that re-registered
+    watches (ZooKeeper's SetWatches) fails this test: the hand-off would then need a
+    guard on the connection, not only on the session (see lock.py, _Turn)."""
+    from kazoo.client import KazooClient
+    from kazoo.protocol.states import EventType
+
+    events: list[Any] = []
+    writer = KazooClient(hosts=zk_server.location)
+    watcher = KazooClient(hosts=f"127.0.0.1:{proxy.port}", timeout=10)
+    writer.start(timeout=10)
+    watcher.start(timeout=10)
+    try:
+        path = f"/review-{time.monotonic_ns()}"
+        writer.create(path, b"")
+        assert watcher.exists(path, watch=events.append) is not None
+        proxy.blackhole(True)
+        writer.delete(path)
+        time.sleep(0.2)
+        proxy.blackhole(False)
+        proxy.reset()
+        wait_for(lambda: bool(events), timeout=20)
+        wait_for(lambda: watcher.connected, timeout=20)
+        # Told with no type; then nothing more (the deletion is never told).
+        assert [event.type for event in events] == [EventType.NONE]
+        assert watcher.exists(path) is None
+        assert not watcher._data_watchers.get(path)
+        assert [event.type for event in events] == [EventType.NONE]
+    finally:
+        for client in (writer, watcher):
+            client.stop()
+            client.close()
