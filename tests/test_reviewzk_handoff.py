@@ -302,7 +302,7 @@ def test_after_a_force_release_the_evicted_holders_fenced_write_is_refused(
 
     (The waiter's token is its own queueing's zxid: above the evicted holder's, though
     below the counter the force release wrote, which the waiter queued before; see
-    docs/backend-zookeeper.md, Fencing tokens.)"""
+    docs/backend-zookeeper.md, Tokens.)"""
     from distlocks.exceptions import StaleFencingToken
     from tests.testapp.models import Account
 
