@@ -363,3 +363,92 @@ def test_kazoo_forgets_watches_at_a_connection_loss(
         for client in (writer, watcher):
             client.stop()
             client.close()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hand_offs_through_session_expiries_keep_order_and_leave_no_node(
+    aliases: list[str], zk_server: ZooKeeperServer, name: str, seed: int
+) -> None:
+    """Random runs of joins, give-ups, releases, force releases and session expiries
+    (of either of the two sessions the waiters share: its holder loses the lock, its
+    waiters their places): every grant is the first node on the server at its grant,
+    one live lease at a time, tokens strictly increase in grant order, and once every
+    waiter ended no node is left."""
+    rng = random.Random(seed)
+    backends = [get_backend(alias) for alias in aliases]
+    on = backends[2]
+    grants: list[Waiter] = []
+    everyone: list[Waiter] = []
+    ended: set[Waiter] = set()
+    sessions = {0: backends[0], 1: backends[1]}
+
+    def granted(waiter: Waiter) -> None:
+        waiter.first = on.contenders(name)[:1] == [waiter.lease.owner]
+        grants.append(waiter)
+
+    def holding() -> list[Waiter]:
+        return [w for w in grants if w not in ended]
+
+    def settled() -> bool:
+        queue = on.contenders(name)
+        return not queue or any(w.lease.owner == queue[0] for w in holding())
+
+    def end_all() -> None:
+        for holder in holding():
+            ended.add(holder)
+            with contextlib.suppress(Exception):
+                holder.lease.release()
+
+    by_backend: dict[Waiter, int] = {}
+    try:
+        for _ in range(12):
+            step = rng.choice(["join", "join", "quit", "release", "force", "expire"])
+            b = rng.randrange(2)
+            if step in ("join", "quit"):
+                before = len(on.contenders(name))
+                waiter = Waiter(aliases[b], name, 30 if step == "join" else 0.3, granted)
+                by_backend[waiter] = b
+                everyone.append(waiter)
+                wait_for(
+                    lambda w=waiter, n=before: (
+                        len(on.contenders(name)) > n or not w.thread.is_alive()
+                    ),
+                    timeout=20,
+                )
+            elif step == "expire":
+                sessions[b]._ready("test", name)  # a session to end, even if unused yet
+                generation = sessions[b]._generation
+                for holder in holding():
+                    if by_backend[holder] == b:
+                        ended.add(holder)  # its node goes with the session
+                expire(sessions[b], zk_server.location)
+                wait_for(lambda b=b, g=generation: sessions[b]._generation > g, timeout=20)
+            else:
+                wait_for(settled, timeout=20)
+                current = holding()
+                if current:
+                    ended.add(current[0])
+                    if step == "release":
+                        current[0].lease.release()
+                    else:
+                        on.force_release(name, current[0].lease.fencing_token)
+            assert len(holding()) <= 1, "two leases held at once"
+        deadline = time.monotonic() + 90
+        while any(w.thread.is_alive() for w in everyone):
+            assert time.monotonic() < deadline, "waiters stuck"
+            wait_for(settled, timeout=30)
+            end_all()
+            time.sleep(0.01)
+        end_all()
+        for waiter in everyone:
+            assert waiter.lease is not None or isinstance(waiter.error, LockNotAcquired)
+        assert all(w.first for w in grants), "granted while not first on the server"
+        tokens = [w.lease.fencing_token for w in grants]
+        assert tokens == sorted(set(tokens)), "not granted in arrival order"
+        wait_for(lambda: on.contenders(name) == [], timeout=20)
+    finally:
+        for waiter in everyone:
+            waiter.thread.join(30)
+            if waiter.lease is not None:
+                with contextlib.suppress(Exception):
+                    waiter.lease.release()
