@@ -8,6 +8,7 @@ Skipped, saying what to install, where java or the ZooKeeper jars are missing.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -277,3 +278,56 @@ def test_an_acquire_waits_out_an_election(
     assert lease.held()
     assert backend.contenders(name) == [lease.owner]
     lease.release()
+
+
+@pytest.mark.parametrize("release_during_election", [False, True])
+def test_a_hand_off_across_a_leader_change(
+    settings: Any, ensemble: ZooKeeperEnsemble, name: str, release_during_election: bool
+) -> None:
+    """A waiter queued just behind the holder (its watch set) when the leader dies: the
+    servers drop their clients during the election, so the waiter's watch ends with
+    no event and it looks again once reconnected, in the same session. The holder
+    releases after the new leader is in place (or tries during the election, the
+    release then left to the background delete): the waiter gets the lock, first on
+    the server, with a higher token, and no node is left."""
+    holding = zk_alias(settings, "zkh", ensemble.location, session_timeout=9,
+                       connect_timeout=1, socket_timeout=1)  # fmt: skip
+    waiting = zk_alias(settings, "zkw", ensemble.location, session_timeout=9)
+    lease = lock(name, backend=holding, ttl=9, timeout=5, auto_renew=False).acquire()
+    holder_path = get_backend(holding)._nodes[(name, lease.owner)].path
+    backend = get_backend(waiting)
+    got: list[Any] = []
+
+    def waiter() -> None:
+        try:
+            other = lock(name, backend=waiting, ttl=9, timeout=60, auto_renew=False).acquire()
+            first = get_backend(waiting).contenders(name)[:1] == [other.owner]
+            got.append((other, first))
+        except Exception as exc:
+            got.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    client = backend._ready("test", name)
+    wait_for(lambda: len(client._data_watchers.get(holder_path, ())) >= 1, timeout=20)
+    session = backend.session_id()
+    ensemble.leader().kill()
+    if release_during_election:
+        # Deleted in the background once the ensemble answers, if it cannot now.
+        with contextlib.suppress(LockBackendUnavailable):
+            lease.release()
+    ensemble.wait_for_quorum()
+    if not release_during_election:
+        wait_for(lambda: connected(holding), timeout=30)
+        time.sleep(0.3)
+        assert not got  # still waiting
+        lease.release()
+    thread.join(60)
+    assert len(got) == 1 and not isinstance(got[0], Exception), got
+    other, first = got[0]
+    assert first
+    assert other.fencing_token > lease.fencing_token
+    assert backend.session_id() == session  # the waiter's session outlived the election
+    assert backend.contenders(name) == [other.owner]
+    other.release()
+    assert backend.contenders(name) == []

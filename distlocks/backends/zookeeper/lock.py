@@ -353,8 +353,11 @@ class ZooKeeperLock(ZooKeeperOutages):
         * when that node was the holder's then and its deletion is told in the live
           session, this caller holds: sequence numbers only grow, so no node can have
           queued ahead of it since that listing, and the session that told it is the
-          one its own node lives in (a lost session fires its watches with no type).
-          No request: the lease is granted as the watch fires;
+          one its own node lives in. kazoo tells every watch an event with no type at
+          any connection loss and never sets them again (tests/test_reviewzk_handoff.py
+          checks it), so the deletion was told on the connection the watch was set on,
+          in zxid order with the watch on this caller's own node. No request: the
+          lease is granted as the watch fires;
         * when it was a waiter's (which got the lock and released it, or gave up), the
           watch's callback lists the contenders on kazoo's event thread at once, and
           the waiting thread takes that listing as its acquire's.
