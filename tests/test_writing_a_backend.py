@@ -87,6 +87,10 @@ def test_the_kit_passes_against_the_complete_backend_of_the_page(tmp_path: Path)
     (tmp_path / "pytest.ini").write_text("[pytest]\nDJANGO_SETTINGS_MODULE = myproject.settings\n")
     env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    # Its own temporary root: a pytest run resets the shared /tmp/pytest-of-<user> to
+    # 0700, which locks out the servers of this session that run as another user.
+    (tmp_path / "tmp").mkdir()
+    env["TMPDIR"] = str(tmp_path / "tmp")
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "tests/test_memory_backend.py"],
