@@ -15,6 +15,10 @@ With ``auto_renew`` the lease is extended at about a third of its ttl, by the
 process-wide :mod:`distlocks.renewal` thread for :class:`Lease` and by one
 asyncio task per lease for :class:`AsyncLease`. A renewal that finds the lease
 gone, or that cannot reach the server before the lease runs out, marks it lost.
+
+Why this is one module of about 600 lines (issue 28's size rule): the two lease classes
+share one state machine (held, lost, released, given back at commit), and the rules of
+each transition must be read side by side for the thread and the asyncio holder.
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@
   lifetime marker that keep that counter's tokens increasing across a server crash.
 * :class:`LiveLock`: unmanaged, no table; the admin page of live locks and its
   permissions.
+
+Why this is one module of over 600 lines (issue 28's size rule): Django looks for an
+app's models in ``models.py``, and most of it is :class:`FencedModel` with its
+QuerySet: every way Django writes a row is fenced here, and those paths are checked
+against each other (the write-path matrix in docs/fencing.md follows this file).
 """
 
 from __future__ import annotations

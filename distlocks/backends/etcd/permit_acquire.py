@@ -1,6 +1,10 @@
 """Semaphores and read-write locks on etcd: the acquire and wait half of the
 recipe (:mod:`.permit_held`: release, extend, eviction).
 
+Why this is one module of about 600 lines (issue 28's size rule): the queue rules of
+both primitives below decide one thing, whether a request holds, for the blocking and
+the asyncio path alike; split, each path would lose the rules it follows.
+
 Keys, under the backend's prefix, the name and the owner percent-encoded::
 
     <prefix>/sem/<name>/<owner>      one semaphore request (holder JSON), on its own lease
