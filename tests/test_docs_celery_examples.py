@@ -7,7 +7,8 @@ is saved there, every block that defines tasks becomes a module of ``shop`` impo
 ``manage.py shell`` against a real prefork worker of that project, on the Redis server
 of the test session. Each documented outcome is checked: a duplicate call gets the
 queued task's id and result, a deduplicated chain fails with ``Deduplicated`` under the
-queued task's id, a claimed invoice is charged with the run lock's token, and a fenced
+queued task's id, a copy called during a retry's countdown is skipped while the
+retried attempt runs, a claimed invoice is charged with the run lock's token, and a fenced
 settlement saves with it.
 """
 
@@ -192,16 +193,17 @@ def _start_worker(base: Path, control: Celery, workers: list) -> None:
 
 
 def test_the_page_has_the_examples_this_test_runs() -> None:
-    assert len(_shell_blocks()) == 2
+    assert len(_shell_blocks()) == 3
     names = "\n".join(_task_blocks())
-    for task in ("charge_invoice", "settle", "build_report", "send_report", "close_the_books"):
+    tasks = ("charge_invoice", "settle", "build_report", "send_report", "close_the_books", "export")
+    for task in tasks:
         assert f"def {task}(" in names
 
 
 @pytest.mark.timeout(300)
 def test_the_examples_run_against_a_real_worker(project: tuple[Path, Celery, list]) -> None:
     base, control, workers = project
-    duplicate, canvas = _shell_blocks()
+    duplicate, canvas, retry = _shell_blocks()
     # The duplicate call is made before any worker runs, so that it meets the first
     # copy queued whatever the machine's load; the block's get() then waits for the
     # worker started below. The wrapper only says when the block reached get().
@@ -225,6 +227,11 @@ def test_the_examples_run_against_a_real_worker(project: tuple[Path, Celery, lis
 
     # The canvas block: its own countdown keeps the first copy queued.
     _shell(base, canvas)
+
+    # The retry block: a copy called during the countdown is skipped (the run lock is
+    # kept for the retry, 20 s: ample for the copy to run first), and the retried
+    # attempt takes the lock over and returns its result.
+    _shell(base, retry)
 
     # The first block of the page: the invoice is claimed, then charged with the token.
     _shell(
