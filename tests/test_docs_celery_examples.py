@@ -263,3 +263,34 @@ def test_the_examples_run_against_a_real_worker(project: tuple[Path, Celery, lis
         "assert not Ledger.objects.filter(account=account, settled=False).exists()\n"
         "assert len(set(Ledger.objects.values_list('fencing_token', flat=True))) == 1\n",
     )
+
+
+@pytest.mark.parametrize(
+    ("misspelt", "meant"),
+    [("on_duplicat", "on_duplicate"), ("unique_whle", "unique_while"), ("tll", "ttl"),
+     ("lock_at_least", "lock_at_least_for"), ("retry_count_down", "retry_countdown")],
+)  # fmt: skip
+def test_a_misspelt_option_of_the_decorator_fails_where_the_task_is_defined(
+    misspelt: str, meant: str
+) -> None:
+    """The page: "a misspelt option ... fails at import with a message that says what to
+    change". single_execution() hands unknown keywords to Celery, which would take any
+    name as a task attribute, so the option meant would be silently left at its default."""
+    from distlocks.contrib.celery import single_execution
+
+    with pytest.raises(TypeError, match=rf"{misspelt}.*did you mean '{meant}'"):
+        single_execution(key="docs:misspelt", **{misspelt: "skip"})
+
+
+def test_celery_task_options_still_go_to_celery() -> None:
+    from distlocks.contrib.celery import single_execution
+
+    def body(self: object) -> None: ...
+
+    app = Celery("docs-options", set_as_current=False)
+    task = single_execution(
+        app=app, name="docs.options", bind=True, acks_late=True, max_retries=3, rate_limit="1/s",
+        time_limit=30, soft_time_limit=20, ignore_result=True, my_own_attribute=1,
+    )(body)  # fmt: skip
+    assert (task.acks_late, task.max_retries, task.rate_limit) == (True, 3, "1/s")
+    assert task.my_own_attribute == 1
