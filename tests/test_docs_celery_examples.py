@@ -8,7 +8,8 @@ is saved there, every block that defines tasks becomes a module of ``shop`` impo
 of the test session. Each documented outcome is checked: a duplicate call gets the
 queued task's id and result, a deduplicated chain fails with ``Deduplicated`` under the
 queued task's id, a copy called during a retry's countdown is skipped while the
-retried attempt runs, a claimed invoice is charged with the run lock's token, and a fenced
+retried attempt runs, a periodic task keeps its lock for ``lock_at_least_for``, a
+claimed invoice is charged with the run lock's token, and a fenced
 settlement saves with it.
 """
 
@@ -232,6 +233,20 @@ def test_the_examples_run_against_a_real_worker(project: tuple[Path, Celery, lis
     # kept for the retry, 20 s: ample for the copy to run first), and the retried
     # attempt takes the lock over and returns its result.
     _shell(base, retry)
+
+    # "Periodic tasks on several nodes": the run lock is kept until lock_at_least_for
+    # seconds after the run started, although the body returned at once.
+    books = next(n for n, b in enumerate(_task_blocks()) if "def close_the_books" in b)
+    _shell(
+        base,
+        "from distlocks import get_backend\n"
+        f"from shop.page_block_{books} import close_the_books\n"
+        "assert close_the_books.delay().get(timeout=60) is None\n"
+        "info = get_backend('default').inspect('close-the-books')\n"
+        "assert info is not None, 'the run lock was not kept'\n"
+        "assert 49 <= (info.expires_at - info.acquired_at).total_seconds() <= 51, info\n"
+        "get_backend('default').force_release('close-the-books')  # a rerun's turn\n",
+    )
 
     # The first block of the page: the invoice is claimed, then charged with the token.
     _shell(
