@@ -29,6 +29,7 @@ import pytest
 from celery import Celery
 from django.conf import settings
 
+from tests.settings import _redis_db
 from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +104,7 @@ def _write_project(base: Path, queue: str) -> dict[str, str]:
     exec(page_settings, documented)
     assert {"CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"} <= set(documented)
     redis_url = settings.DISTLOCKS_BACKENDS["default"]["LOCATION"]
-    server = redis_url.rsplit("/", 1)[0]
+    broker, results = _redis_db(redis_url, 3), _redis_db(redis_url, 4)
     (base / "mysite" / "settings.py").write_text(
         f"""
 SECRET_KEY = "docs-celery"
@@ -113,8 +114,8 @@ DATABASES = {{"default": {{"ENGINE": "django.db.backends.sqlite3",
 USE_TZ = True
 DISTLOCKS_BACKENDS = {{"default": {{"BACKEND": "distlocks.backends.redis.RedisBackend",
                                     "LOCATION": {redis_url!r}}}}}
-CELERY_BROKER_URL = {server + "/3"!r}
-CELERY_RESULT_BACKEND = {server + "/4"!r}
+CELERY_BROKER_URL = {broker!r}
+CELERY_RESULT_BACKEND = {results!r}
 CELERY_TASK_DEFAULT_QUEUE = {queue!r}  # other tests' workers share this server
 """
     )
@@ -132,7 +133,7 @@ CELERY_TASK_DEFAULT_QUEUE = {queue!r}  # other tests' workers share this server
         (base / "shop" / f"page_block_{number}.py").write_text(HEADER + block)
         imports.append(f"from shop.page_block_{number} import *  # noqa\n")
     (base / "shop" / "tasks.py").write_text("".join(imports))
-    return {"broker": server + "/3"}
+    return {"broker": broker}
 
 
 def _env(base: Path) -> dict[str, str]:
