@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import difflib
 import hashlib
 import inspect
 import json
@@ -869,6 +870,7 @@ def single_execution(
         @single_execution(key="report:{day}", ttl=60, bind=True)
         def nightly_report(self, day): ...
     """
+    _refuse_misspelt_options(task_options)
     options = SingleExecution(
         key=key, ttl=ttl, backend=backend, timeout=timeout, on_duplicate=on_duplicate,
         retry_countdown=retry_countdown, unique_while=unique_while, unique_ttl=unique_ttl,
@@ -894,6 +896,24 @@ def single_execution(
 
 
 # -- helpers ------------------------------------------------------------------
+
+
+def _refuse_misspelt_options(task_options: Mapping[str, Any]) -> None:
+    """Refuse a keyword that looks like a misspelt option of ours (``on_duplicat=``).
+
+    single_execution() hands the keywords it does not know to Celery, which takes any
+    name as a task attribute: the option meant would silently keep its default. Names
+    Celery's Task has are left alone, and none of Celery's is this close to ours."""
+    ours = [f.name for f in fields(SingleExecution)]
+    for name in task_options:
+        if hasattr(Task, name):
+            continue
+        close = difflib.get_close_matches(name, ours, n=1, cutoff=0.6)
+        if close:
+            raise TypeError(
+                f"single_execution() got {name!r}: did you mean {close[0]!r}? Its other "
+                "keyword arguments go to Celery, which would accept the name silently."
+            )
 
 
 def _marker_owner(task_id: str) -> str:
