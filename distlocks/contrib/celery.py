@@ -932,6 +932,15 @@ def _hold(backend: BaseBackend, name: str, owner: str, ttl: float) -> Lease | No
         if info is None or info.owner != owner or not backend.extend(name, owner, ttl):
             return None
         result = AcquireResult(True, info.fencing_token, ttl)
+    lease, _ = _renewed_lease(backend, name, owner, ttl, result, started)
+    return lease
+
+
+def _renewed_lease(
+    backend: BaseBackend, name: str, owner: str, ttl: float, result: AcquireResult, started: float
+) -> tuple[Lease, float | None]:
+    """The lease of a grant, registered for renewal when it needs it; with when its
+    first renewal is due (None: it is not renewed)."""
     lease = Lease(
         backend=backend, name=name, owner=owner, fencing_token=result.fencing_token,
         ttl=ttl, started=started, remaining=result.remaining,
@@ -939,7 +948,7 @@ def _hold(backend: BaseBackend, name: str, owner: str, ttl: float) -> Lease | No
     due = lease._renewal_due()
     if due is not None:
         renewer(backend.alias).add(lease, due)
-    return lease
+    return lease, due
 
 
 def _try_lease(backend: BaseBackend, name: str, ttl: float) -> Lease | None:
@@ -981,14 +990,8 @@ def _granted(
         return None
     # Nothing expires on the server: the local lease starts at the grant.
     started = began if backend.expires_on_server else time.monotonic()
-    lease = Lease(
-        backend=backend, name=name, owner=owner, fencing_token=result.fencing_token,
-        ttl=ttl, started=started, remaining=result.remaining,
-    )  # fmt: skip
-    due = lease._renewal_due()
-    if due is not None:
-        renewer(backend.alias).add(lease, due)
-    elif not backend.expires_on_server:
+    lease, due = _renewed_lease(backend, name, owner, ttl, result, started)
+    if due is None and not backend.expires_on_server:
         # Dropped without a release, it is released then (as lock() guards it).
         weakref.finalize(lease, _when_dropped, backend, name, owner, lease._ended)
     if signal and signals.lock_acquired.receivers:
