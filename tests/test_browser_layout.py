@@ -135,3 +135,57 @@ def test_the_force_release_button_is_readable(
     seen = button.evaluate(CONTRAST)
     assert seen["ratio"] >= 4.5, seen
     assert seen["background"] not in ("rgba(0, 0, 0, 0)", "transparent"), seen
+
+
+def test_a_backend_that_cannot_list_is_a_readable_banner_at_1280(
+    browser_page: Any,  # noqa: F811 - the fixture
+    live_server: Any,
+    django_user_model: Any,
+    staged: list[Any],
+    tmp_path: Any,
+) -> None:
+    """A view-only operator at 1280 px, with one backend configured that cannot list its
+    locks: the page says so in one warning line that is on screen, wraps inside the
+    window, shows no secret of that backend's LOCATION, and the listed backends' locks
+    are still in the table below it."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    from tests.test_livelocks_admin import _staff
+
+    _staff(django_user_model, "viewer", "view_livelock")
+    secret = "hunter2-sqlite"
+    minimal = {
+        "BACKEND": "tests.thirdparty.sqlite_locks.MinimalSQLiteBackend",
+        "LOCATION": f"sqlite://admin:{secret}@{tmp_path}/locks.sqlite3",
+    }
+    page = browser_page
+    page.set_viewport_size({"width": 1280, "height": 800})
+    with override_settings(DISTLOCKS_BACKENDS={**settings.DISTLOCKS_BACKENDS, "ledger": minimal}):
+        try:
+            livelocks.snapshots.clear()
+            page.goto(f"{live_server.url}/admin/login/?next=/admin/")
+            page.fill("#id_username", "viewer")
+            page.fill("#id_password", "pw")
+            page.click("input[type=submit]")
+            page.wait_for_selector("#site-name")
+            page.goto(f"{live_server.url}/admin/distlocks/livelock/?refresh=0")
+            page.wait_for_selector("table#result_list")
+            shots = os.environ.get("DISTLOCKS_LAYOUT_SHOTS")
+            if shots:
+                page.screenshot(path=f"{shots}/livelocks-unlisted-1280.png", full_page=True)
+            banner = page.locator("#distlocks-backend-errors li", has_text="ledger")
+            assert banner.count() == 1
+            text = banner.inner_text()
+            assert "cannot list" in text and secret not in page.content(), text
+            box = banner.bounding_box()
+            assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 1280, box
+            assert box["y"] + box["height"] <= 800, box  # seen without scrolling
+            wide = page.evaluate("() => document.documentElement.scrollWidth")
+            assert wide <= 1281, wide
+            # The backends that can list still show their locks under the warning (the
+            # Redis one: changing DISTLOCKS_BACKENDS reset the backends, and the
+            # PostgreSQL lock ended with its pooled connection).
+            assert page.locator(f'tr[data-lock-name="{staged[0].name}"]').count() == 1
+        finally:
+            livelocks.snapshots.clear()
