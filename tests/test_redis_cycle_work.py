@@ -12,8 +12,11 @@ GET and PEXPIRE (fence), HDEL (index) and EXISTS (waiters).
 
 from __future__ import annotations
 
+import sys
 import uuid
 from collections.abc import Iterator
+from types import FrameType
+from typing import Any
 
 import pytest
 import redis
@@ -69,5 +72,33 @@ def test_a_lock_cycle_runs_within_its_command_budget(server: RedisServer, names:
         assert per_cycle <= BUDGET, f"{per_cycle:.2f} commands per cycle: {calls}"
         sorted_sets = sum(n for command, n in calls.items() if command.startswith("z"))
         assert sorted_sets / CYCLES <= SORTED_SET_COMMANDS, calls
+    finally:
+        backend.close()
+
+
+def test_a_lock_cycle_makes_no_getpid_system_call(server: RedisServer) -> None:
+    """The pinned connection is checked against distlocks.process.pid (renewed in a forked
+    child), not os.getpid(): a system call per script run before."""
+    backend = RedisBackend("pid", {"LOCATION": server.url, "OPTIONS": {"key_prefix": "pid"}})
+    calls: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "c_call" and getattr(arg, "__name__", "") == "getpid":
+            calls.append(f"{frame.f_code.co_filename}:{frame.f_lineno}")
+
+    try:
+        owner = uuid.uuid4().hex
+        assert backend.acquire("warm", owner, 30, HOLDER).acquired  # connects, pins
+        assert backend.release("warm", owner)
+        sys.setprofile(profile)
+        try:
+            for _ in range(10):
+                owner = uuid.uuid4().hex
+                assert backend.acquire("cycle", owner, 30, HOLDER).acquired
+                assert backend.extend("cycle", owner, 30)
+                assert backend.release("cycle", owner)
+        finally:
+            sys.setprofile(None)
+        assert calls == []
     finally:
         backend.close()
