@@ -121,18 +121,19 @@ local function ms_now()
 end
 """
 
-# The listing index's sweep: every INDEX_SWEEP_EVERY-th grant (counted in the hash
-# ``<index>:sweep``, field 'grants') reads the next INDEX_SWEEP_COUNT or so entries of the
-# index (HSCAN, from the cursor kept in the field 'cursor') and drops those whose expiry
-# (the entry's seventh field) is more than INDEX_PRUNE_AFTER_MS past, so that a server whose
-# leases expire unreleased and are never listed does not keep an entry per lease ever
-# taken. A full pass over N entries takes about N * EVERY / COUNT grants and drops every
-# entry that had expired when the pass reached it; the entries of leases that expired since
-# are dropped by the next pass. With COUNT twice EVERY, a grant adds one entry while the
-# sweep reads two on average: the index holds at most about twice the leases live during
-# the last two passes, plus those that expired within the margin. The cost is about one
-# HINCRBY per grant and a few microseconds every EVERY-th grant, where an expiry sorted set
-# cost a ZADD and a range read per grant and a ZREM per release.
+# The listing index's sweep: about one grant in INDEX_SWEEP_EVERY (those whose fencing
+# token is a multiple of it: tokens follow the server clock in microseconds, so which
+# grants sweep is as good as random, and costs no counter) reads the next
+# INDEX_SWEEP_COUNT or so entries of the index (HSCAN, from the cursor kept in the string
+# ``<index>:sweep``) and drops those whose expiry (the entry's seventh field) is more than
+# INDEX_PRUNE_AFTER_MS past, so that a server whose leases expire unreleased and are never
+# listed does not keep an entry per lease ever taken. A full pass over N entries takes
+# about N * EVERY / COUNT grants and drops every entry that had expired when the pass
+# reached it; the entries of leases that expired since are dropped by the next pass. With
+# COUNT twice EVERY, a grant adds one entry while the sweep reads two on average: the
+# index holds at most about twice the leases live during the last two passes, plus those
+# that expired within the margin. The cost is a few microseconds every EVERY-th grant,
+# where an expiry sorted set cost a ZADD and a range read per grant and a ZREM per release.
 # The lock's own key ends at the entry's expiry, give or take the time a script runs (the
 # same script set both, from the same clock): the margin makes sure it is gone, so the
 # entry dropped is one a listing would drop too. An entry without an expiry ('' for a lock
@@ -153,10 +154,10 @@ local function entry_expiry(value)
   if not stop then return nil end
   return tonumber(string.sub(value, at + 1, stop - 1))
 end
-local function index_sweep(index, now_ms)
+local function index_sweep(index, now_ms, token)
+  if token % INDEX_SWEEP_EVERY ~= 0 then return end
   local state = index .. ':sweep'
-  if redis.call('HINCRBY', state, 'grants', 1) % INDEX_SWEEP_EVERY ~= 0 then return end
-  local found = redis.call('HSCAN', index, redis.call('HGET', state, 'cursor') or '0',
+  local found = redis.call('HSCAN', index, redis.call('GET', state) or '0',
     'COUNT', INDEX_SWEEP_COUNT)
   local before, gone = now_ms - INDEX_PRUNE_AFTER_MS, {}
   local fields = found[2]
@@ -165,7 +166,7 @@ local function index_sweep(index, now_ms)
     if expires and expires < before then gone[#gone + 1] = fields[i] end
   end
   if #gone > 0 then redis.call('HDEL', index, unpack(gone)) end
-  redis.call('HSET', state, 'cursor', found[1], 'grants', 0)
+  redis.call('SET', state, found[1])
 end
 """.replace("INDEX_PRUNE_AFTER_MS", str(INDEX_PRUNE_AFTER_MS))
     .replace("INDEX_SWEEP_EVERY", str(INDEX_SWEEP_EVERY))
@@ -235,7 +236,7 @@ if KEYS[5] then
       .. ARGV[7]
   end
   redis.call('HSET', KEYS[5], ARGV[3], value)
-  index_sweep(KEYS[5], now_ms)
+  index_sweep(KEYS[5], now_ms, token)
 end
 return {1, token, tonumber(ARGV[2])}
 """
