@@ -1,5 +1,5 @@
 """The Redis listing index stays bounded when leases expire unreleased and nobody
-lists them: the grants sweep the index (every INDEX_SWEEP_EVERY-th grant reads about
+lists them: the grants sweep the index (about one grant in INDEX_SWEEP_EVERY reads about
 INDEX_SWEEP_COUNT entries) and drop the entries of leases that expired (their own keys
 are gone), so the index holds the live leases and at most about as many expired ones,
 not every lease ever taken. Counted in entries and grants, not timed."""
