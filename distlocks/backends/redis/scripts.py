@@ -132,7 +132,7 @@ end
 # reached it; the entries of leases that expired since are dropped by the next pass. With
 # COUNT twice EVERY, a grant adds one entry while the sweep reads two on average: the
 # index holds at most about twice the leases live during the last two passes, plus those
-# that expired within the margin. The cost is a few microseconds every EVERY-th grant,
+# that expired within the margin. The cost is a few microseconds in one grant out of EVERY,
 # where an expiry sorted set cost a ZADD and a range read per grant and a ZREM per release.
 # The lock's own key ends at the entry's expiry, give or take the time a script runs (the
 # same script set both, from the same clock): the margin makes sure it is gone, so the
