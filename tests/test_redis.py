@@ -29,7 +29,7 @@ def redis_config(**entry: object) -> dict[str, dict[str, object]]:
 SCRIPT_INNER = {
     "hget", "incr", "time", "hset", "pexpire", "pttl", "del", "hincrby", "exists", "get", "set",
     "zadd", "zrem", "zrange", "zrangebyscore", "zremrangebyscore", "zcard", "rpush", "ltrim",
-    "hdel", "hmget",  # the listing index (kept by the same scripts)
+    "hdel", "hmget", "hscan",  # the listing index and its sweep (kept by the same scripts)
 }  # fmt: skip
 # Commands of the measurement itself.
 MEASUREMENT = {"config|resetstat", "config", "info"}

@@ -17,14 +17,14 @@ The braces are a Redis Cluster hash tag: every key of a lock (see ``Keys``) live
 in one slot, so every script (:mod:`.scripts`) touches a single slot. A name that itself
 contains a brace, or starts with ``#``, is tagged with ``#`` and a hash of the name
 instead (so no plain name can be read as such a tag). The scripts get every
-key in KEYS except the fair waiters' own wake-up lists, ``<base>:wake:<owner>``:
-the one to push to is the head of the queue, known only inside the script; and a
-release's tombstone, ``<base>:released:<owner>`` (see RELEASE). They are built from
-the wake prefix (an argument) or the lock key, which carry the same tag, so they
-are in the same slot as the declared keys; a cluster node runs a script that
-touches undeclared keys of the slot it serves (the cluster tests check every key
-each operation touches). The listing index's expiry set, ``<index>:expiry``, is
-built from the index key the same way (no index on a cluster).
+key in KEYS (a release's tombstone, ``<base>:released:<owner>``, too) except the fair
+waiters' own wake-up lists, ``<base>:wake:<owner>``: the one to push to is the head of
+the queue, known only inside the script. They are built from the wake prefix (an
+argument), which carries the same tag, so they are in the same slot as the declared
+keys; a cluster node runs a script that touches undeclared keys of the slot it serves
+(the cluster tests check every key each operation touches). The listing index's sweep
+state, ``<index>:sweep``, is built from the index key the same way (no index on a
+cluster).
 
 Every operation that must be atomic (acquire, release, extend, force release)
 is one ``EVALSHA``: one round trip, one server-side step.

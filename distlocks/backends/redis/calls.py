@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import redis
+from distlocks import process
 from distlocks.backends.redis.clients import RedisClients, _AsyncSide
 from distlocks.exceptions import LockBackendUnavailable, LockError
 from redis.exceptions import NoScriptError, RedisClusterException, SlotNotCoveredError
@@ -46,8 +46,6 @@ def _is_unavailable(exc: Exception) -> bool:
         return unreachable or "could not agree" in str(exc)
     return any(word in str(exc) for word in _UNAVAILABLE_REPLIES)
 
-
-_pid = os.getpid
 
 _hiredis_pack: Any = None
 _HiredisPacker: Any = None
@@ -185,11 +183,11 @@ class RedisCalls(RedisClients):
         slot = getattr(self._local, "slot", None)
         pool = self.client.connection_pool
         if slot is not None:
-            if slot.pool is pool and slot.conn.pid == _pid():
+            if slot.pool is pool and slot.conn.pid == process.pid:
                 return slot.conn
             # The backend was closed since (a new pool), or this is a forked child,
             # where the parent's connection must not be used nor given back.
-            if slot.conn.pid != _pid():
+            if slot.conn.pid != process.pid:
                 slot.pool = None
             self._local.slot = None
         with self._client_lock:

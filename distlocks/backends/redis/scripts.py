@@ -33,19 +33,24 @@ local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
 # force release (the force-release report, fencing_counter()) still finds it, and a
 # small step back of the server clock right after a short lease is covered.
 _NEXT_TOKEN = """
-local function keep_fence(fence, lease_end_ms, now_ms, value)
-  value = value or redis.call('GET', fence)
-  if not value then return end
+local function fence_ms(lease_end_ms, now_ms, value)
   -- 2 ms spare: the division rounds, and the expiry counts from the command's time.
   local at = math.max(lease_end_ms, math.floor(tonumber(value) / 1000) + 2,
                       now_ms + FENCE_GRACE_MS)
-  redis.call('PEXPIRE', fence, math.max(1, at - now_ms))
+  return math.max(1, at - now_ms)
 end
+local function keep_fence(fence, lease_end_ms, now_ms)
+  local value = redis.call('GET', fence)
+  if not value then return end
+  redis.call('PEXPIRE', fence, fence_ms(lease_end_ms, now_ms, value))
+end
+-- The new value and its expiry in one SET (PX), the same as keep_fence() after it.
 local function next_token(fence, now, lease_end_ms)
   local token = math.max(tonumber(redis.call('GET', fence) or '0') + 1,
                          now[1] * 1000000 + now[2])
-  redis.call('SET', fence, string.format('%d', token))
-  keep_fence(fence, lease_end_ms, now[1] * 1000 + math.floor(now[2] / 1000), token)
+  local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
+  redis.call('SET', fence, string.format('%d', token), 'PX',
+             fence_ms(lease_end_ms, now_ms, token))
   return token
 end
 """.replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
@@ -103,21 +108,12 @@ local function entry(t)
   end
   return table.concat(t, '\\0')
 end
--- The index's expiry set (see _INDEX_DUE): the entry of name ends at expires ('': never).
-local function index_due(index, name, expires)
-  if expires == '' then
-    redis.call('ZREM', index .. ':expiry', name)
-  else
-    redis.call('ZADD', index .. ':expiry', expires, name)
-  end
-end
 -- The index entry of a held lock rewritten from its hash, with the expiry given.
 local function reindex(index, lock, name, expires)
   local f = redis.call('HMGET', lock, 'owner', 'token', 'host', 'pid', 'thread',
     'acquired_at', 'ttl', 'renewals', 'extra')
   redis.call('HSET', index, name, entry({f[1] or '', f[2] or '', f[3] or '', f[4] or '',
     f[5] or '', f[6] or '', expires, f[7] or '', f[8] or '', f[9] or ''}))
-  index_due(index, name, expires)
 end
 local function ms_now()
   local t = redis.call('TIME')
@@ -125,29 +121,56 @@ local function ms_now()
 end
 """
 
-# The listing index's expiry set, ``<index>:expiry`` (a sorted set: lock name -> the
-# expiry of its entry, server ms), written with every entry, so that a grant can drop
-# the entries of leases that expired unreleased without a listing ever running: up
-# to INDEX_PRUNE of those whose expiry is more than INDEX_PRUNE_AFTER_MS past, per
-# grant. A grant adds one entry and drops up to that many expired ones, so the index
-# holds the live leases and at most those expired lately, however many leases expire
-# unlisted. The lock's own key ends at that expiry, give or take the time a script
-# runs (the same script set both, from the same clock): the margin makes sure it is
-# gone, so the entry dropped is one a listing would drop too.
-INDEX_PRUNE = 4
+# The listing index's sweep: about one grant in INDEX_SWEEP_EVERY (those whose fencing
+# token is a multiple of it: tokens follow the server clock in microseconds, so which
+# grants sweep is as good as random, and costs no counter) reads the next
+# INDEX_SWEEP_COUNT or so entries of the index (HSCAN, from the cursor kept in the string
+# ``<index>:sweep``) and drops those whose expiry (the entry's seventh field) is more than
+# INDEX_PRUNE_AFTER_MS past, so that a server whose leases expire unreleased and are never
+# listed does not keep an entry per lease ever taken. A full pass over N entries takes
+# about N * EVERY / COUNT grants and drops every entry that had expired when the pass
+# reached it; the entries of leases that expired since are dropped by the next pass. With
+# COUNT twice EVERY, a grant adds one entry while the sweep reads two on average: the
+# index holds at most about twice the leases live during the last two passes, plus those
+# that expired within the margin. The cost is a few microseconds in one grant out of EVERY,
+# where an expiry sorted set cost a ZADD and a range read per grant and a ZREM per release.
+# The lock's own key ends at the entry's expiry, give or take the time a script runs (the
+# same script set both, from the same clock): the margin makes sure it is gone, so the
+# entry dropped is one a listing would drop too. An entry without an expiry ('' for a lock
+# without one, or a whole entry '' for a lock whose fields hold a NUL) and the index's
+# epoch field are left to the listing, which checks each against its lock.
+INDEX_SWEEP_EVERY = 8
+INDEX_SWEEP_COUNT = 16
 INDEX_PRUNE_AFTER_MS = 1000
-_INDEX_DUE = """
-local function index_prune(index, now_ms)
-  local due = index .. ':expiry'
-  local gone = redis.call('ZRANGEBYSCORE', due, '-inf',
-    string.format('(%d', now_ms - INDEX_PRUNE_AFTER_MS), 'LIMIT', 0, INDEX_PRUNE)
-  if #gone > 0 then
-    redis.call('HDEL', index, unpack(gone))
-    redis.call('ZREM', due, unpack(gone))
+_INDEX_SWEEP = (
+    """
+local function entry_expiry(value)
+  local at = 0
+  for _ = 1, 6 do
+    at = string.find(value, '\\0', at + 1, true)
+    if not at then return nil end
   end
+  local stop = string.find(value, '\\0', at + 1, true)
+  if not stop then return nil end
+  return tonumber(string.sub(value, at + 1, stop - 1))
 end
-""".replace("INDEX_PRUNE_AFTER_MS", str(INDEX_PRUNE_AFTER_MS)).replace(
-    "INDEX_PRUNE", str(INDEX_PRUNE)
+local function index_sweep(index, now_ms, token)
+  if token % INDEX_SWEEP_EVERY ~= 0 then return end
+  local state = index .. ':sweep'
+  local found = redis.call('HSCAN', index, redis.call('GET', state) or '0',
+    'COUNT', INDEX_SWEEP_COUNT)
+  local before, gone = now_ms - INDEX_PRUNE_AFTER_MS, {}
+  local fields = found[2]
+  for i = 1, #fields, 2 do
+    local expires = entry_expiry(fields[i + 1])
+    if expires and expires < before then gone[#gone + 1] = fields[i] end
+  end
+  if #gone > 0 then redis.call('HDEL', index, unpack(gone)) end
+  redis.call('SET', state, found[1])
+end
+""".replace("INDEX_PRUNE_AFTER_MS", str(INDEX_PRUNE_AFTER_MS))
+    .replace("INDEX_SWEEP_EVERY", str(INDEX_SWEEP_EVERY))
+    .replace("INDEX_SWEEP_COUNT", str(INDEX_SWEEP_COUNT))
 )
 
 # KEYS: lock hash, fence counter, waiters, queue[, listing index].
@@ -159,7 +182,7 @@ ACQUIRE = (
     + _NEXT_TOKEN
     + _PRUNE
     + _ENTRY
-    + _INDEX_DUE
+    + _INDEX_SWEEP
     + """
 local holder = redis.call('HGET', KEYS[1], 'owner')
 if holder == ARGV[1] then
@@ -213,8 +236,7 @@ if KEYS[5] then
       .. ARGV[7]
   end
   redis.call('HSET', KEYS[5], ARGV[3], value)
-  redis.call('ZADD', KEYS[5] .. ':expiry', now_ms + tonumber(ARGV[2]), ARGV[3])
-  index_prune(KEYS[5], now_ms)
+  index_sweep(KEYS[5], now_ms, token)
 end
 return {1, token, tonumber(ARGV[2])}
 """
@@ -241,10 +263,7 @@ end
 redis.call('DEL', KEYS[1])
 if ARGV[4] then redis.call('SET', KEYS[6], ARGV[4], 'PX', FENCE_GRACE_MS) end
 keep_fence(KEYS[5], 0, now_ms)
-if KEYS[7] then
-  redis.call('HDEL', KEYS[7], ARGV[3])
-  redis.call('ZREM', KEYS[7] .. ':expiry', ARGV[3])
-end
+if KEYS[7] then redis.call('HDEL', KEYS[7], ARGV[3]) end
 if redis.call('EXISTS', KEYS[2]) == 1 then
   wake(KEYS[2], KEYS[3], KEYS[4], ARGV[2], now_ms)
 end
@@ -349,10 +368,7 @@ local token = redis.call('HGET', KEYS[1], 'token')
 if not token then return 0 end
 if ARGV[2] ~= '' and tonumber(token) ~= tonumber(ARGV[2]) then return 0 end
 redis.call('DEL', KEYS[1])
-if KEYS[6] then
-  redis.call('HDEL', KEYS[6], ARGV[3])
-  redis.call('ZREM', KEYS[6] .. ':expiry', ARGV[3])
-end
+if KEYS[6] then redis.call('HDEL', KEYS[6], ARGV[3]) end
 next_token(KEYS[2], now, 0)
 wake(KEYS[3], KEYS[4], KEYS[5], ARGV[1], now_ms)
 return 1
@@ -432,10 +448,7 @@ for i = 2, #KEYS, 2 do
   describe(KEYS[i], KEYS[i + 1], out)
   local name = ARGV[i / 2] or out[at + 2]
   if #out == at then
-    if ARGV[i / 2] then
-      redis.call('HDEL', KEYS[1], name)
-      redis.call('ZREM', KEYS[1] .. ':expiry', name)
-    end
+    if ARGV[i / 2] then redis.call('HDEL', KEYS[1], name) end
   elseif name then
     local expires = ''
     if out[at + 11] >= 0 then expires = string.format('%d', now_ms + out[at + 11]) end
