@@ -12,11 +12,15 @@ worker.
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from typing import Any
 
 import pytest
 from celery import Task, current_task
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from distlocks import get_backend
 from distlocks.contrib.celery import SingleExecutionTask, current_lease, single_execution
@@ -131,3 +135,62 @@ def test_a_class_whose_call_comes_between_ours_and_celerys_keeps_it() -> None:
     assert _Recording.calls == [n]
     [inside] = seen
     assert inside["lease"] is not None and inside["lease"].name == f"body-mixed:{n}"
+
+
+_made = itertools.count()
+
+
+def _shaped_body(self: Any, n: int) -> int:
+    seen.append(_look(self, n))
+    return n
+
+
+def _mixin(records: bool, calls: list[str], label: str) -> type:
+    """A Task subclass to mix in after SingleExecutionTask: with ``records``, a
+    ``__call__`` of its own that notes the call and goes on (a class Celery's tracer
+    must not skip); without, a class with no ``__call__``."""
+    if not records:
+        return type(f"Plain{label}", (Task,), {"abstract": True, "note": label})
+
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(label)
+        return super(mixin, self).__call__(*args, **kwargs)
+
+    mixin = type(f"Recording{label}", (Task,), {"abstract": True, "__call__": __call__})
+    return mixin
+
+
+@hsettings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@given(shape=st.lists(st.booleans(), max_size=3), before=st.booleans())
+def test_every_call_between_ours_and_celerys_runs_once_under_the_tracer(
+    shape: list[bool], before: bool
+) -> None:
+    """Over task classes made of SingleExecutionTask and mixins (with a ``__call__``
+    of their own or not, before ours or after it in the method order): under the
+    tracer every ``__call__`` runs exactly once, the body sees its own arguments and
+    its run lock, and one request is on the stack unless a ``__call__`` after ours
+    pushed Celery's copy."""
+    calls: list[str] = []
+    after = [_mixin(records, calls, f"A{i}") for i, records in enumerate(shape)]
+    bases: list[type] = [SingleExecutionTask, *after]
+    if before:
+        bases.insert(0, _mixin(True, calls, "B"))
+    klass = type("Shaped", tuple(bases), {"abstract": True})
+    number = next(_made)
+    task = app.task(
+        name=f"body.shaped.{number}",
+        base=klass,
+        single_execution={"key": f"body-shaped-{number}:{{n}}"},
+        bind=True,
+    )(_shaped_body)
+    seen.clear()
+    n = _n()
+    assert task.apply((n,)).get() == n
+    expected = (["B"] if before else []) + [f"A{i}" for i, r in enumerate(shape) if r]
+    assert calls == expected
+    [inside] = seen
+    assert inside["args"] == [n]
+    assert inside["lease"] is not None and inside["lease"].name == f"body-shaped-{number}:{n}"
+    if not any(shape):
+        assert inside["depth"] == 1
+    assert get_backend("default").inspect(f"body-shaped-{number}:{n}") is None
