@@ -73,8 +73,8 @@ def _cycle(task: Any, channel: Any, n: int) -> str:
 def test_a_task_from_enqueue_to_the_end_of_its_run(
     task: Any,
     trips: int,
-    sends: _Sends,
-    channel: Any,  # noqa: F811
+    sends: _Sends,  # noqa: F811 - the fixture imported above
+    channel: Any,
 ) -> None:
     backend = get_backend("default")
     n = uuid.uuid4().int % 10**12
