@@ -11,7 +11,10 @@ analysis in docs/benchmarks.md. On the same kind of throwaway Redis as
 2. times the pieces of a ``single_execution`` run, interleaved in blocks, wall
    clock and the client thread's CPU time per call: the key alone, the run lock's
    acquire + release alone (``Lock`` and ``finish_lease``, as the task does), the
-   marker release the run does with ``unique_while``, and whole tasks;
+   marker release the run does with ``unique_while``, and whole tasks; then splits
+   each run and each cycle into the time spent inside the lock server's calls
+   (packing, round trip, the scripts' server work) and the rest (Python, the
+   broker), the rest also as its excess over a plain task's;
 3. counts the Python function calls of one run of each kind (``cProfile``) and
    lists distlocks' functions by cumulative time.
 
@@ -124,6 +127,75 @@ def _cycle(impl: Any, counter: Iterator[int]) -> Callable[[], None]:
     return cycle
 
 
+class _InLockCalls:
+    """Wall time this thread spends inside the lock server's calls (the pinned
+    connection's scripts and the calls sent together): packing, the round trip and
+    the server's work, as opposed to the rest of a task's time (Python, the broker)."""
+
+    def __init__(self, backend: Any) -> None:
+        import threading
+
+        from distlocks.contrib import celery_redis
+
+        self.total = 0
+        self._thread = threading.get_ident()
+        self._patched = [
+            (type(backend), "_run_direct", type(backend)._run_direct),
+            (celery_redis, "send_together", celery_redis.send_together),
+        ]
+
+    def __enter__(self) -> _InLockCalls:
+        import threading
+        import time
+
+        for owner, attr, original in self._patched:
+
+            def timed(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                if threading.get_ident() != self._thread:
+                    return _original(*args, **kwargs)
+                began = time.perf_counter_ns()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self.total += time.perf_counter_ns() - began
+
+            setattr(owner, attr, timed)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, attr, original in self._patched:
+            setattr(owner, attr, original)
+
+
+def _split(
+    layers: list[Layer], backend: Any, blocks: int, per_block: int
+) -> dict[str, tuple[float, float]]:
+    """Median per call, over blocks rotated like :func:`_timed`'s: (wall us, of which
+    inside the lock server's calls)."""
+    import statistics
+    import time
+
+    walls: dict[str, list[float]] = {name: [] for name, _ in layers}
+    inside: dict[str, list[float]] = {name: [] for name, _ in layers}
+    for _name, call in layers:  # warm-up
+        for _ in range(50):
+            call()
+    with _InLockCalls(backend) as calls:
+        for block in range(blocks):
+            shift = block % len(layers)
+            for name, call in layers[shift:] + layers[:shift]:
+                calls.total = 0
+                began = time.perf_counter_ns()
+                for _ in range(per_block):
+                    call()
+                walls[name].append((time.perf_counter_ns() - began) / per_block / 1000)
+                inside[name].append(calls.total / per_block / 1000)
+    return {
+        name: (statistics.median(walls[name]), statistics.median(inside[name]))
+        for name, _ in layers
+    }
+
+
 def _format(commands: dict[str, float]) -> str:
     return ", ".join(f"{name} {count:g}" for name, count in commands.items()) or "none"
 
@@ -218,6 +290,31 @@ def main(argv: list[str] | None = None) -> int:
         for title, (wall, cpu) in results.items():
             print(f"{title:50} {wall:9.1f} {cpu:14.1f} {wall - base_wall:13.1f}")
         print(f"(plain task.apply() client CPU: {base_cpu:.1f} us)")
+
+        split_layers: list[Layer] = [
+            (f"{impl.name} run", _numbered(impl.task.apply, counter))
+            for impl in impls
+            if "celery-run" in impl.workloads
+        ] + [(f"{impl.name} cycle", _cycle(impl, counter)) for impl in impls]
+        print(f"\n== Where the time goes: inside the lock server's calls or not ({sizes})\n")
+        split = _split(split_layers, backend, args.blocks, args.per_block)
+        for impl in impls:
+            _purge(impl.app)
+            impl.delete_markers()
+        plain_run = split["celery-plain run"]
+        plain_cycle = split["celery-plain cycle"]
+        print(
+            f"{'what runs':34} {'wall us':>9} {'in lock calls':>14} {'rest':>9} "
+            f"{'rest - plain':>13}"
+        )
+        print("(the peers' own Redis calls are not distlocks' lock calls: they are in 'rest')")
+        for title, (wall, lock_calls) in split.items():
+            plain = plain_run if title.endswith(" run") else plain_cycle
+            rest = wall - lock_calls
+            print(
+                f"{title:34} {wall:9.1f} {lock_calls:14.1f} {rest:9.1f} "
+                f"{rest - (plain[0] - plain[1]):13.1f}"
+            )
 
         enqueue_layers: list[Layer] = [
             (impl.name, _numbered(impl.task.apply_async, counter))

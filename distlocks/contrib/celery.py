@@ -296,9 +296,13 @@ class SingleExecutionTask(_TaskBase):
     single_execution: ClassVar[Mapping[str, Any] | SingleExecution | None] = None
     _single: ClassVar[SingleExecution] = SingleExecution()
 
+    #: Whether the ``__call__`` after this class's is Celery's own (see :meth:`_body`).
+    _body_is_run: ClassVar[bool] = True
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._single = SingleExecution.coerce(cls.single_execution)
+        cls._body_is_run = _next_call_is_celerys(cls)
 
     # -- keys -------------------------------------------------------------------
 
@@ -726,7 +730,7 @@ class SingleExecutionTask(_TaskBase):
         try:
             if self._single.claim is not None:
                 self._claim(lease, args, kwargs)
-            result = super().__call__(*args, **kwargs)
+            result = self._body(args, kwargs)
         except Retry as exc:
             _republished.reset(republished)
             _running.reset(running)
@@ -747,6 +751,30 @@ class SingleExecutionTask(_TaskBase):
         fencing.leave(fence)
         self._finish_run(lease, marker, started, body_failed=False, markers=markers)
         return result
+
+    def _body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The task's body, as Celery's ``Task.__call__`` runs it.
+
+        Under Celery's tracer (a worker, ``apply()``) the request is on the stack
+        already: a worker with its optimisations skips ``Task.__call__`` then, by this
+        same rule (``celery.app.trace._install_stack_protection``), and so does this,
+        where the tracer runs without them (``apply()``, a worker's ``Request`` used
+        directly): that call would only push a copy of the same request (a second
+        ``Context`` and its headers, about 20 us a run). A direct call, a nested call
+        of the task from its own body, or a class whose ``__call__`` between this one
+        and Celery's has work of its own, goes through ``super().__call__``."""
+        if type(self)._body_is_run:
+            stack = self.request_stack
+            request = stack.top
+            if (
+                request is not None
+                and not request._protected
+                and len(stack) == 1
+                and not request.called_directly
+            ):
+                request._protected = 1
+                return self.run(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     def _finish_run(
         self,
@@ -842,6 +870,20 @@ class SingleExecutionTask(_TaskBase):
                     logger.exception("Could not keep lock %r after task %s", lease.name, self.name)
                     return
         finish_lease(lease, body_failed=body_failed)
+
+
+def _next_call_is_celerys(cls: type) -> bool:
+    """Whether the first ``__call__`` after :class:`SingleExecutionTask`'s in ``cls``'s
+    method order is Celery's ``Task.__call__`` (its own, or the worker's patch of it),
+    which :meth:`SingleExecutionTask._body` may stand in for."""
+    mro = cls.__mro__
+    for klass in mro[mro.index(SingleExecutionTask) + 1 :]:
+        if "__call__" in vars(klass):
+            return klass is Task
+    return False
+
+
+SingleExecutionTask._body_is_run = _next_call_is_celerys(SingleExecutionTask)
 
 
 def single_execution(
