@@ -20,6 +20,16 @@ from distlocks.backends.postgres import sql
 from distlocks.backends.postgres.connections import Held, PooledBackend
 from distlocks.backends.postgres.keys import key_parts
 from distlocks.backends.postgres.pool import Connection, NoAnswer
+from distlocks.backends.postgres.wire import Statement, is_true, to_int
+
+# The lock cycle's statements, on the fast path of :mod:`.wire` (prepared once per
+# connection). The unlock statements by the text a Held names (permits' too).
+ACQUIRE_TRY = Statement("distlocks_acquire_try", sql.ACQUIRE_TRY, to_int)
+UNLOCKS = {
+    sql.UNLOCK: Statement("distlocks_unlock", sql.UNLOCK, is_true),
+    sql.READ_UNLOCK: Statement("distlocks_read_unlock", sql.READ_UNLOCK, is_true),
+}
+HOLDS = Statement("distlocks_holds", sql.HOLDS, is_true, positional=("classid", "objid"))
 
 
 class SessionLocks(PooledBackend):
@@ -79,8 +89,8 @@ class SessionLocks(PooledBackend):
             left = deadline - time.monotonic()
             if left > 0:
                 return self._acquire_blocking(conn, params, left)
-        row = conn.fetchone(sql.ACQUIRE_TRY, params)
-        return None if row is None else int(row[0])
+        token: int | None = conn.value(ACQUIRE_TRY, params)
+        return token
 
     def _release_session(self, name: str, owner: str) -> bool:
         with self._held_lock:
@@ -93,13 +103,13 @@ class SessionLocks(PooledBackend):
         """Unlock on the lease's own connection, then return it to the pool."""
         try:
             params = {"key": held.key, "reader": held.reader, "guard": held.guard}
-            row = held.conn.fetchone(held.unlock, params)
+            unlocked: bool = held.conn.value(UNLOCKS[held.unlock], params)
         except psycopg.Error:
             # The connection is gone, and the server freed the lock with it.
             self._discard(held.conn)
             return False
         self.pool.put(held.conn)
-        return bool(row and row[0])
+        return unlocked
 
     def _extend_session(self, owner: str) -> bool:
         """Confirm the lease: its connection is alive and still holds the lock."""
@@ -109,14 +119,14 @@ class SessionLocks(PooledBackend):
             return False
         classid, objid = key_parts(held.key)
         try:
-            row = held.conn.fetchone(sql.HOLDS, (classid, objid))
+            holds: bool = held.conn.value(HOLDS, {"classid": classid, "objid": objid})
         except psycopg.Error:
             # Terminated or cut off: a session lock does not outlive its connection.
             with self._held_lock:
                 self._held.pop(owner, None)
             self._discard(held.conn)
             return False
-        return bool(row and row[0])
+        return holds
 
     def _forget_session(self, owner: str) -> None:
         """Drop ``owner``'s lease found no longer held; its connection goes back to the
@@ -126,8 +136,8 @@ class SessionLocks(PooledBackend):
         if held is None:
             return
         try:
-            held.conn.execute(held.unlock, {"key": held.key, "reader": held.reader,
-                                            "guard": held.guard})  # fmt: skip
+            params = {"key": held.key, "reader": held.reader, "guard": held.guard}
+            held.conn.value(UNLOCKS[held.unlock], params)
         except psycopg.Error:
             self._discard(held.conn)
         else:
