@@ -19,13 +19,14 @@ from hypothesis import strategies as st
 
 from distlocks import get_backend, lock
 from distlocks.backends.base import Holder
-from distlocks.backends.postgres import PostgresBackend, session, sql
+from distlocks.backends.postgres import PostgresBackend, session, sql, wire
+from distlocks.backends.postgres.keys import key_parts
 from distlocks.backends.postgres.pool import Connection, NoAnswer
 from distlocks.backends.postgres.wire import Statement, is_true, to_int, to_numbered
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
 
-UNLOCK = session.UNLOCKS[sql.UNLOCK]
+UNLOCK = session.UNLOCK
 
 
 def pg() -> PostgresBackend:
@@ -281,3 +282,84 @@ def test_placeholders_become_numbered_parameters() -> None:
         Statement("_pg3_9", "SELECT 1", to_int)
     assert session.ACQUIRE_TRY.params[0] == "key"
     assert session.HOLDS.types == [20, 20]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    name=st.text(st.characters(codec="utf-8"), max_size=40),
+    owner=_text,
+    host=_text,
+    thread=_text,
+    extra=_extra,
+    pid=st.integers(0, 2**31 - 1),
+    ttl=st.one_of(st.floats(0.001, 1e6), st.integers(1, 10**6)),
+)
+def test_the_cached_encodings_are_what_encoding_each_call_gives(
+    name: str, owner: str, host: str, thread: str, extra: dict[str, str], pid: int, ttl: float
+) -> None:
+    """The acquire try's parameters built from the per-name and per-holder caches are
+    the bytes (or the error) that encoding the backend's parameter dict gives."""
+    backend = pg()
+    holder = Holder(host=host, pid=pid, thread=thread, extra=extra)
+
+    def outcome(build: Any) -> Any:
+        try:
+            return build()
+        except Exception as exc:
+            return type(exc)
+
+    def cached() -> Any:
+        return backend._try_args(backend._named(name), owner, ttl, holder)
+
+    expected = outcome(
+        lambda: wire.values(session.ACQUIRE_TRY, backend._params(name, owner, ttl, holder), "utf-8")
+    )
+    assert outcome(cached) == expected
+    assert outcome(cached) == expected  # from the caches this time
+    if "\x00" in name:
+        assert name not in backend._names  # a name that fails is never cached
+        return
+    named = backend._named(name)
+    assert named.key == backend.key(name) and named.guard == backend._guard(name)
+    unlock = {"key": named.key, "reader": 0, "guard": named.guard}
+    assert named.unlock_args == wire.values(UNLOCK, unlock, "utf-8")
+    classid, objid = key_parts(named.key)
+    holds = {"classid": classid, "objid": objid}
+    assert named.holds_args == wire.values(session.HOLDS, holds, "utf-8")
+
+
+def test_a_connection_in_another_encoding_encodes_for_itself(name: str) -> None:
+    """The values cached in UTF-8 are never sent on a connection of another client
+    encoding: it gets them encoded in its own (or psycopg's error for a character
+    its encoding lacks)."""
+    backend = PostgresBackend("latin1", {"OPTIONS": {}})
+    params = {**backend._connect_kwargs(), "client_encoding": "LATIN1"}
+    backend._connect_kwargs = lambda: params  # type: ignore[method-assign]
+    try:
+        accented = f"{name}:café"
+        owner = uuid.uuid4().hex
+        holder = Holder(host="hôte", pid=1, thread="fil-é", extra={})
+        assert backend.acquire(accented, owner, 30.0, holder).acquired
+        held = backend._held[owner]
+        assert not held.conn.utf8
+        assert backend.extend(accented, owner, 30.0)
+        info = pg().inspect(accented)
+        assert info is not None and (info.name, info.host, info.thread) == (
+            accented,
+            "hôte",
+            "fil-é",
+        )
+        assert backend.release(accented, owner)
+        with pytest.raises(UnicodeEncodeError):
+            backend.acquire(f"{name}:☃", uuid.uuid4().hex, 30.0, holder)
+    finally:
+        backend.close()
+
+
+def test_the_name_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(session, "NAMES_CACHED", 8)
+    backend = PostgresBackend("bounded", {"OPTIONS": {}})
+    for i in range(50):
+        backend._named(f"name-{i}")
+        assert len(backend._names) <= 8
+    assert backend._named("name-49").key == backend.key("name-49")

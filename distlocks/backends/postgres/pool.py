@@ -126,9 +126,16 @@ class Connection(psycopg.Connection[Any]):
         self._cursor: psycopg.Cursor[Any] | None = None
         self._cursor_lock = threading.Lock()
         # The fast path's statements prepared on this connection's server session
-        # (a new connection starts with none), and the client encoding they use.
+        # (a new connection starts with none), and the client encoding they use:
+        # psycopg's name for it (set once connected; nothing here changes it).
         self._fast_statements: set[bytes] = set()
-        self._fast_encoding = ""
+        self._fast_encoding: str = self.info.encoding
+        #: Whether values encoded ahead in UTF-8 (:meth:`value_encoded`) may be sent.
+        self.utf8 = self._fast_encoding == "utf-8"
+        # ended_while_idle()'s probe of the socket: a poll object registered once
+        # costs half a select() per checkout.
+        self._idle_probe = select.poll()
+        self._idle_probe.register(self.pgconn.socket, select.POLLIN)
 
     def fetchone(self, query: str, params: Any) -> Any:
         """The first row of ``query`` (None if it has none), on this connection's own
@@ -147,10 +154,11 @@ class Connection(psycopg.Connection[Any]):
         connection, then one ``PQexecPrepared`` per call, under the reply watchdog,
         its failures raised as psycopg raises them. About a third of a cursor's
         client CPU per statement."""
-        encoding = self._fast_encoding
-        if not encoding:
-            encoding = self._fast_encoding = self.info.encoding
-        args = values(statement, params, encoding)
+        return self.value_encoded(statement, values(statement, params, self._fast_encoding))
+
+    def value_encoded(self, statement: Statement, args: list[bytes | None]) -> Any:
+        """:meth:`value` with the parameters already encoded (by
+        :func:`.wire.encode`, in this connection's encoding), in ``$n`` order."""
         with self.lock:
             name = statement.name
             if name not in self._fast_statements:
@@ -211,10 +219,10 @@ class Connection(psycopg.Connection[Any]):
         if state is None and pgconn.status == _BAD:
             # libpq's own error (no SQLSTATE): the connection broke under the request,
             # which psycopg's wait raises as OperationalError.
-            raise psycopg.OperationalError(result.get_error_message(self._fast_encoding or "utf-8"))
+            raise psycopg.OperationalError(result.get_error_message(self._fast_encoding))
         if state == b"26000" and pgconn.transaction_status == _IDLE:
             return None
-        raise psycopg.errors.error_from_result(result, encoding=self._fast_encoding or "utf-8")
+        raise psycopg.errors.error_from_result(result, encoding=self._fast_encoding)
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         reply_timeout = self.reply_timeout
@@ -354,7 +362,6 @@ def ended_while_idle(conn: Connection) -> bool:
     if conn.closed:
         return True
     try:
-        readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+        return bool(conn._idle_probe.poll(0))  # readable, hung up, or not a socket any more
     except (OSError, ValueError, psycopg.Error):
         return True
-    return bool(readable)
