@@ -23,6 +23,7 @@ from distlocks.backends.postgres import PostgresBackend, session, sql, wire
 from distlocks.backends.postgres.keys import key_parts
 from distlocks.backends.postgres.pool import Connection, NoAnswer
 from distlocks.backends.postgres.wire import Statement, is_true, to_int, to_numbered
+from distlocks.exceptions import LockError
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
 
@@ -363,3 +364,24 @@ def test_the_name_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         backend._named(f"name-{i}")
         assert len(backend._names) <= 8
     assert backend._named("name-49").key == backend.key("name-49")
+
+
+@pytest.mark.parametrize("where", ["name", "thread", "extra"])
+def test_a_nul_is_refused_as_a_lock_error_as_before(name: str, where: str) -> None:
+    backend = pg()
+    holder = Holder(
+        host="h",
+        pid=1,
+        thread="t\x00" if where == "thread" else "t",
+        extra={"k": "v\x00"} if where == "extra" else {},
+    )
+    bad = f"{name}\x00" if where == "name" else name
+    with pytest.raises(LockError) as excinfo:
+        backend.acquire(bad, uuid.uuid4().hex, 30.0, holder)
+    if where == "extra":  # JSON escapes it: the server refuses it in jsonb
+        assert "UntranslatableCharacter" in str(excinfo.value)
+    else:
+        assert "DataError: PostgreSQL text fields cannot contain NUL" in str(excinfo.value)
+    assert backend.held_connection_count() == 0
+    with lock(name, backend="pg", timeout=0) as lease:  # nothing was left locked
+        assert lease.held()

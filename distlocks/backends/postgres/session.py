@@ -32,6 +32,11 @@ UNLOCKS = {
     sql.READ_UNLOCK: Statement("distlocks_read_unlock", sql.READ_UNLOCK, is_true),
 }
 HOLDS = Statement("distlocks_holds", sql.HOLDS, is_true, positional=("classid", "objid"))
+# Where each of the acquire try's parameters goes ($n order; sql.py's statement may
+# change, its parameters' names may not: a name missing fails here, at import).
+_KEY, _NAME, _OWNER, _HOST, _PID, _THREAD, _TTL, _EXTRA = map(
+    ACQUIRE_TRY.params.index, ("key", "name", "owner", "host", "pid", "thread", "ttl", "extra")
+)
 
 
 class Named(NamedTuple):
@@ -41,7 +46,8 @@ class Named(NamedTuple):
 
     key: int
     guard: int
-    try_args: dict[str, bytes]
+    #: The acquire try's parameters with the name's own filled in.
+    try_args: list[bytes | None]
     unlock_args: list[bytes | None]
     holds_args: list[bytes | None]
 
@@ -62,10 +68,12 @@ class SessionLocks(PooledBackend):
                 "classid": encode(classid),
                 "objid": encode(objid),
             }
+            template: list[bytes | None] = [None] * len(ACQUIRE_TRY.params)
+            template[_KEY], template[_NAME] = by_param["key"], encode(name)
             named = Named(
                 key,
                 guard,
-                {"key": by_param["key"], "name": encode(name)},
+                template,
                 [by_param[param] for param in UNLOCK.params],
                 [by_param[param] for param in HOLDS.params],
             )
@@ -75,19 +83,17 @@ class SessionLocks(PooledBackend):
         return named
 
     def _try_args(self, named: Named, owner: str, ttl: float, holder: Holder) -> list[bytes | None]:
-        """The acquire try's parameters, encoded (UTF-8), in ``$n`` order."""
+        """The acquire try's parameters, encoded (UTF-8), in ``$n`` order: the name's
+        from its template, the holder's from its cache, the rest encoded now."""
         _, host, pid, thread = self._holder_columns(holder)
-        extra = encode(json.dumps(dict(holder.extra))) if holder.extra else b"{}"
-        args = {
-            **named.try_args,
-            "owner": encode(owner),
-            "host": host,
-            "pid": pid,
-            "thread": thread,
-            "ttl": encode(ttl),
-            "extra": extra,
-        }
-        return [args[param] for param in ACQUIRE_TRY.params]
+        args = named.try_args.copy()
+        args[_OWNER] = encode(owner)
+        args[_HOST] = host
+        args[_PID] = pid
+        args[_THREAD] = thread
+        args[_TTL] = encode(ttl)
+        args[_EXTRA] = encode(json.dumps(dict(holder.extra))) if holder.extra else b"{}"
+        return args
 
     def _acquire_session(
         self, name: str, owner: str, ttl: float, holder: Holder, wait: float
@@ -102,9 +108,11 @@ class SessionLocks(PooledBackend):
                 return AcquireResult(True, again.token, ttl)
             self._forget_session(owner)
         deadline = time.monotonic() + wait if wait > 0 else 0.0
-        with self._mapped_errors("acquire", name):  # a name or holder psycopg refuses
+        try:
             named = self._named(name)
             args = self._try_args(named, owner, ttl, holder)
+        except psycopg.Error as exc:  # a name or holder psycopg's dumpers refuse (a NUL)
+            raise self._driver_error("acquire", name, exc) from exc
         request = (name, owner, ttl, holder, args)
         conn = self._checkout(name, wait)
         ours = True  # conn is checked out (to put back or discard)
