@@ -24,6 +24,7 @@ from distlocks.backends.postgres.keys import key_parts
 from distlocks.backends.postgres.pool import Connection, NoAnswer
 from distlocks.backends.postgres.wire import Statement, is_true, to_int, to_numbered
 from distlocks.exceptions import LockError
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
 
@@ -385,3 +386,31 @@ def test_a_nul_is_refused_as_a_lock_error_as_before(name: str, where: str) -> No
     assert backend.held_connection_count() == 0
     with lock(name, backend="pg", timeout=0) as lease:  # nothing was left locked
         assert lease.held()
+
+
+def test_closing_a_connection_under_a_blocked_request_ends_the_request_first(
+    conn: Connection,
+) -> None:
+    """libpq must never be freed under a call blocked on another thread (it read
+    freed memory: "out of memory" errors, or worse): close() ends the call first."""
+    conn.reply_timeout = None  # no watchdog: only close() can end the wait
+    sleep = Statement("distlocks_test_sleep", "SELECT true FROM pg_sleep(%(ttl)s)", is_true)
+    assert conn.value(sleep, {"ttl": 0.0}) is True
+    outcome: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            conn.value(sleep, {"ttl": 120.0})
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    wait_for(lambda: conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.ACTIVE,
+             what="the request sent")  # fmt: skip
+    conn.close()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], psycopg.OperationalError)
+    assert "server closed the connection" in str(outcome[0])
+    assert conn.closed

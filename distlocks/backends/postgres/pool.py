@@ -121,6 +121,9 @@ class Connection(psycopg.Connection[Any]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # Held around each blocking libpq call of the fast path: close() must not free
+        # the PGconn under one (libpq would read freed memory).
+        self._in_libpq = threading.Lock()
         # The cursor of fetchone(), and the lock that keeps its result to the caller
         # whose statement made it.
         self._cursor: psycopg.Cursor[Any] | None = None
@@ -192,13 +195,14 @@ class Connection(psycopg.Connection[Any]):
         server's as their ``psycopg.errors`` class, a lost connection as
         OperationalError."""
         pgconn = self.pgconn
-        if pgconn.status != _OK:
-            raise psycopg.OperationalError("the connection is closed")
         reply_timeout = self.reply_timeout
         if reply_timeout is not None:
             watchdog.watch(self, time.monotonic() + reply_timeout + self.lock_wait)
         try:
-            result = send(*args)
+            with self._in_libpq:
+                if pgconn.status != _OK:  # closed, or broken by an earlier request
+                    raise psycopg.OperationalError("the connection is closed")
+                result = send(*args)
         except psycopg.OperationalError as exc:  # no result at all (libpq's NULL)
             if self._cut:
                 raise self._no_answer() from exc
@@ -241,6 +245,18 @@ class Connection(psycopg.Connection[Any]):
             raise self._no_answer()
         return result
 
+    def close(self) -> None:
+        """Close the connection; a fast-path request blocked in libpq on another
+        thread is ended first (its socket shut down: it fails as a lost connection),
+        and the connection freed only once that call has returned."""
+        if not self._in_libpq.acquire(blocking=False):
+            self._shut_down()
+            self._in_libpq.acquire()
+        try:
+            super().close()
+        finally:
+            self._in_libpq.release()
+
     def _no_answer(self) -> NoAnswer:
         return NoAnswer(
             f"no answer from the server within {self.reply_timeout:g} s "
@@ -250,6 +266,10 @@ class Connection(psycopg.Connection[Any]):
     def cut(self) -> None:
         """Shut the socket down under libpq's wait (from the watchdog thread)."""
         self._cut = True
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        """End any wait on this connection's socket at once (libpq's, or psycopg's)."""
         try:
             fd = self.pgconn.socket
             with socket.socket(fileno=os.dup(fd)) as sock:
