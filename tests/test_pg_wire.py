@@ -23,7 +23,7 @@ from distlocks.backends.postgres import PostgresBackend, session, sql, wire
 from distlocks.backends.postgres.keys import key_parts
 from distlocks.backends.postgres.pool import Connection, NoAnswer
 from distlocks.backends.postgres.wire import Statement, is_true, to_int, to_numbered
-from distlocks.exceptions import LockError
+from distlocks.exceptions import LockBackendUnavailable, LockError
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
@@ -414,3 +414,21 @@ def test_closing_a_connection_under_a_blocked_request_ends_the_request_first(
     assert len(outcome) == 1 and isinstance(outcome[0], psycopg.OperationalError)
     assert "server closed the connection" in str(outcome[0])
     assert conn.closed
+
+
+def test_a_server_error_on_acquire_is_a_lock_error_and_leaves_nothing_locked(
+    name: str,
+) -> None:
+    """The registry refuses a name past its 200 characters after the statement took
+    the advisory lock (a failed statement does not undo a session lock): the error is a
+    LockError naming the server's error, and the connection that held it is gone."""
+    backend = pg()
+    long_name = f"{name}:" + "x" * 250
+    with pytest.raises(LockError) as excinfo:
+        backend.acquire(long_name, uuid.uuid4().hex, 30.0, Holder("h", 1, "t"))
+    assert not isinstance(excinfo.value, LockBackendUnavailable)
+    assert "StringDataRightTruncation" in str(excinfo.value)
+    assert backend.held_connection_count() == 0
+    with psycopg.connect(**backend._connect_kwargs()) as other:
+        key = backend.key(long_name)
+        assert other.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone() == (True,)

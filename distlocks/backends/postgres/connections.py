@@ -79,10 +79,8 @@ class _MappedErrors:
         return None
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if isinstance(exc, psycopg.OperationalError):
-            raise self.backend._unavailable(self.action, self.name, exc) from exc
         if isinstance(exc, psycopg.Error):
-            raise self.backend._driver_error(self.action, self.name, exc) from exc
+            raise self.backend._mapped_error(self.action, self.name, exc) from exc
 
 
 class PooledBackend(capabilities.Listing, capabilities.Waiting, capabilities.Permits, BaseBackend):
@@ -167,6 +165,12 @@ class PooledBackend(capabilities.Listing, capabilities.Waiting, capabilities.Per
             f"{self.alias!r}: {type(cause).__name__}: {cause}".rstrip()
             + hint
         )
+
+    def _mapped_error(self, action: str, name: str, exc: psycopg.Error) -> LockError:
+        """A driver error as distlocks': an outage, or a LockError with a hint."""
+        if isinstance(exc, psycopg.OperationalError):
+            return self._unavailable(action, name, exc)
+        return self._driver_error(action, name, exc)
 
     def _mapped_errors(self, action: str, name: str) -> _MappedErrors:
         """Driver errors as distlocks errors: an outage, or a LockError with a hint."""

@@ -117,24 +117,25 @@ class SessionLocks(PooledBackend):
         conn = self._checkout(name, wait)
         ours = True  # conn is checked out (to put back or discard)
         try:
-            with self._mapped_errors("acquire", name):
-                try:
-                    token = self._lock_statement(conn, request, deadline, wait)
-                except psycopg.OperationalError as exc:
-                    if isinstance(exc, NoAnswer):
-                        raise
-                    # The connection died under the statement (ended by the server
-                    # just before): any lock it took ended with it, so one more try
-                    # on a new connection is safe.
-                    ours = False
-                    self._discard(conn)
-                    conn = self._checkout(name, max(0.0, deadline - time.monotonic()))
-                    ours = True
-                    token = self._lock_statement(conn, request, deadline, wait)
-        except BaseException:
+            try:
+                token = self._lock_statement(conn, request, deadline, wait)
+            except psycopg.OperationalError as exc:
+                if isinstance(exc, NoAnswer):
+                    raise
+                # The connection died under the statement (ended by the server just
+                # before): any lock it took ended with it, so one more try on a new
+                # connection is safe.
+                ours = False
+                self._discard(conn)
+                conn = self._checkout(name, max(0.0, deadline - time.monotonic()))
+                ours = True
+                token = self._lock_statement(conn, request, deadline, wait)
+        except BaseException as exc:
             # Whatever happened, this connection must not keep a lock nobody owns.
             if ours:
                 self._discard(conn)
+            if isinstance(exc, psycopg.Error):  # as _mapped_errors() maps it (no context)
+                raise self._mapped_error("acquire", name, exc) from exc
             raise
         if token is None:
             self.pool.put(conn)
