@@ -193,7 +193,9 @@ class Connection(psycopg.Connection[Any]):
         statement named is not prepared on the session (and the session still idle,
         so it can be prepared and sent again). Errors as a cursor raises them: the
         server's as their ``psycopg.errors`` class, a lost connection as
-        OperationalError."""
+        OperationalError. A Ctrl-C during the call takes effect when it returns
+        (libpq resumes its wait on EINTR): at the latest at the watchdog's deadline,
+        for statements that answer in microseconds."""
         pgconn = self.pgconn
         reply_timeout = self.reply_timeout
         if reply_timeout is not None:
