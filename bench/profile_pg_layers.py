@@ -11,6 +11,9 @@ added per row, interleaved in blocks (the order rotating each block):
    two uses, as the pool's are);
 3. the same through :meth:`~distlocks.backends.postgres.pool.Connection.fetchone` of
    the pool's connection class, whose every request registers with the reply watchdog;
+3b. the same statements on the backend's fast path,
+   :meth:`~distlocks.backends.postgres.pool.Connection.value` (named prepared statements
+   sent with ``psycopg.pq``, no cursor), still under the watchdog;
 4. ``PostgresBackend.acquire`` / ``release`` (checkout, owner's parameters, held lease);
 5. ``with lock(..., auto_renew=False)``; 6. ``with lock(...)`` (default).
 
@@ -52,7 +55,7 @@ def _variants(cleanup: contextlib.ExitStack) -> list[Variant]:
     from distlocks import get_backend, lock
     from distlocks.backends import postgres as pg
     from distlocks.backends.postgres import pool as pg_pool
-    from distlocks.backends.postgres import sql
+    from distlocks.backends.postgres import session, sql
     from distlocks.locks import current_holder
 
     backend = cast(pg.PostgresBackend, get_backend("pg"))
@@ -71,6 +74,9 @@ def _variants(cleanup: contextlib.ExitStack) -> list[Variant]:
     watched = pg_pool.Connection.connect(**kwargs)
     watched.reply_timeout = backend.pool.reply_timeout
     cleanup.callback(watched.close)
+    fast = pg_pool.Connection.connect(**kwargs)
+    fast.reply_timeout = backend.pool.reply_timeout
+    cleanup.callback(fast.close)
     holder = current_holder()
 
     def statements(conn: Any, name: str) -> Callable[[], None]:
@@ -88,6 +94,17 @@ def _variants(cleanup: contextlib.ExitStack) -> list[Variant]:
             else:
                 cursor.execute(sql.ACQUIRE_TRY, params).fetchone()
                 cursor.execute(sql.UNLOCK, unlock).fetchone()
+
+        return cycle
+
+    def fast_statements(name: str) -> Callable[[], None]:
+        params = backend._params(name, uuid.uuid4().hex, 30.0, holder)
+        unlock = {"key": params["key"], "reader": 0, "guard": backend._guard(name)}
+        value, unlock_statement = fast.value, session.UNLOCKS[sql.UNLOCK]
+
+        def cycle() -> None:
+            value(session.ACQUIRE_TRY, params)
+            value(unlock_statement, unlock)
 
         return cycle
 
@@ -109,6 +126,7 @@ def _variants(cleanup: contextlib.ExitStack) -> list[Variant]:
         (FLOOR, floor),
         ("statements, bare psycopg, one cursor", statements(bare, NAME + ":bare")),
         ("statements, pool's Connection.fetchone", statements(watched, NAME + ":watched")),
+        ("statements, Connection.value (pq)", fast_statements(NAME + ":fast")),
         ("PostgresBackend.acquire/release", backend_cycle),
         ("lock(), auto_renew=False", api(auto_renew=False)),
         (PROFILED, api()),

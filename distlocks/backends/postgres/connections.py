@@ -21,7 +21,7 @@ import psycopg.errors
 
 from distlocks.backends import capabilities
 from distlocks.backends.base import BaseBackend, Holder
-from distlocks.backends.postgres import configuration, sql
+from distlocks.backends.postgres import configuration, sql, wire
 from distlocks.backends.postgres.keys import lock_key
 from distlocks.backends.postgres.pool import Connection, Pool, PoolExhausted
 from distlocks.backends.postgres.sql import TABLE
@@ -29,7 +29,7 @@ from distlocks.conf import conf
 from distlocks.exceptions import LockBackendUnavailable, LockError
 
 
-@dataclass
+@dataclass(slots=True)
 class Held:
     """A lease this process holds: the connection it pins (session mode) or the
     caller's Django connection (transaction mode), and what giving it back needs."""
@@ -47,6 +47,20 @@ class Held:
     guard: int = 0
     #: Transaction mode: the server's id of the transaction that holds it.
     transaction: str = ""
+    #: Session-mode locks: the name's keys encoded for the fast path (session.Named).
+    named: Any = None
+
+
+#: Bounds of the fast path's caches of encoded parameters (per backend).
+NAMES_CACHED = 4096
+HOLDERS_CACHED = 1024
+
+
+def encode(value: Any) -> bytes:
+    """A parameter encoded ahead, in UTF-8 (sent only on a UTF-8 connection)."""
+    encoded = wire.encode(value, "utf-8")
+    assert encoded is not None
+    return encoded
 
 
 class _MappedErrors:
@@ -65,10 +79,8 @@ class _MappedErrors:
         return None
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if isinstance(exc, psycopg.OperationalError):
-            raise self.backend._unavailable(self.action, self.name, exc) from exc
         if isinstance(exc, psycopg.Error):
-            raise self.backend._driver_error(self.action, self.name, exc) from exc
+            raise self.backend._mapped_error(self.action, self.name, exc) from exc
 
 
 class PooledBackend(capabilities.Listing, capabilities.Waiting, capabilities.Permits, BaseBackend):
@@ -99,6 +111,10 @@ class PooledBackend(capabilities.Listing, capabilities.Waiting, capabilities.Per
         self._pool_lock = threading.Lock()
         self._held: dict[str, Held] = {}
         self._held_lock = threading.Lock()
+        # The fast path's parameters that do not change, encoded once (UTF-8): by
+        # lock name (session mode), and by holder (one per thread: current_holder()).
+        self._names: dict[str, Any] = {}
+        self._holders: dict[int, tuple[Holder, bytes, bytes, bytes]] = {}
 
     def _connect_kwargs(self) -> dict[str, Any]:
         return configuration.connect_kwargs(self)
@@ -149,6 +165,12 @@ class PooledBackend(capabilities.Listing, capabilities.Waiting, capabilities.Per
             f"{self.alias!r}: {type(cause).__name__}: {cause}".rstrip()
             + hint
         )
+
+    def _mapped_error(self, action: str, name: str, exc: psycopg.Error) -> LockError:
+        """A driver error as distlocks': an outage, or a LockError with a hint."""
+        if isinstance(exc, psycopg.OperationalError):
+            return self._unavailable(action, name, exc)
+        return self._driver_error(action, name, exc)
 
     def _mapped_errors(self, action: str, name: str) -> _MappedErrors:
         """Driver errors as distlocks errors: an outage, or a LockError with a hint."""
@@ -203,6 +225,22 @@ class PooledBackend(capabilities.Listing, capabilities.Waiting, capabilities.Per
             "ttl": ttl,
             "extra": json.dumps(dict(holder.extra)) if holder.extra else "{}",
         }
+
+    def _holder_columns(self, holder: Holder) -> tuple[Holder, bytes, bytes, bytes]:
+        """``holder``'s host, pid and thread as the registry takes them, encoded
+        (cached by the object, which is kept with them so its id is never reused)."""
+        cached = self._holders.get(id(holder))
+        if cached is None or cached[0] is not holder:
+            cached = (
+                holder,
+                encode(holder.host[:255]),
+                encode(holder.pid),
+                encode(holder.thread[:255]),
+            )
+            if len(self._holders) >= HOLDERS_CACHED:
+                self._holders.clear()
+            self._holders[id(holder)] = cached
+        return cached
 
     def _derived_key(self, name: str, *parts: str) -> int:
         # Names have no control characters: these never collide with a lock's key.

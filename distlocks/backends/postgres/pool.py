@@ -14,9 +14,14 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import psycopg
+import psycopg.errors
+from psycopg import pq
+
+from distlocks.backends.postgres.wire import Statement, values
 
 
 class NoAnswer(psycopg.OperationalError):
@@ -116,10 +121,24 @@ class Connection(psycopg.Connection[Any]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # Held around each blocking libpq call of the fast path: close() must not free
+        # the PGconn under one (libpq would read freed memory).
+        self._in_libpq = threading.Lock()
         # The cursor of fetchone(), and the lock that keeps its result to the caller
         # whose statement made it.
         self._cursor: psycopg.Cursor[Any] | None = None
         self._cursor_lock = threading.Lock()
+        # The fast path's statements prepared on this connection's server session
+        # (a new connection starts with none), and the client encoding they use:
+        # psycopg's name for it (set once connected; nothing here changes it).
+        self._fast_statements: set[bytes] = set()
+        self._fast_encoding: str = self.info.encoding
+        #: Whether values encoded ahead in UTF-8 (:meth:`value_encoded`) may be sent.
+        self.utf8 = self._fast_encoding == "utf-8"
+        # ended_while_idle()'s probe of the socket: a poll object registered once
+        # costs half a select() per checkout.
+        self._idle_probe = select.poll()
+        self._idle_probe.register(self.pgconn.socket, select.POLLIN)
 
     def fetchone(self, query: str, params: Any) -> Any:
         """The first row of ``query`` (None if it has none), on this connection's own
@@ -131,6 +150,85 @@ class Connection(psycopg.Connection[Any]):
             if cursor is None:
                 cursor = self._cursor = self.cursor()
             return cursor.execute(query, params).fetchone()
+
+    def value(self, statement: Statement, params: Mapping[str, Any]) -> Any:
+        """The first value of the first row of ``statement`` (read by its ``load``;
+        None with no row), sent on the fast path (:mod:`.wire`): prepared once on this
+        connection, then one ``PQexecPrepared`` per call, under the reply watchdog,
+        its failures raised as psycopg raises them. About a third of a cursor's
+        client CPU per statement."""
+        return self.value_encoded(statement, values(statement, params, self._fast_encoding))
+
+    def value_encoded(self, statement: Statement, args: list[bytes | None]) -> Any:
+        """:meth:`value` with the parameters already encoded (by
+        :func:`.wire.encode`, in this connection's encoding), in ``$n`` order."""
+        with self.lock:
+            name = statement.name
+            if name not in self._fast_statements:
+                self._prepare(statement)
+            result = self._request(self.pgconn.exec_prepared, name, args)
+            if result is None:
+                # Not prepared any more (DISCARD ALL or DEALLOCATE ALL ran on this
+                # session): prepared again and sent again; nothing ran.
+                self._fast_statements.discard(name)
+                self._prepare(statement)
+                result = self._request(self.pgconn.exec_prepared, name, args)
+                if result is None:
+                    raise psycopg.errors.InvalidSqlStatementName(
+                        f"prepared statement {name.decode()!r} vanished again"
+                    )
+        return statement.load(result.get_value(0, 0) if result.ntuples else None)
+
+    def _prepare(self, statement: Statement) -> None:
+        result = self._request(self.pgconn.prepare, statement.name, statement.query,
+                               statement.types)  # fmt: skip
+        if result is None:  # pragma: no cover - never expected from a PREPARE
+            raise psycopg.InternalError(f"could not prepare {statement.name.decode()!r}")
+        self._fast_statements.add(statement.name)
+
+    def _request(self, send: Any, *args: Any) -> Any:
+        """One blocking libpq request (``send(*args)``, which releases the GIL), under
+        the reply watchdog: the watchdog's shutdown of the socket ends libpq's wait
+        with an error, raised as :class:`NoAnswer`. Returns the PGresult; None if the
+        statement named is not prepared on the session (and the session still idle,
+        so it can be prepared and sent again). Errors as a cursor raises them: the
+        server's as their ``psycopg.errors`` class, a lost connection as
+        OperationalError. A Ctrl-C during the call takes effect when it returns
+        (libpq resumes its wait on EINTR): at the latest at the watchdog's deadline,
+        for statements that answer in microseconds."""
+        pgconn = self.pgconn
+        reply_timeout = self.reply_timeout
+        if reply_timeout is not None:
+            watchdog.watch(self, time.monotonic() + reply_timeout + self.lock_wait)
+        try:
+            with self._in_libpq:
+                if pgconn.status != _OK:  # closed, or broken by an earlier request
+                    raise psycopg.OperationalError("the connection is closed")
+                result = send(*args)
+        except psycopg.OperationalError as exc:  # no result at all (libpq's NULL)
+            if self._cut:
+                raise self._no_answer() from exc
+            raise
+        finally:
+            if reply_timeout is not None:
+                watchdog._watched.pop(id(self), None)  # unwatch(), without the call
+        if self._cut:  # cut just as the answer came: the connection is gone all the same
+            raise self._no_answer()
+        status = result.status
+        if status in (_TUPLES_OK, _COMMAND_OK):
+            return result
+        if status != _FATAL_ERROR:
+            raise psycopg.InternalError(
+                f"unexpected result status from query: {pq.ExecStatus(status).name}"
+            )
+        state = result.error_field(_SQLSTATE)
+        if state is None and pgconn.status == _BAD:
+            # libpq's own error (no SQLSTATE): the connection broke under the request,
+            # which psycopg's wait raises as OperationalError.
+            raise psycopg.OperationalError(result.get_error_message(self._fast_encoding))
+        if state == b"26000" and pgconn.transaction_status == _IDLE:
+            return None
+        raise psycopg.errors.error_from_result(result, encoding=self._fast_encoding)
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         reply_timeout = self.reply_timeout
@@ -149,6 +247,18 @@ class Connection(psycopg.Connection[Any]):
             raise self._no_answer()
         return result
 
+    def close(self) -> None:
+        """Close the connection; a fast-path request blocked in libpq on another
+        thread is ended first (its socket shut down: it fails as a lost connection),
+        and the connection freed only once that call has returned."""
+        if not self._in_libpq.acquire(blocking=False):
+            self._shut_down()
+            self._in_libpq.acquire()
+        try:
+            super().close()
+        finally:
+            self._in_libpq.release()
+
     def _no_answer(self) -> NoAnswer:
         return NoAnswer(
             f"no answer from the server within {self.reply_timeout:g} s "
@@ -158,6 +268,10 @@ class Connection(psycopg.Connection[Any]):
     def cut(self) -> None:
         """Shut the socket down under libpq's wait (from the watchdog thread)."""
         self._cut = True
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        """End any wait on this connection's socket at once (libpq's, or psycopg's)."""
         try:
             fd = self.pgconn.socket
             with socket.socket(fileno=os.dup(fd)) as sock:
@@ -246,8 +360,13 @@ class Pool:
             conn.close()
 
 
-_BAD = psycopg.pq.ConnStatus.BAD
-_IDLE = psycopg.pq.TransactionStatus.IDLE
+_OK = pq.ConnStatus.OK
+_BAD = pq.ConnStatus.BAD
+_IDLE = pq.TransactionStatus.IDLE
+_TUPLES_OK = int(pq.ExecStatus.TUPLES_OK)
+_COMMAND_OK = int(pq.ExecStatus.COMMAND_OK)
+_FATAL_ERROR = int(pq.ExecStatus.FATAL_ERROR)
+_SQLSTATE = pq.DiagnosticField.SQLSTATE
 
 
 class PoolExhausted(Exception):
@@ -265,7 +384,6 @@ def ended_while_idle(conn: Connection) -> bool:
     if conn.closed:
         return True
     try:
-        readable, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+        return bool(conn._idle_probe.poll(0))  # readable, hung up, or not a socket any more
     except (OSError, ValueError, psycopg.Error):
         return True
-    return bool(readable)

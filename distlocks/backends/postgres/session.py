@@ -9,28 +9,97 @@ under a ``lock_timeout``): one round trip, waiters served in arrival order.
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 import psycopg.errors
 
 from distlocks.backends.base import AcquireResult, Holder
 from distlocks.backends.postgres import sql
-from distlocks.backends.postgres.connections import Held, PooledBackend
+from distlocks.backends.postgres.connections import NAMES_CACHED, Held, PooledBackend, encode
 from distlocks.backends.postgres.keys import key_parts
 from distlocks.backends.postgres.pool import Connection, NoAnswer
+from distlocks.backends.postgres.wire import Statement, is_true, to_int
+
+# The lock cycle's statements, on the fast path of :mod:`.wire` (prepared once per
+# connection). The unlock statements by the text a Held names (permits' too).
+ACQUIRE_TRY = Statement("distlocks_acquire_try", sql.ACQUIRE_TRY, to_int)
+UNLOCK = Statement("distlocks_unlock", sql.UNLOCK, is_true)
+UNLOCKS = {
+    sql.UNLOCK: UNLOCK,
+    sql.READ_UNLOCK: Statement("distlocks_read_unlock", sql.READ_UNLOCK, is_true),
+}
+HOLDS = Statement("distlocks_holds", sql.HOLDS, is_true, positional=("classid", "objid"))
+# Where each of the acquire try's parameters goes ($n order; sql.py's statement may
+# change, its parameters' names may not: a name missing fails here, at import).
+_KEY, _NAME, _OWNER, _HOST, _PID, _THREAD, _TTL, _EXTRA = map(
+    ACQUIRE_TRY.params.index, ("key", "name", "owner", "host", "pid", "thread", "ttl", "extra")
+)
+
+
+class Named(NamedTuple):
+    """A lock name's advisory key and guard key, with the fast path's encodings of
+    what its statements send (computed once per name: the SHA-256 keys, their text,
+    the name's UTF-8)."""
+
+    key: int
+    guard: int
+    #: The acquire try's parameters with the name's own filled in.
+    try_args: list[bytes | None]
+    unlock_args: list[bytes | None]
+    holds_args: list[bytes | None]
 
 
 class SessionLocks(PooledBackend):
     """Session-mode locks (the contract's dispatch is in :mod:`.base`)."""
 
+    def _named(self, name: str) -> Named:
+        """``name``'s keys and encodings (cached; never for a name that fails)."""
+        named: Named | None = self._names.get(name)
+        if named is None:
+            key, guard = self.key(name), self._guard(name)
+            classid, objid = key_parts(key)
+            by_param = {
+                "key": encode(key),
+                "guard": encode(guard),
+                "reader": b"0",
+                "classid": encode(classid),
+                "objid": encode(objid),
+            }
+            template: list[bytes | None] = [None] * len(ACQUIRE_TRY.params)
+            template[_KEY], template[_NAME] = by_param["key"], encode(name)
+            named = Named(
+                key,
+                guard,
+                template,
+                [by_param[param] for param in UNLOCK.params],
+                [by_param[param] for param in HOLDS.params],
+            )
+            if len(self._names) >= NAMES_CACHED:
+                self._names.clear()  # a bound, not an LRU: a name costs one encoding again
+            self._names[name] = named
+        return named
+
+    def _try_args(self, named: Named, owner: str, ttl: float, holder: Holder) -> list[bytes | None]:
+        """The acquire try's parameters, encoded (UTF-8), in ``$n`` order: the name's
+        from its template, the holder's from its cache, the rest encoded now."""
+        _, host, pid, thread = self._holder_columns(holder)
+        args = named.try_args.copy()
+        args[_OWNER] = encode(owner)
+        args[_HOST] = host
+        args[_PID] = pid
+        args[_THREAD] = thread
+        args[_TTL] = encode(ttl)
+        args[_EXTRA] = encode(json.dumps(dict(holder.extra))) if holder.extra else b"{}"
+        return args
+
     def _acquire_session(
         self, name: str, owner: str, ttl: float, holder: Holder, wait: float
     ) -> AcquireResult:
         """A session lock pinned to a pooled connection until release."""
-        with self._held_lock:
-            again = self._held.get(owner)
+        again = self._held.get(owner)  # one dict read: atomic, no lock needed
         if again is not None:  # a retried acquire by the same owner
             # Only if its session still holds the lock: a force release ends that
             # session, and the lease must then be taken anew (with a new token), never
@@ -38,49 +107,62 @@ class SessionLocks(PooledBackend):
             if self._extend_session(owner):
                 return AcquireResult(True, again.token, ttl)
             self._forget_session(owner)
-        params = self._params(name, owner, ttl, holder)
-        deadline = time.monotonic() + wait
+        deadline = time.monotonic() + wait if wait > 0 else 0.0
+        try:
+            named = self._named(name)
+            args = self._try_args(named, owner, ttl, holder)
+        except psycopg.Error as exc:  # a name or holder psycopg's dumpers refuse (a NUL)
+            raise self._driver_error("acquire", name, exc) from exc
+        request = (name, owner, ttl, holder, args)
         conn = self._checkout(name, wait)
         ours = True  # conn is checked out (to put back or discard)
         try:
-            with self._mapped_errors("acquire", name):
-                try:
-                    token = self._lock_statement(conn, params, deadline, wait)
-                except psycopg.OperationalError as exc:
-                    if isinstance(exc, NoAnswer):
-                        raise
-                    # The connection died under the statement (ended by the server
-                    # just before): any lock it took ended with it, so one more try
-                    # on a new connection is safe.
-                    ours = False
-                    self._discard(conn)
-                    conn = self._checkout(name, max(0.0, deadline - time.monotonic()))
-                    ours = True
-                    token = self._lock_statement(conn, params, deadline, wait)
-        except BaseException:
+            try:
+                token = self._lock_statement(conn, request, deadline, wait)
+            except psycopg.OperationalError as exc:
+                if isinstance(exc, NoAnswer):
+                    raise
+                # The connection died under the statement (ended by the server just
+                # before): any lock it took ended with it, so one more try on a new
+                # connection is safe.
+                ours = False
+                self._discard(conn)
+                conn = self._checkout(name, max(0.0, deadline - time.monotonic()))
+                ours = True
+                token = self._lock_statement(conn, request, deadline, wait)
+        except BaseException as exc:
             # Whatever happened, this connection must not keep a lock nobody owns.
             if ours:
                 self._discard(conn)
+            if isinstance(exc, psycopg.Error):  # as _mapped_errors() maps it (no context)
+                raise self._mapped_error("acquire", name, exc) from exc
             raise
         if token is None:
             self.pool.put(conn)
             return AcquireResult(False, 0, None)
+        held = Held(conn, named.key, token, guard=named.guard, named=named)
         with self._held_lock:
-            self._held[owner] = Held(conn, params["key"], token, guard=self._guard(name))
+            self._held[owner] = held
         # The lease is confirmed by renewal pings; locally valid for one ttl.
         return AcquireResult(True, token, ttl)
 
     def _lock_statement(
-        self, conn: Connection, params: dict[str, Any], deadline: float, wait: float
+        self, conn: Connection, request: tuple[Any, ...], deadline: float, wait: float
     ) -> int | None:
         """Run the acquire statement: a wait in the server's queue for the rest of the
         caller's budget, or one try. The token, or None when not granted."""
+        name, owner, ttl, holder, args = request
         if wait > 0:
             left = deadline - time.monotonic()
             if left > 0:
+                params = self._params(name, owner, ttl, holder)
                 return self._acquire_blocking(conn, params, left)
-        row = conn.fetchone(sql.ACQUIRE_TRY, params)
-        return None if row is None else int(row[0])
+        token: int | None
+        if conn.utf8:
+            token = conn.value_encoded(ACQUIRE_TRY, args)
+        else:  # encoded for this connection's own encoding instead
+            token = conn.value(ACQUIRE_TRY, self._params(name, owner, ttl, holder))
+        return token
 
     def _release_session(self, name: str, owner: str) -> bool:
         with self._held_lock:
@@ -92,14 +174,18 @@ class SessionLocks(PooledBackend):
     def _give_back(self, held: Held) -> bool:
         """Unlock on the lease's own connection, then return it to the pool."""
         try:
-            params = {"key": held.key, "reader": held.reader, "guard": held.guard}
-            row = held.conn.fetchone(held.unlock, params)
+            unlocked: bool
+            if held.named is not None and held.conn.utf8:
+                unlocked = held.conn.value_encoded(UNLOCK, held.named.unlock_args)
+            else:
+                params = {"key": held.key, "reader": held.reader, "guard": held.guard}
+                unlocked = held.conn.value(UNLOCKS[held.unlock], params)
         except psycopg.Error:
             # The connection is gone, and the server freed the lock with it.
             self._discard(held.conn)
             return False
         self.pool.put(held.conn)
-        return bool(row and row[0])
+        return unlocked
 
     def _extend_session(self, owner: str) -> bool:
         """Confirm the lease: its connection is alive and still holds the lock."""
@@ -107,16 +193,20 @@ class SessionLocks(PooledBackend):
             held = self._held.get(owner)
         if held is None:
             return False
-        classid, objid = key_parts(held.key)
         try:
-            row = held.conn.fetchone(sql.HOLDS, (classid, objid))
+            holds: bool
+            if held.named is not None and held.conn.utf8:
+                holds = held.conn.value_encoded(HOLDS, held.named.holds_args)
+            else:
+                classid, objid = key_parts(held.key)
+                holds = held.conn.value(HOLDS, {"classid": classid, "objid": objid})
         except psycopg.Error:
             # Terminated or cut off: a session lock does not outlive its connection.
             with self._held_lock:
                 self._held.pop(owner, None)
             self._discard(held.conn)
             return False
-        return bool(row and row[0])
+        return holds
 
     def _forget_session(self, owner: str) -> None:
         """Drop ``owner``'s lease found no longer held; its connection goes back to the
@@ -126,8 +216,8 @@ class SessionLocks(PooledBackend):
         if held is None:
             return
         try:
-            held.conn.execute(held.unlock, {"key": held.key, "reader": held.reader,
-                                            "guard": held.guard})  # fmt: skip
+            params = {"key": held.key, "reader": held.reader, "guard": held.guard}
+            held.conn.value(UNLOCKS[held.unlock], params)
         except psycopg.Error:
             self._discard(held.conn)
         else:
