@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from distlocks.backends.postgres import TABLE, PostgresBackend
-from distlocks.backends.postgres.sql import EPOCH, FENCE
+from distlocks.backends.postgres.sql import EPOCH, FENCE, RESERVE_US
 from distlocks.testing.servers import PostgresServer
 from tests.test_postgres_durable import ALIAS, durable  # noqa: F401 - the fixture
 from tests.test_postgres_token_crash import (
@@ -208,3 +208,38 @@ def test_a_known_name_is_minted_without_reading_the_ceiling_or_the_marker(
         finally:
             backend.close()
             other.close()
+
+
+def test_a_known_name_takes_the_slow_mint_at_its_row_ceiling(
+    durable: PostgresServer,  # noqa: F811 - the fixture
+    django_db_blocker: Any,
+) -> None:
+    """Step by step across the boundary, with tokens far ahead of the clock: the token
+    that reaches the row's ceiling is minted fast (G untouched), the next one passes it
+    and is minted slow, raising G durably and the row's ceiling with it."""
+    name = f"mint:boundary:{uuid.uuid4().hex[:8]}"
+    with django_db_blocker.unblock():
+        backend = _backend()
+        try:
+            key = backend.key(name)
+            _ahead_of_the_clock(durable)
+            first = _cycle(backend, name)
+            ceiling = _ceilings_close(durable, 1)
+            assert ceiling == first + 1
+
+            def state() -> tuple[int, str, int]:
+                (g, writer) = _sql(durable, f"SELECT ceiling, xmin::text FROM {FENCE}")[0]
+                (row,) = _sql(durable, f"SELECT ceiling FROM {TABLE} WHERE key = %s", (key,))[0]
+                return int(g), writer, int(row)
+
+            before = state()
+            assert before[0] == before[2] == ceiling
+            assert _cycle(backend, name) == ceiling  # fast: at the row's ceiling
+            assert state() == before, "the fast mint wrote G or the row's ceiling"
+            passed = _cycle(backend, name)
+            assert passed == ceiling + 1
+            g, writer, row = state()
+            assert writer != before[1], "a token passed G without raising it"
+            assert g == row == passed + RESERVE_US
+        finally:
+            backend.close()
