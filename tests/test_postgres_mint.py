@@ -74,6 +74,21 @@ def _ceilings_close(server: PostgresServer, headroom: int) -> int | None:
     return ceiling
 
 
+def _crash_until_ready(server: PostgresServer) -> None:
+    """An immediate shutdown and restart, then wait until the server takes sessions: on
+    a loaded machine a connection right after the restart was once refused with "the
+    database system is starting up"."""
+    _crash(server)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            _sql(server, "SELECT 1")
+            return
+        except psycopg.OperationalError:
+            assert time.monotonic() < deadline, "the server did not come back within 60 s"
+            time.sleep(0.1)
+
+
 class _Boundary(RuleBasedStateMachine):
     """Known and new names, held locks, force releases, G and the rows' ceilings set
     down close to the tokens, and crashes, in any order."""
@@ -134,7 +149,7 @@ class _Boundary(RuleBasedStateMachine):
 
     @rule()
     def crash(self) -> None:
-        _crash(self.server)
+        _crash_until_ready(self.server)
         self.backend.close()
         self.backend = _backend(synchronous_commit=self.sync)
         self.held.clear()
