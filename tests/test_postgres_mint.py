@@ -141,11 +141,16 @@ class _Boundary(RuleBasedStateMachine):
         assert freed == (which in self.held)
         self.held.pop(which, None)
 
-    @rule(headroom=st.integers(min_value=0, max_value=2))
-    def ceilings_close(self, headroom: int) -> None:
-        if self.held:
-            return  # only at a quiet point: a held lock's row is not to be rewritten
+    @rule(headroom=st.integers(min_value=0, max_value=2), cross=st.booleans())
+    def ceilings_close(self, headroom: int, cross: bool) -> None:
+        """G and the rows' ceilings set down; if ``cross``, every known name then
+        locked until its tokens have passed its row's ceiling (and the highest, G)."""
+        # No mint runs now (one thread): a quiet point, held locks or not.
         _ceilings_close(self.server, headroom)
+        if cross:
+            for which, tokens in self.issued.items():
+                if tokens and which not in self.held:
+                    self.acquire(which, headroom + 2, hold=False)
 
     @rule()
     def crash(self) -> None:
@@ -176,7 +181,7 @@ def test_the_fast_path_stays_under_the_ceiling_on_disk(
         run_state_machine_as_test(
             lambda: _Boundary(durable, synchronous_commit),
             settings=settings(
-                max_examples=8,
+                max_examples=10,
                 stateful_step_count=15,
                 deadline=None,
                 database=None,
