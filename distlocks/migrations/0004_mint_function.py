@@ -56,8 +56,8 @@ BEGIN
     END IF;
 
     -- The slow mint: G and F as they are now (NULL when missing).
-    SELECT ceiling INTO fence_ceiling FROM {FENCE} WHERE id = 1;
-    SELECT floor INTO epoch_floor FROM {EPOCH} WHERE id = 1;
+    SELECT (SELECT ceiling FROM {FENCE} WHERE id = 1), (SELECT floor FROM {EPOCH} WHERE id = 1)
+      INTO fence_ceiling, epoch_floor;
     -- With a row: one more than it (or the clock). Without: F while M exists, else
     -- G + 1. The row's ceiling becomes the G just read.
     INSERT INTO {REGISTRY} AS r
