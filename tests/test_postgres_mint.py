@@ -26,12 +26,14 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.core.management import call_command
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from distlocks.backends.postgres import TABLE, PostgresBackend
 from distlocks.backends.postgres.sql import EPOCH, FENCE, RESERVE_US
+from distlocks.exceptions import LockError
 from distlocks.testing.servers import PostgresServer
 from tests.test_postgres_durable import ALIAS, durable  # noqa: F401 - the fixture
 from tests.test_postgres_token_crash import (
@@ -261,5 +263,28 @@ def test_a_known_name_takes_the_slow_mint_at_its_row_ceiling(
             g, writer, row = state()
             assert writer != before[1], "a token passed G without raising it"
             assert g == row == passed + RESERVE_US
+        finally:
+            backend.close()
+
+
+def test_a_database_without_the_mint_function_says_to_migrate(
+    durable: PostgresServer,  # noqa: F811 - the fixture
+    django_db_blocker: Any,
+) -> None:
+    """A database migrated only up to 0003 (code newer than its schema): the first lock
+    fails with a LockError that names the missing migration step, not the bare
+    driver error."""
+    with django_db_blocker.unblock():
+        call_command("migrate", "distlocks", "0003", database=ALIAS, verbosity=0)
+        backend = _backend()
+        try:
+            with pytest.raises(LockError, match=r"distlocks_mint.*manage\.py migrate distlocks"):
+                backend.acquire("mint:unmigrated", "owner", 30.0, HOLDER)
+        finally:
+            backend.close()
+        call_command("migrate", "distlocks", database=ALIAS, verbosity=0)
+        backend = _backend()
+        try:
+            assert _cycle(backend, "mint:unmigrated") > 0  # and migrating fixes it
         finally:
             backend.close()
