@@ -5,7 +5,9 @@ A raise is a row lock on G's one row, held until its durable commit; every mint 
 passes G at the same time queues on it while holding its own advisory lock. The
 test makes every round a raise burst: at a quiet point (no mint in flight) G is set
 down to the highest token issued so far (still at or above every token ever issued,
-so invariant C holds), so the next mint of every name passes it. Threads, each with a
+so invariant C holds), and every registry row's ceiling down to at most that G (each is
+a promise that G on disk covers tokens up to it: invariant C also bounds them), so the
+next mint of every name passes it. Threads, each with a
 backend (a pool) of its own, lock shared and distinct names meanwhile, and a force
 releaser bumps the shared names. It checks that no statement fails (a deadlock
 between raises would be reported by the server after deadlock_timeout), that no
@@ -37,7 +39,8 @@ def _ceiling_down_to_the_highest_token(server: PostgresServer) -> int:
     """G set down to the highest token issued in this server's lifetime (the rows, and
     F - 1 for those before the last crash), durably, and M removed (always safe: a key
     without a row then takes G + 1). Only at a quiet point. Every new name's first mint
-    then passes G, and the first ones race to write M."""
+    then passes G, and the first ones race to write M. The rows' ceilings go down with G
+    (at most G, as invariant C requires), so known names meet G too."""
     (ceiling,) = _sql(
         server,
         f"""WITH top AS (
@@ -47,6 +50,7 @@ def _ceiling_down_to_the_highest_token(server: PostgresServer) -> int:
         UPDATE {FENCE} SET ceiling = (SELECT t FROM top)
         WHERE id = 1 AND (SELECT t FROM top) IS NOT NULL RETURNING ceiling""",
     )[0]
+    _sql(server, f"UPDATE {TABLE} SET ceiling = least(ceiling, %s)", (ceiling,))
     _sql(server, f"DELETE FROM {EPOCH}")
     return int(ceiling)
 

@@ -148,12 +148,14 @@ class PooledBackend(capabilities.Listing, capabilities.Waiting, capabilities.Per
     def _driver_error(self, action: str, name: str, exc: BaseException) -> LockError:
         cause = exc.__cause__ if isinstance(exc.__cause__, psycopg.Error) else exc
         hint = ""
-        if isinstance(cause, psycopg.errors.UndefinedTable):
-            # The registry, or a table of a later migration (the token ceiling and
-            # its marker, 0003): either way, the database is behind distlocks' migrations.
+        if isinstance(cause, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction):
+            # The registry, or a table or function of a later migration (the token
+            # ceiling and its marker, 0003; the mint, 0004): either way, the database is
+            # behind distlocks' migrations.
             hint = (
-                f" A table of distlocks is missing ({TABLE} or one a later migration adds):"
-                f" run `manage.py migrate distlocks --database {self.database}`."
+                f" A table or function of distlocks is missing ({TABLE}, {sql.MINT}, or one"
+                f" a later migration adds): run `manage.py migrate distlocks --database"
+                f" {self.database}`."
             )
         elif isinstance(cause, psycopg.errors.InsufficientPrivilege):
             hint = (

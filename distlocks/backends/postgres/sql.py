@@ -29,21 +29,42 @@ CLOCK_US = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
 #: far ahead of the clock.
 RESERVE_US = 600_000_000
 
-# G is written only when a token passes it, and that transaction commits durably
-# whatever the connection's synchronous_commit (off by default for lock connections):
-# "off" becomes "on" for this transaction only (set_config's is_local), which
-# PostgreSQL reads at COMMIT. A raised G is therefore never visible, and never relied
-# upon, before it is on disk. Other settings (on, remote_write, ...) are kept.
+# The mint (docs/safety.md, "PostgreSQL tokens") is the function distlocks_mint, which
+# migration 0004 creates: its common case is one UPDATE of the key's row, written only
+# if the token stays at most the row's ceiling column (a value G had on disk), with no
+# read of G or M; otherwise it mints as the statement below did before it, step by
+# step in the same transaction: G raised durably when the token passes it (the
+# transaction's synchronous_commit "off" turned "on"), M written when missing, and the
+# row's ceiling set to the G it read or raised.
+MINT = "distlocks_mint"
+# Its parameters, typed (the function is found by its argument types); the holder's
+# session is pg_backend_pid(), replaced by a parameter in transaction mode.
+MINT_CALL = (
+    f"{MINT}(%(key)s::bigint, %(name)s::text, %(owner)s::text, %(host)s::text,"
+    " %(pid)s::integer, %(thread)s::text, %(ttl)s::double precision, %(extra)s::jsonb,"
+    " pg_backend_pid())"
+)
+
+# The mint's slow path as a statement (as ACQUIRE was before migration 0004), for the
+# what-ifs of bench.profile_pg: G and F as the statement's snapshot sees them, the
+# raise of G and the write of M as data-modifying CTEs.
 _DURABLE = (
     "set_config('synchronous_commit', CASE current_setting('synchronous_commit')"
     " WHEN 'off' THEN 'on' ELSE current_setting('synchronous_commit') END, true)"
 )
-
-# G and F as the statement's snapshot sees them (NULL when missing): one row.
 FENCE_READ = (
     f"SELECT (SELECT ceiling FROM {FENCE} WHERE id = 1) AS ceiling,"
     f" (SELECT floor FROM {EPOCH} WHERE id = 1) AS floor"
 )
+RAISE = f"""INSERT INTO {FENCE} AS f (id, ceiling)
+SELECT 1, minted.fencing_token + {RESERVE_US} FROM {{minted}} AS minted, {{fence}} AS fence
+WHERE CASE WHEN minted.fencing_token > coalesce(fence.ceiling, -1)
+           THEN {_DURABLE} IS NOT NULL ELSE false END
+ON CONFLICT (id) DO UPDATE SET ceiling = greatest(f.ceiling, EXCLUDED.ceiling)"""
+MARK = f"""INSERT INTO {EPOCH} (id, floor)
+SELECT 1, coalesce(fence.ceiling, 0) + 1 FROM {{minted}} AS minted, {{fence}} AS fence
+WHERE fence.floor IS NULL
+ON CONFLICT (id) DO NOTHING"""
 
 # An upper bound of every token of a key that has no registry row: F - 1 while M
 # exists, else G (0 with neither: nothing was ever issued).
@@ -52,56 +73,13 @@ ROWLESS_BOUND = (
     f" (SELECT ceiling FROM {FENCE} WHERE id = 1), 0)"
 )
 
-# Raise G past the token in {minted}(fencing_token) if it passed the G the statement
-# read in {fence}(ceiling) (one raised since by another transaction is only higher,
-# and greatest() keeps the higher one). CASE, not AND: the planner may order AND's
-# terms, and set_config must run only for a raise.
-RAISE = f"""INSERT INTO {FENCE} AS f (id, ceiling)
-SELECT 1, minted.fencing_token + {RESERVE_US} FROM {{minted}} AS minted, {{fence}} AS fence
-WHERE CASE WHEN minted.fencing_token > coalesce(fence.ceiling, -1)
-           THEN {_DURABLE} IS NOT NULL ELSE false END
-ON CONFLICT (id) DO UPDATE SET ceiling = greatest(f.ceiling, EXCLUDED.ceiling)"""
-
-# Write M when it is missing (after a crash, or after install): F = G + 1, the G this
-# statement read, which is at least G on disk at the crash. Sessions may race here;
-# the first M stands (any of their floors is above every token before the crash).
-MARK = f"""INSERT INTO {EPOCH} (id, floor)
-SELECT 1, coalesce(fence.ceiling, 0) + 1 FROM {{minted}} AS minted, {{fence}} AS fence
-WHERE fence.floor IS NULL
-ON CONFLICT (id) DO NOTHING"""
-
-# The registry upsert shared by both modes; {lock} is a query taking the lock and
-# yielding one boolean "ok". The upsert runs only if the lock was granted, and mints
-# the token in the same statement: one more than the row's (the row, unlogged, lives
-# as long as the server has not crashed, and holds the key's last token since); with
-# no row, F while M exists (no durable write), else G + 1 (after a crash, or the first
-# acquisition after install); floored by the clock in every case. G moves only if a
-# token passes it, durably; M is written when missing.
+# The acquisition shared by both modes; {lock} is a query taking the lock and yielding
+# one boolean "ok". The token is minted only if the lock was granted, in the same
+# statement (one transaction: a raise of G commits with the token, durably). No row:
+# not granted.
 ACQUIRE = f"""
-WITH granted AS MATERIALIZED ({{lock}}),
-fence AS MATERIALIZED ({FENCE_READ}),
-minted AS (
-INSERT INTO {TABLE} AS r
-    (key, name, fencing_token, owner, host, pid, thread, backend_pid,
-     acquired_at, ttl, renewals, extra)
-SELECT %(key)s, %(name)s,
-       greatest(coalesce(fence.floor, coalesce(fence.ceiling, 0) + 1), {CLOCK_US}),
-       %(owner)s, %(host)s, %(pid)s, %(thread)s,
-       pg_backend_pid(), clock_timestamp(), %(ttl)s, 0, %(extra)s
-FROM granted, fence WHERE granted.ok
-ON CONFLICT (key) DO UPDATE SET
-    fencing_token = greatest(r.fencing_token + 1, {CLOCK_US}),
-    name = EXCLUDED.name, owner = EXCLUDED.owner,
-    host = EXCLUDED.host, pid = EXCLUDED.pid, thread = EXCLUDED.thread,
-    backend_pid = EXCLUDED.backend_pid, acquired_at = EXCLUDED.acquired_at,
-    ttl = EXCLUDED.ttl, renewals = 0, extra = EXCLUDED.extra
-RETURNING r.fencing_token
-), raised AS (
-{RAISE.format(minted="minted", fence="fence")}
-), marked AS (
-{MARK.format(minted="minted", fence="fence")}
-)
-SELECT fencing_token FROM minted
+WITH granted AS MATERIALIZED ({{lock}})
+SELECT {MINT_CALL} FROM granted WHERE granted.ok
 """
 
 # Live advisory locks of this database (classid/objid are the high/low 32 bits of
@@ -275,8 +253,9 @@ TRY_XACT = "SELECT pg_try_advisory_xact_lock(%(key)s) AS ok"
 # Transaction mode's registry write, on a pooled connection once the caller's
 # transaction holds the lock: the holder's session is the caller's, not this one.
 REGISTER_XACT = ACQUIRE.format(lock="SELECT true AS ok").replace(
-    "pg_backend_pid()", "%(backend_pid)s"
+    "pg_backend_pid()", "%(backend_pid)s::integer"
 )
+assert "%(backend_pid)s" in REGISTER_XACT
 # The uncontended acquire, built once (it runs on every try).
 ACQUIRE_TRY = ACQUIRE.format(lock=TRY)
 WAIT_XACT = "SELECT true AS ok FROM (SELECT pg_advisory_xact_lock(%(key)s)) AS waited"
