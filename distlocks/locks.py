@@ -36,7 +36,14 @@ from distlocks.handler import backends, check_alias
 from distlocks.lease import AsyncLease, BaseLease, Lease, release_dropped
 from distlocks.logs import log_expected
 from distlocks.renewal import renewer
-from distlocks.validation import validate_flag, validate_name, validate_timeout, validate_ttl
+from distlocks.validation import (
+    MAX_TIMEOUT,
+    MAX_TTL,
+    validate_flag,
+    validate_name,
+    validate_timeout,
+    validate_ttl,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +204,24 @@ def _checked_name(name: Any) -> str:
             _valid_names.clear()
         _valid_names[name] = None
     return name
+
+
+def _ttl_arg(value: Any, what: str = "ttl") -> float:
+    """``validate_ttl(value, what)``, the usual value (a plain float or int in range)
+    passed by two comparisons. Only the exact types: a bool is an int that is no lease
+    length, and NaN fails both comparisons, so it goes to the full check."""
+    kind = type(value)
+    if (kind is float or kind is int) and 0.01 <= value <= MAX_TTL:
+        return float(value)
+    return validate_ttl(value, what)
+
+
+def _timeout_arg(value: Any) -> float | None:
+    """``validate_timeout(value)``, with the same shortcut as :func:`_ttl_arg`."""
+    kind = type(value)
+    if (kind is float or kind is int) and 0 <= value <= MAX_TIMEOUT:
+        return float(value)
+    return validate_timeout(value)
 
 
 def _when_dropped(backend: LeaseServer, name: str, owner: str, ended: dict[str, Any]) -> None:
@@ -445,15 +470,23 @@ class _LockBase:
         release_on_commit: bool | None = None,
     ) -> None:
         self.name = _checked_name(name)
-        check_alias(backend)
+        if type(backend) is not str or backend not in backends._backends:
+            check_alias(backend)  # the usual alias, already built, needs no look
         self.backend_alias = backend
-        self._ttl = None if ttl is None else validate_ttl(ttl)
-        self._timeout = timeout if timeout is _DEFAULT else validate_timeout(timeout)
-        self.auto_renew = validate_flag(auto_renew, "auto_renew")
-        self.reentrant = validate_flag(reentrant, "reentrant")
-        self.fair = validate_flag(fair, "fair")
+        self._ttl = None if ttl is None else _ttl_arg(ttl)
+        self._timeout = timeout if timeout is _DEFAULT else _timeout_arg(timeout)
+        # Flags are checked only when not one of the two bools (the usual case).
+        if auto_renew is not True and auto_renew is not False:
+            validate_flag(auto_renew, "auto_renew")
+        self.auto_renew = auto_renew
+        if reentrant is not False and reentrant is not True:
+            validate_flag(reentrant, "reentrant")
+        self.reentrant = reentrant
+        if fair is not False and fair is not True:
+            validate_flag(fair, "fair")
+        self.fair = fair
         if max_hold is not None:
-            max_hold = validate_ttl(max_hold, "max_hold")
+            max_hold = _ttl_arg(max_hold, "max_hold")
         self.max_hold = max_hold
         if on_lost is not None and not callable(on_lost):
             raise TypeError(f"on_lost must be a callable taking the lease, not {on_lost!r}.")
@@ -471,12 +504,12 @@ class _LockBase:
 
     @property
     def ttl(self) -> float:
-        return self._ttl if self._ttl is not None else validate_ttl(conf.DEFAULT_TTL)
+        return self._ttl if self._ttl is not None else _ttl_arg(conf.DEFAULT_TTL)
 
     @property
     def timeout(self) -> float | None:
         if self._timeout is _DEFAULT:
-            return validate_timeout(conf.DEFAULT_TIMEOUT)
+            return _timeout_arg(conf.DEFAULT_TIMEOUT)
         return self._timeout
 
     @property
@@ -519,7 +552,7 @@ class Lock(_LockBase):
         Raises :class:`LockNotAcquired` when the lock stays busy,
         :class:`LockBackendUnavailable` when the server cannot be reached.
         """
-        wait = self.timeout if timeout is _DEFAULT else validate_timeout(timeout)
+        wait = self.timeout if timeout is _DEFAULT else _timeout_arg(timeout)
         again = self._reentrant_lease()
         if isinstance(again, Lease):
             # Confirm with the server (and refresh the lease) rather than trust local
@@ -613,7 +646,7 @@ class AsyncLock(_LockBase):
 
     async def acquire(self, *, timeout: float | None = _DEFAULT) -> AsyncLease:
         """Acquire a lease, waiting up to ``timeout`` seconds without blocking the loop."""
-        wait = self.timeout if timeout is _DEFAULT else validate_timeout(timeout)
+        wait = self.timeout if timeout is _DEFAULT else _timeout_arg(timeout)
         again = self._reentrant_lease()
         if isinstance(again, AsyncLease):
             await again.extend()
