@@ -11,13 +11,14 @@ uncontended cycle three ways, interleaved in blocks (the order rotating each blo
 * ``alock()``: ``async with alock(...)``, against the asyncio backend row.
 
 The figure that matters is the *client CPU* per cycle of the calling thread
-(``time.thread_time()``): the server's work is the same in the backend and the lock()
-rows, so the difference of their CPU columns is the cost of the Lock/Lease layer, and
-it holds under load far better than wall-clock differences do. The median wall clock
-per block is printed too. ``--profile`` adds a ``cProfile`` of the lock() cycle on the
-backend named (default: the in-process one, where nothing but the layer and the
-backend runs), functions by own
-time. Nothing is asserted; the figures are printed.
+(``time.thread_time()``), over all blocks and in the block that took least (``least``:
+others' load only ever adds to it, so it is the steadiest on a busy machine). The
+layer column gives both, lock() minus backend. The server's work is the same in the
+backend and the lock() rows, so the difference of their CPU columns is the cost of the
+Lock/Lease layer, and it holds under load far better than wall-clock differences do.
+The median wall clock per block is printed too. ``--profile`` adds a ``cProfile`` of
+the lock() cycle on the backend named (default: the in-process one, where nothing but
+the layer and the backend runs), functions by own time. Nothing is asserted; the figures are printed.
 """
 
 from __future__ import annotations
@@ -77,10 +78,15 @@ def _variants(alias: str, loop: asyncio.AbstractEventLoop) -> list[Variant]:
     ]
 
 
-def _timed(variants: list[Variant], blocks: int, size: int) -> dict[str, tuple[float, float]]:
-    """title -> (median wall us per cycle over the blocks, thread CPU us per cycle)."""
+def _timed(
+    variants: list[Variant], blocks: int, size: int
+) -> dict[str, tuple[float, float, float]]:
+    """title -> (median wall us per cycle over the blocks, thread CPU us per cycle over
+    all blocks, and in the block that took least). Other processes only ever add to a
+    block's CPU time (cache misses, frequency), so the least is the steadiest figure on
+    a loaded machine."""
     wall: dict[str, list[float]] = {title: [] for title, _ in variants}
-    cpu = dict.fromkeys(wall, 0.0)
+    cpu: dict[str, list[float]] = {title: [] for title, _ in variants}
     for _title, cycles in variants:  # warm-up: connections opened, scripts loaded
         cycles(50)
     for block in range(blocks):
@@ -89,9 +95,11 @@ def _timed(variants: list[Variant], blocks: int, size: int) -> dict[str, tuple[f
             c0, w0 = time.thread_time(), time.perf_counter()
             cycles(size)
             wall[title].append((time.perf_counter() - w0) / size)
-            cpu[title] += time.thread_time() - c0
-    n = blocks * size
-    return {t: (statistics.median(wall[t]) * 1e6, cpu[t] / n * 1e6) for t in wall}
+            cpu[title].append((time.thread_time() - c0) / size)
+    return {
+        t: (statistics.median(wall[t]) * 1e6, statistics.mean(cpu[t]) * 1e6, min(cpu[t]) * 1e6)
+        for t in wall
+    }
 
 
 def _positive(text: str) -> int:
@@ -140,15 +148,19 @@ def main(argv: list[str] | None = None) -> int:
             f"interleaved, {n:,} cycles each (load before {os.getloadavg()[0]:.2f})\n"
         )
         results = _timed(variants, args.blocks, args.block_size)
-        print(f"{'what runs':28} {'wall us':>8} {'CPU us':>8} {'layer CPU us':>13}")
+        print(f"{'what runs':28} {'wall us':>8} {'CPU us':>8} {'least':>8} {'layer CPU us':>13}")
         for alias in aliases:
             rows = [(t, r) for t, r in results.items() if t.startswith(f"{alias}:")]
-            base = {"lock()": results[f"{alias}: backend"][1]}
-            base["alock()"] = results[f"{alias}: async backend"][1]
-            for title, (w, c) in rows:
+            base = {
+                "lock()": results[f"{alias}: backend"],
+                "alock()": results[f"{alias}: async backend"],
+            }
+            for title, (w, c, least) in rows:
                 kind = title.split(": ", 1)[1]
-                layer = f"{c - base[kind]:13.1f}" if kind in base else ""
-                print(f"{title:28} {w:8.1f} {c:8.1f} {layer}")
+                layer = ""
+                if kind in base:
+                    layer = f"{c - base[kind][1]:6.1f} {least - base[kind][2]:6.1f}"
+                print(f"{title:28} {w:8.1f} {c:8.1f} {least:8.1f} {layer:>13}")
         print(f"(load after {os.getloadavg()[0]:.2f}; us per cycle)")
         if args.profile:
             from bench.profile_save import _by_function, _calls_per_save

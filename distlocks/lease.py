@@ -88,14 +88,13 @@ class BaseLease:
         self.fencing_token = fencing_token
         #: Lease length in seconds (the last one asked for).
         self.ttl = ttl
-        now = dt.datetime.now(dt.UTC)
-        #: Wall-clock time of the acquisition (for display; deadlines use the monotonic clock).
-        self.acquired_at = now
+        # Wall-clock time of the acquisition, as the seconds time.time() gives: the
+        # datetime ``acquired_at`` shows is built when asked, which most holders never do.
+        now = time.time()
+        self._acquired_wall = now
         # (wall-clock start, seconds) of the current term; ``expires_at`` adds them up
-        # when asked, which most holders never do.
-        self._term: tuple[dt.datetime, float] | None = (
-            None if remaining is None else (now, remaining)
-        )
+        # when asked.
+        self._term: tuple[float, float] | None = None if remaining is None else (now, remaining)
         self.on_lost = on_lost
         self.auto_renew = auto_renew
         #: Stop renewing once the lease has been held this long (seconds), if set.
@@ -131,10 +130,18 @@ class BaseLease:
         )
 
     @property
+    def acquired_at(self) -> dt.datetime:
+        """Wall-clock time of the acquisition (for display; deadlines use the monotonic
+        clock)."""
+        return dt.datetime.fromtimestamp(self._acquired_wall, dt.UTC)
+
+    @property
     def expires_at(self) -> dt.datetime | None:
         """Wall-clock end of the lease, or None where the backend has no expiry."""
         term = self._term
-        return None if term is None else term[0] + dt.timedelta(seconds=term[1])
+        if term is None:
+            return None
+        return dt.datetime.fromtimestamp(term[0], dt.UTC) + dt.timedelta(seconds=term[1])
 
     @property
     def state(self) -> str:
@@ -382,7 +389,7 @@ class BaseLease:
         self._last_renew_error = ""
         if self._valid_until is not None:  # a lease with a deadline gets a new one
             self._valid_until = started + self._backend.local_lease(ttl)
-            self._term = (dt.datetime.now(dt.UTC), ttl)
+            self._term = (time.time(), ttl)
 
 
 class Lease(BaseLease):
@@ -522,20 +529,41 @@ class AsyncLease(BaseLease):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        # Renewal waits on a timer of the loop, and runs as a task only for the turn
+        # itself: a task per lease would cost a task's creation, first step and
+        # cancellation on every cycle, though most leases end before their first turn.
+        self._renew_timer: asyncio.TimerHandle | None = None
         self._renew_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._alock = asyncio.Lock()
 
-    def _start_renewal(self) -> None:
-        if self._renewal_due() is not None:
-            self._renew_task = asyncio.get_running_loop().create_task(
-                self._renew_loop(), name=f"distlocks-renew:{self.name}"
-            )
+    def _start_renewal(self, due: float | None) -> None:
+        """Renew the lease from ``due`` on (monotonic: its ``_renewal_due()``), if set."""
+        if due is not None:
+            self._loop = asyncio.get_running_loop()
+            self._schedule_renewal(due)
 
-    async def _renew_loop(self) -> None:
-        due = self._renewal_due()
-        while due is not None:
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            due = await self._arenew_once()
+    def _schedule_renewal(self, due: float) -> None:
+        assert self._loop is not None
+        self._renew_timer = self._loop.call_later(
+            max(0.0, due - time.monotonic()), self._renewal_turn
+        )
+
+    def _renewal_turn(self) -> None:
+        """The timer fired (on the loop): renew in a task of its own."""
+        self._renew_timer = None
+        if self._ended["ended"] or self._loop is None:
+            return
+        self._renew_task = self._loop.create_task(
+            self._renew_and_reschedule(), name=f"distlocks-renew:{self.name}"
+        )
+
+    async def _renew_and_reschedule(self) -> None:
+        due = await self._arenew_once()
+        if self._renew_task is asyncio.current_task():
+            self._renew_task = None
+        if due is not None and not self._ended["ended"]:
+            self._schedule_renewal(due)
 
     async def _arenew_once(self) -> float | None:
         async with self._alock:
@@ -553,20 +581,26 @@ class AsyncLease(BaseLease):
             return self._renew_result(started, outcome)
 
     def _stop_renewal(self) -> None:
+        timer, self._renew_timer = self._renew_timer, None
         task, self._renew_task = self._renew_task, None
-        if task is None:
+        loop = self._loop
+        if loop is None or (timer is None and task is None):
             return
-        loop = task.get_loop()
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is loop:
-            if task is not asyncio.current_task():
+            if timer is not None:
+                timer.cancel()
+            if task is not None and task is not asyncio.current_task():
                 task.cancel()
         elif not loop.is_closed():
             # Lost from another thread (e.g. held() called elsewhere): cancel on its loop.
-            loop.call_soon_threadsafe(task.cancel)
+            if timer is not None:
+                loop.call_soon_threadsafe(timer.cancel)
+            if task is not None:
+                loop.call_soon_threadsafe(task.cancel)
 
     def _on_finished(self) -> None:
         super()._on_finished()
@@ -596,7 +630,8 @@ class AsyncLease(BaseLease):
             if not self._released(await self._backend.arelease(self.name, self.owner)):
                 return False
         self._on_finished()
-        signals.lock_released.send(sender=AsyncLease, lease=self)
+        if signals.lock_released.receivers:  # skips building the arguments of a no-op
+            signals.lock_released.send(sender=AsyncLease, lease=self)
         return True
 
 

@@ -94,8 +94,8 @@ class _Attempt:
 
     # One per acquisition: slots make it cheaper to build.
     __slots__ = (
-        "backend", "began", "deadline", "fair", "holder", "interval", "name", "options",
-        "owner", "registered", "timeout", "ttl", "waits",
+        "_waits", "backend", "began", "deadline", "fair", "holder", "interval", "name",
+        "options", "owner", "registered", "timeout", "ttl",
     )  # fmt: skip
 
     def __init__(
@@ -112,9 +112,7 @@ class _Attempt:
         #: When the acquisition began (monotonic), for the wait time the signals report.
         self.began = time.monotonic()
         self.backend = backend
-        # What to wait on between attempts: the backend, or polling where it cannot wake
-        # waiters (it does not declare the Waiting capability).
-        self.waits = waiting_side(backend)
+        self._waits: WaitServer | None = None
         self.name = name
         self.ttl = ttl
         self.timeout = timeout
@@ -128,6 +126,16 @@ class _Attempt:
         self.interval = FIRST_POLL_INTERVAL
         #: True while the backend may list this caller as a waiter (to be undone).
         self.registered = False
+
+    @property
+    def waits(self) -> WaitServer:
+        """What to wait on between attempts: the backend, or polling where it cannot
+        wake waiters (it does not declare the Waiting capability). Looked up at the
+        first wait (a class check): most acquisitions never wait."""
+        waits = self._waits
+        if waits is None:
+            waits = self._waits = waiting_side(self.backend)
+        return waits
 
     def budget(self) -> float:
         """How long this caller may still wait, for the backend's waiter registration."""
@@ -382,12 +390,14 @@ async def aacquire_lease(
             except Exception as exc:
                 log_expected(logger, exc, "Could not leave the wait queue of %r", name)
     lease = AsyncLease(**attempt.lease_kwargs(result, started))
-    lease._start_renewal()
-    attempt.guard(lease, lease._renewal_due())
+    due = lease._renewal_due()
+    lease._start_renewal(due)
+    attempt.guard(lease, due)
     try:
-        signals.lock_acquired.send(
-            sender=AsyncLease, lease=lease, waited=time.monotonic() - attempt.began
-        )
+        if signals.lock_acquired.receivers:
+            signals.lock_acquired.send(
+                sender=AsyncLease, lease=lease, waited=time.monotonic() - attempt.began
+            )
     except BaseException:
         with contextlib.suppress(Exception):
             await lease.release()
@@ -409,8 +419,8 @@ def finish_lease(lease: Lease, body_failed: bool) -> None:
     raised (its exception is the one the caller needs to see; the loss is still
     logged and signalled).
     """
-    lease.held()  # notices a lease that ran out while inside
     try:
+        # Notices a lease that ran out while inside (its release step asks held()).
         lease.release()
     except LockError:
         if body_failed:
@@ -514,7 +524,10 @@ class _LockBase:
 
     @property
     def backend(self) -> BaseBackend:
-        return backends[self.backend_alias]
+        # The built backend straight from the handler's dict (the usual case), without
+        # the handler's method call.
+        found = backends._backends.get(self.backend_alias)
+        return found if found is not None else backends[self.backend_alias]
 
     def _options(self) -> dict[str, Any]:
         return {
@@ -553,7 +566,7 @@ class Lock(_LockBase):
         :class:`LockBackendUnavailable` when the server cannot be reached.
         """
         wait = self.timeout if timeout is _DEFAULT else _timeout_arg(timeout)
-        again = self._reentrant_lease()
+        again = self._reentrant_lease() if self.reentrant else None
         if isinstance(again, Lease):
             # Confirm with the server (and refresh the lease) rather than trust local
             # state: re-entering a lock lost under the outer block must fail loudly.
@@ -565,7 +578,15 @@ class Lock(_LockBase):
                     again._depth += 1
             return again
         lease = acquire_lease(
-            self.backend, self.name, ttl=self.ttl, timeout=wait, fair=self.fair, **self._options()
+            self.backend,
+            self.name,
+            ttl=self.ttl,
+            timeout=wait,
+            fair=self.fair,
+            on_lost=self.on_lost,
+            auto_renew=self.auto_renew,
+            max_hold=self.max_hold,
+            release_on_commit=self.release_on_commit,
         )
         if self.reentrant:
             reentrancy.remember(lease)
