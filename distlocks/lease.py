@@ -252,7 +252,9 @@ class BaseLease:
             # A forked child: the lock is its parent's, still held there.
             logger.debug("Not releasing lock %r: it belongs to the parent process", self.name)
             return NOTHING
-        self.held()  # notices a lease that ran out
+        valid_until = self._valid_until
+        if valid_until is not None and self._state == HELD and time.monotonic() >= valid_until:
+            self.held()  # marks the lease that ran out lost
         if self._state == LOST:
             # Lost locally, but the server may still keep something (a Redis key
             # not yet expired, a pinned PostgreSQL connection): give it back once.

@@ -282,11 +282,11 @@ def acquire_lease(
         backend, name, ttl=ttl, timeout=timeout, deadline=deadline, fair=fair, options=options
     )
     owner, holder = attempt.owner, attempt.holder
-    # A backend that can wait and try again in one round trip (Redis) does so.
-    combined = getattr(backend, "wait_and_acquire", None)
     try:
         started = time.monotonic()
         result = backend.acquire(name, owner, ttl, holder, wait=attempt.budget(), fair=fair)
+        # A backend that can wait and try again in one round trip (Redis) does so.
+        combined = None if result.acquired else getattr(backend, "wait_and_acquire", None)
         while not attempt.granted(result):
             seconds = attempt.next_wait(result)
             again = None
@@ -361,10 +361,10 @@ async def aacquire_lease(
         backend, name, ttl=ttl, timeout=timeout, deadline=deadline, fair=fair, options=options
     )
     owner, holder = attempt.owner, attempt.holder
-    combined = getattr(backend, "await_and_acquire", None)
     try:
         started = time.monotonic()
         result = await backend.aacquire(name, owner, ttl, holder, wait=attempt.budget(), fair=fair)
+        combined = None if result.acquired else getattr(backend, "await_and_acquire", None)
         while not attempt.granted(result):
             seconds = attempt.next_wait(result)
             again = None
@@ -421,15 +421,14 @@ def finish_lease(lease: Lease, body_failed: bool) -> None:
     """
     try:
         # Notices a lease that ran out while inside (its release step asks held()).
-        lease.release()
+        lease._release(deferrable=True)  # what release() runs, one call less
     except LockError:
         if body_failed:
             logger.exception("Could not release lock %r after an error in its block", lease.name)
             return
         raise
-    problem = _exit_problem(lease, body_failed)
-    if problem is not None:
-        raise problem
+    if not body_failed and lease._state == "lost":
+        raise LockLost(lease, lease.lost_reason)
 
 
 async def afinish_lease(lease: AsyncLease, body_failed: bool) -> None:
