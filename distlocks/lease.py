@@ -62,6 +62,19 @@ RENEW_FRACTION = 1 / 3
 class BaseLease:
     """State shared by the sync and async leases: validity, loss, reentrancy depth."""
 
+    # The state every lease starts in, read from the class until first changed (an
+    # assignment gives the lease its own): not copied into each lease at its creation.
+    #: Successful extensions so far (by the watchdog or by ``extend()``).
+    renewals = 0
+    # The release waiting for the caller's transaction, if any.
+    _deferral: transactions.Deferral | None = None
+    _state = HELD
+    _lost_reason = ""
+    _last_renew_error = ""
+    _release_requested = False
+    _freed_on_server = False
+    _depth = 1
+
     def __init__(
         self,
         *,
@@ -99,24 +112,16 @@ class BaseLease:
         self.auto_renew = auto_renew
         #: Stop renewing once the lease has been held this long (seconds), if set.
         self.max_hold = max_hold
-        #: Successful extensions so far (by the watchdog or by ``extend()``).
-        self.renewals = 0
         #: Whether a release inside ``transaction.atomic()`` waits for its end (None:
         #: the ``DISTLOCKS_RELEASE_ON_COMMIT`` setting).
         self.release_on_commit = release_on_commit
-        # The release waiting for the caller's transaction, if any.
-        self._deferral: transactions.Deferral | None = None
         self._started = started
         self._valid_until = None if remaining is None else started + remaining
-        self._state = HELD
-        self._lost_reason = ""
-        self._last_renew_error = ""
-        self._release_requested = False
-        self._freed_on_server = False
+        # The state that starts the same for every lease (held, depth 1, no deferral,
+        # no renewal yet...) starts as the class attributes below.
         # Shared with the renewer and the drop guard, which hold no reference to the
         # lease: whether it ended, and the process it belongs to.
         self._ended: dict[str, Any] = {"ended": False, "pid": process.pid}
-        self._depth = 1
         # Serialises release, extension and renewal (held across their server call).
         self._mutex = threading.RLock()
         # Guards the state change to lost alone, never held across I/O, so held()

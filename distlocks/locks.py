@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
+L = TypeVar("L", bound=BaseLease)
 
 _DEFAULT: Any = object()
 # Waiting on a backend that cannot wake waiters backs off up to this.
@@ -169,24 +170,26 @@ class _Attempt:
             wait = min(wait, self.deadline - now)
         return max(wait, 0.0)
 
-    def lease_kwargs(self, result: AcquireResult, started: float) -> dict[str, Any]:
+    def lease(self, cls: type[L], result: AcquireResult, started: float) -> L:
+        """The lease of the grant ``result`` (a :class:`Lease` or :class:`AsyncLease`)."""
         if not self.backend.expires_on_server:
             # Nothing expires on the server, and the call may have waited in its
             # queue: the local lease starts at the grant.
             started = time.monotonic()
-        return {
-            "backend": self.backend,
-            "name": self.name,
-            "owner": self.owner,
-            "fencing_token": result.fencing_token,
-            "ttl": self.ttl,
-            "started": started,
-            "remaining": result.remaining,
-            "on_lost": self.options.get("on_lost"),
-            "auto_renew": self.options.get("auto_renew", True),
-            "max_hold": self.options.get("max_hold"),
-            "release_on_commit": self.options.get("release_on_commit"),
-        }
+        options = self.options
+        return cls(
+            backend=self.backend,
+            name=self.name,
+            owner=self.owner,
+            fencing_token=result.fencing_token,
+            ttl=self.ttl,
+            started=started,
+            remaining=result.remaining,
+            on_lost=options.get("on_lost"),
+            auto_renew=options.get("auto_renew", True),
+            max_hold=options.get("max_hold"),
+            release_on_commit=options.get("release_on_commit"),
+        )
 
     def guard(self, lease: BaseLease, due: float | None) -> None:
         """A lease that nothing renews (``due`` is None) and the server never ends: if
@@ -306,7 +309,7 @@ def acquire_lease(
     finally:
         if attempt.registered:
             _leave_quietly(attempt.waits, name, owner)
-    lease = Lease(**attempt.lease_kwargs(result, started))
+    lease = attempt.lease(Lease, result, started)
     due = lease._renewal_due()
     if due is not None:
         renewer(backend.alias).add(lease, due)
@@ -389,7 +392,7 @@ async def aacquire_lease(
                 await attempt.waits.aleave_queue(name, owner)
             except Exception as exc:
                 log_expected(logger, exc, "Could not leave the wait queue of %r", name)
-    lease = AsyncLease(**attempt.lease_kwargs(result, started))
+    lease = attempt.lease(AsyncLease, result, started)
     due = lease._renewal_due()
     lease._start_renewal(due)
     attempt.guard(lease, due)

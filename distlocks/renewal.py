@@ -77,7 +77,11 @@ class Renewer:
 
     def add(self, lease: Lease, due: float) -> None:
         """Renew ``lease`` at monotonic time ``due`` (and after that as it asks)."""
-        entry = (due, next(self._seq), weakref.ref(lease), _ident(lease))
+        # The lease's identity (see _ident), inlined: this runs once per lease.
+        entry = (
+            due, next(self._seq), weakref.ref(lease),
+            (lease._backend, lease.name, lease.owner, lease._ended),
+        )  # fmt: skip
         with self._lock:
             if len(self._heap) >= self._compact_at:
                 self._compact()
