@@ -18,7 +18,8 @@ backend and the lock() rows, so the difference of their CPU columns is the cost 
 Lock/Lease layer, and it holds under load far better than wall-clock differences do.
 The median wall clock per block is printed too. ``--profile`` adds a ``cProfile`` of
 the lock() cycle on the backend named (default: the in-process one, where nothing but
-the layer and the backend runs), functions by own time. Nothing is asserted; the figures are printed.
+the layer and the backend runs), functions by own time. Nothing is asserted; the
+figures are printed.
 """
 
 from __future__ import annotations

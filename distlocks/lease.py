@@ -40,6 +40,7 @@ from distlocks.validation import validate_ttl
 
 if TYPE_CHECKING:
     from distlocks.backends.base import LeaseServer
+    from distlocks.renewal import LoopRenewer
 
 logger = logging.getLogger(__name__)
 
@@ -536,41 +537,23 @@ class AsyncLease(BaseLease):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        # Renewal waits on a timer of the loop, and runs as a task only for the turn
-        # itself: a task per lease would cost a task's creation, first step and
-        # cancellation on every cycle, though most leases end before their first turn.
-        self._renew_timer: asyncio.TimerHandle | None = None
+        # The renewal turn in flight, if any (renewal waits in its loop's renewer:
+        # see distlocks.renewal.LoopRenewer).
         self._renew_task: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._alock = asyncio.Lock()
 
-    def _start_renewal(self, due: float | None) -> None:
-        """Renew the lease from ``due`` on (monotonic: its ``_renewal_due()``), if set."""
-        if due is not None:
-            self._loop = asyncio.get_running_loop()
-            self._schedule_renewal(due)
-
-    def _schedule_renewal(self, due: float) -> None:
-        assert self._loop is not None
-        self._renew_timer = self._loop.call_later(
-            max(0.0, due - time.monotonic()), self._renewal_turn
+    def _renewal_turn(self, renewer: LoopRenewer) -> None:
+        """Called by the loop's renewer when the lease is due: renew in a task."""
+        self._renew_task = asyncio.get_running_loop().create_task(
+            self._renew_and_reschedule(renewer), name=f"distlocks-renew:{self.name}"
         )
 
-    def _renewal_turn(self) -> None:
-        """The timer fired (on the loop): renew in a task of its own."""
-        self._renew_timer = None
-        if self._ended["ended"] or self._loop is None:
-            return
-        self._renew_task = self._loop.create_task(
-            self._renew_and_reschedule(), name=f"distlocks-renew:{self.name}"
-        )
-
-    async def _renew_and_reschedule(self) -> None:
+    async def _renew_and_reschedule(self, renewer: LoopRenewer) -> None:
         due = await self._arenew_once()
         if self._renew_task is asyncio.current_task():
             self._renew_task = None
         if due is not None and not self._ended["ended"]:
-            self._schedule_renewal(due)
+            renewer.add(self, due)
 
     async def _arenew_once(self) -> float | None:
         async with self._alock:
@@ -588,26 +571,22 @@ class AsyncLease(BaseLease):
             return self._renew_result(started, outcome)
 
     def _stop_renewal(self) -> None:
-        timer, self._renew_timer = self._renew_timer, None
+        """Cancel the renewal turn in flight, if any (a lease waiting for its turn needs
+        nothing: the renewer drops ended leases when it meets them)."""
         task, self._renew_task = self._renew_task, None
-        loop = self._loop
-        if loop is None or (timer is None and task is None):
+        if task is None:
             return
+        loop = task.get_loop()
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is loop:
-            if timer is not None:
-                timer.cancel()
-            if task is not None and task is not asyncio.current_task():
+            if task is not asyncio.current_task():
                 task.cancel()
         elif not loop.is_closed():
             # Lost from another thread (e.g. held() called elsewhere): cancel on its loop.
-            if timer is not None:
-                loop.call_soon_threadsafe(timer.cancel)
-            if task is not None:
-                loop.call_soon_threadsafe(task.cancel)
+            loop.call_soon_threadsafe(task.cancel)
 
     def _on_finished(self) -> None:
         super()._on_finished()

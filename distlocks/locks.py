@@ -12,6 +12,7 @@ split, the loop and its callers would be two files that always change together.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import functools
@@ -35,7 +36,7 @@ from distlocks.exceptions import LockError, LockLost, LockNotAcquired
 from distlocks.handler import backends, check_alias
 from distlocks.lease import AsyncLease, BaseLease, Lease, release_dropped
 from distlocks.logs import log_expected
-from distlocks.renewal import renewer
+from distlocks.renewal import loop_renewer, renewer
 from distlocks.validation import (
     MAX_TIMEOUT,
     MAX_TTL,
@@ -394,7 +395,8 @@ async def aacquire_lease(
                 log_expected(logger, exc, "Could not leave the wait queue of %r", name)
     lease = attempt.lease(AsyncLease, result, started)
     due = lease._renewal_due()
-    lease._start_renewal(due)
+    if due is not None:
+        loop_renewer(asyncio.get_running_loop()).add(lease, due)
     attempt.guard(lease, due)
     try:
         if signals.lock_acquired.receivers:

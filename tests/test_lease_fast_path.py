@@ -162,3 +162,45 @@ def test_signals_reach_receivers_connected_after_a_quiet_cycle(use_async: bool) 
         signals.lock_released.disconnect(on_released)
     cycle()
     assert heard == ["acquired:fast-path:signals", "released:fast-path:signals"]
+
+
+def test_a_lease_due_sooner_than_those_waiting_is_renewed_in_time() -> None:
+    """One loop's leases share one timer: a lease added later but due sooner (a shorter
+    ttl) must move it earlier, or it runs out waiting behind the long one."""
+
+    async def main() -> tuple[int, bool]:
+        async with alock("fast-path:long", backend=ALIAS, ttl=60, timeout=0):
+            async with alock("fast-path:short", backend=ALIAS, ttl=0.6, timeout=0) as short:
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + 30
+                while short.renewals < 3 and short.held() and loop.time() < deadline:
+                    await asyncio.sleep(0.02)
+                return short.renewals, short.held()
+
+    renewals, held = asyncio.run(main())
+    assert held and renewals >= 3
+
+
+def test_an_event_loop_is_not_kept_alive_by_its_leases() -> None:
+    """The per-loop renewer refers to its loop weakly: a finished loop, with a lease
+    released and one still held at its end, is collected."""
+    import gc
+    import weakref
+
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def main() -> Any:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        async with alock("fast-path:gc-released", backend=ALIAS, ttl=30, timeout=0):
+            pass
+        # Held when the loop ends; released below, outside any loop.
+        return await alock("fast-path:gc-held", backend=ALIAS, ttl=30, timeout=0).acquire()
+
+    lease = asyncio.run(main())
+    try:
+        gc.collect()
+        assert loops[0]() is None
+    finally:
+        from distlocks import get_backend
+
+        get_backend(ALIAS).release(lease.name, lease.owner)
