@@ -12,8 +12,9 @@ A :class:`Lease` released while a connection of its thread is inside
 or rolls back (:mod:`distlocks.transactions`), unless ``release_on_commit`` is off.
 
 With ``auto_renew`` the lease is extended at about a third of its ttl, by the
-process-wide :mod:`distlocks.renewal` thread for :class:`Lease` and by one
-asyncio task per lease for :class:`AsyncLease`. A renewal that finds the lease
+process-wide :mod:`distlocks.renewal` thread for :class:`Lease` and, for
+:class:`AsyncLease`, on the loop that took it (one renewer per loop, each renewal turn an
+asyncio task: :class:`distlocks.renewal.LoopRenewer`). A renewal that finds the lease
 gone, or that cannot reach the server before the lease runs out, marks it lost.
 
 Why this is one module of about 600 lines (issue 28's size rule): the two lease classes

@@ -653,8 +653,8 @@ class Lock(_LockBase):
 class AsyncLock(_LockBase):
     """The asyncio lock: ``async with alock(...) as lease``, a decorator for coroutine
     functions, or ``await alock(...).acquire()``. Same arguments and semantics as
-    :class:`Lock`; renewal runs as an asyncio task of the lease, and reentrancy is
-    per asyncio task.
+    :class:`Lock`; renewal runs on the loop that took the lease (each renewal turn
+    an asyncio task), and reentrancy is per asyncio task.
 
     A release is never deferred to a transaction's end: Django runs no
     ``transaction.atomic()`` in async code (it refuses it there). Code that writes in a

@@ -13,6 +13,9 @@ releasing is released at its next renewal time instead of being kept alive for
 as long as the process runs. A lease that ended stays in the heap until its turn
 comes (then it is dropped) or until the heap has doubled since it was last
 compacted, whichever is first: ending a lease costs the renewer nothing.
+
+The leases of ``alock()`` are renewed on their event loop instead, the same way: one
+:class:`LoopRenewer` per loop, a heap and one pending timer of the loop for all of them.
 """
 
 from __future__ import annotations
