@@ -12,8 +12,9 @@ A :class:`Lease` released while a connection of its thread is inside
 or rolls back (:mod:`distlocks.transactions`), unless ``release_on_commit`` is off.
 
 With ``auto_renew`` the lease is extended at about a third of its ttl, by the
-process-wide :mod:`distlocks.renewal` thread for :class:`Lease` and by one
-asyncio task per lease for :class:`AsyncLease`. A renewal that finds the lease
+process-wide :mod:`distlocks.renewal` thread for :class:`Lease` and, for
+:class:`AsyncLease`, on the loop that took it (one renewer per loop, each renewal turn an
+asyncio task: :class:`distlocks.renewal.LoopRenewer`). A renewal that finds the lease
 gone, or that cannot reach the server before the lease runs out, marks it lost.
 
 Why this is one module of about 600 lines (issue 28's size rule): the two lease classes
@@ -40,6 +41,7 @@ from distlocks.validation import validate_ttl
 
 if TYPE_CHECKING:
     from distlocks.backends.base import LeaseServer
+    from distlocks.renewal import LoopRenewer
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,19 @@ RENEW_FRACTION = 1 / 3
 
 class BaseLease:
     """State shared by the sync and async leases: validity, loss, reentrancy depth."""
+
+    # The state every lease starts in, read from the class until first changed (an
+    # assignment gives the lease its own): not copied into each lease at its creation.
+    #: Successful extensions so far (by the watchdog or by ``extend()``).
+    renewals = 0
+    # The release waiting for the caller's transaction, if any.
+    _deferral: transactions.Deferral | None = None
+    _state = HELD
+    _lost_reason = ""
+    _last_renew_error = ""
+    _release_requested = False
+    _freed_on_server = False
+    _depth = 1
 
     def __init__(
         self,
@@ -88,36 +103,27 @@ class BaseLease:
         self.fencing_token = fencing_token
         #: Lease length in seconds (the last one asked for).
         self.ttl = ttl
-        now = dt.datetime.now(dt.UTC)
-        #: Wall-clock time of the acquisition (for display; deadlines use the monotonic clock).
-        self.acquired_at = now
+        # Wall-clock time of the acquisition, as the seconds time.time() gives: the
+        # datetime ``acquired_at`` shows is built when asked, which most holders never do.
+        now = time.time()
+        self._acquired_wall = now
         # (wall-clock start, seconds) of the current term; ``expires_at`` adds them up
-        # when asked, which most holders never do.
-        self._term: tuple[dt.datetime, float] | None = (
-            None if remaining is None else (now, remaining)
-        )
+        # when asked.
+        self._term: tuple[float, float] | None = None if remaining is None else (now, remaining)
         self.on_lost = on_lost
         self.auto_renew = auto_renew
         #: Stop renewing once the lease has been held this long (seconds), if set.
         self.max_hold = max_hold
-        #: Successful extensions so far (by the watchdog or by ``extend()``).
-        self.renewals = 0
         #: Whether a release inside ``transaction.atomic()`` waits for its end (None:
         #: the ``DISTLOCKS_RELEASE_ON_COMMIT`` setting).
         self.release_on_commit = release_on_commit
-        # The release waiting for the caller's transaction, if any.
-        self._deferral: transactions.Deferral | None = None
         self._started = started
         self._valid_until = None if remaining is None else started + remaining
-        self._state = HELD
-        self._lost_reason = ""
-        self._last_renew_error = ""
-        self._release_requested = False
-        self._freed_on_server = False
+        # The state that starts the same for every lease (held, depth 1, no deferral,
+        # no renewal yet...) starts as the class attributes below.
         # Shared with the renewer and the drop guard, which hold no reference to the
         # lease: whether it ended, and the process it belongs to.
         self._ended: dict[str, Any] = {"ended": False, "pid": process.pid}
-        self._depth = 1
         # Serialises release, extension and renewal (held across their server call).
         self._mutex = threading.RLock()
         # Guards the state change to lost alone, never held across I/O, so held()
@@ -131,10 +137,18 @@ class BaseLease:
         )
 
     @property
+    def acquired_at(self) -> dt.datetime:
+        """Wall-clock time of the acquisition (for display; deadlines use the monotonic
+        clock)."""
+        return dt.datetime.fromtimestamp(self._acquired_wall, dt.UTC)
+
+    @property
     def expires_at(self) -> dt.datetime | None:
         """Wall-clock end of the lease, or None where the backend has no expiry."""
         term = self._term
-        return None if term is None else term[0] + dt.timedelta(seconds=term[1])
+        if term is None:
+            return None
+        return dt.datetime.fromtimestamp(term[0], dt.UTC) + dt.timedelta(seconds=term[1])
 
     @property
     def state(self) -> str:
@@ -245,7 +259,9 @@ class BaseLease:
             # A forked child: the lock is its parent's, still held there.
             logger.debug("Not releasing lock %r: it belongs to the parent process", self.name)
             return NOTHING
-        self.held()  # notices a lease that ran out
+        valid_until = self._valid_until
+        if valid_until is not None and self._state == HELD and time.monotonic() >= valid_until:
+            self.held()  # marks the lease that ran out lost
         if self._state == LOST:
             # Lost locally, but the server may still keep something (a Redis key
             # not yet expired, a pinned PostgreSQL connection): give it back once.
@@ -382,7 +398,7 @@ class BaseLease:
         self._last_renew_error = ""
         if self._valid_until is not None:  # a lease with a deadline gets a new one
             self._valid_until = started + self._backend.local_lease(ttl)
-            self._term = (dt.datetime.now(dt.UTC), ttl)
+            self._term = (time.time(), ttl)
 
 
 class Lease(BaseLease):
@@ -522,20 +538,23 @@ class AsyncLease(BaseLease):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        # The renewal turn in flight, if any (renewal waits in its loop's renewer:
+        # see distlocks.renewal.LoopRenewer).
         self._renew_task: asyncio.Task[None] | None = None
         self._alock = asyncio.Lock()
 
-    def _start_renewal(self) -> None:
-        if self._renewal_due() is not None:
-            self._renew_task = asyncio.get_running_loop().create_task(
-                self._renew_loop(), name=f"distlocks-renew:{self.name}"
-            )
+    def _renewal_turn(self, renewer: LoopRenewer) -> None:
+        """Called by the loop's renewer when the lease is due: renew in a task."""
+        self._renew_task = asyncio.get_running_loop().create_task(
+            self._renew_and_reschedule(renewer), name=f"distlocks-renew:{self.name}"
+        )
 
-    async def _renew_loop(self) -> None:
-        due = self._renewal_due()
-        while due is not None:
-            await asyncio.sleep(max(0.0, due - time.monotonic()))
-            due = await self._arenew_once()
+    async def _renew_and_reschedule(self, renewer: LoopRenewer) -> None:
+        due = await self._arenew_once()
+        if self._renew_task is asyncio.current_task():
+            self._renew_task = None
+        if due is not None and not self._ended["ended"]:
+            renewer.add(self, due)
 
     async def _arenew_once(self) -> float | None:
         async with self._alock:
@@ -553,6 +572,8 @@ class AsyncLease(BaseLease):
             return self._renew_result(started, outcome)
 
     def _stop_renewal(self) -> None:
+        """Cancel the renewal turn in flight, if any (a lease waiting for its turn needs
+        nothing: the renewer drops ended leases when it meets them)."""
         task, self._renew_task = self._renew_task, None
         if task is None:
             return
@@ -596,7 +617,8 @@ class AsyncLease(BaseLease):
             if not self._released(await self._backend.arelease(self.name, self.owner)):
                 return False
         self._on_finished()
-        signals.lock_released.send(sender=AsyncLease, lease=self)
+        if signals.lock_released.receivers:  # skips building the arguments of a no-op
+            signals.lock_released.send(sender=AsyncLease, lease=self)
         return True
 
 

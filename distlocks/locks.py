@@ -12,6 +12,7 @@ split, the loop and its callers would be two files that always change together.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import functools
@@ -35,13 +36,21 @@ from distlocks.exceptions import LockError, LockLost, LockNotAcquired
 from distlocks.handler import backends, check_alias
 from distlocks.lease import AsyncLease, BaseLease, Lease, release_dropped
 from distlocks.logs import log_expected
-from distlocks.renewal import renewer
-from distlocks.validation import validate_flag, validate_name, validate_timeout, validate_ttl
+from distlocks.renewal import loop_renewer, renewer
+from distlocks.validation import (
+    MAX_TIMEOUT,
+    MAX_TTL,
+    validate_flag,
+    validate_name,
+    validate_timeout,
+    validate_ttl,
+)
 
 logger = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
+L = TypeVar("L", bound=BaseLease)
 
 _DEFAULT: Any = object()
 # Waiting on a backend that cannot wake waiters backs off up to this.
@@ -87,8 +96,8 @@ class _Attempt:
 
     # One per acquisition: slots make it cheaper to build.
     __slots__ = (
-        "backend", "began", "deadline", "fair", "holder", "interval", "name", "options",
-        "owner", "registered", "timeout", "ttl", "waits",
+        "_waits", "backend", "began", "deadline", "fair", "holder", "interval", "name",
+        "options", "owner", "registered", "timeout", "ttl",
     )  # fmt: skip
 
     def __init__(
@@ -105,9 +114,7 @@ class _Attempt:
         #: When the acquisition began (monotonic), for the wait time the signals report.
         self.began = time.monotonic()
         self.backend = backend
-        # What to wait on between attempts: the backend, or polling where it cannot wake
-        # waiters (it does not declare the Waiting capability).
-        self.waits = waiting_side(backend)
+        self._waits: WaitServer | None = None
         self.name = name
         self.ttl = ttl
         self.timeout = timeout
@@ -121,6 +128,16 @@ class _Attempt:
         self.interval = FIRST_POLL_INTERVAL
         #: True while the backend may list this caller as a waiter (to be undone).
         self.registered = False
+
+    @property
+    def waits(self) -> WaitServer:
+        """What to wait on between attempts: the backend, or polling where it cannot
+        wake waiters (it does not declare the Waiting capability). Looked up at the
+        first wait (a class check): most acquisitions never wait."""
+        waits = self._waits
+        if waits is None:
+            waits = self._waits = waiting_side(self.backend)
+        return waits
 
     def budget(self) -> float:
         """How long this caller may still wait, for the backend's waiter registration."""
@@ -154,24 +171,26 @@ class _Attempt:
             wait = min(wait, self.deadline - now)
         return max(wait, 0.0)
 
-    def lease_kwargs(self, result: AcquireResult, started: float) -> dict[str, Any]:
+    def lease(self, cls: type[L], result: AcquireResult, started: float) -> L:
+        """The lease of the grant ``result`` (a :class:`Lease` or :class:`AsyncLease`)."""
         if not self.backend.expires_on_server:
             # Nothing expires on the server, and the call may have waited in its
             # queue: the local lease starts at the grant.
             started = time.monotonic()
-        return {
-            "backend": self.backend,
-            "name": self.name,
-            "owner": self.owner,
-            "fencing_token": result.fencing_token,
-            "ttl": self.ttl,
-            "started": started,
-            "remaining": result.remaining,
-            "on_lost": self.options.get("on_lost"),
-            "auto_renew": self.options.get("auto_renew", True),
-            "max_hold": self.options.get("max_hold"),
-            "release_on_commit": self.options.get("release_on_commit"),
-        }
+        options = self.options
+        return cls(
+            backend=self.backend,
+            name=self.name,
+            owner=self.owner,
+            fencing_token=result.fencing_token,
+            ttl=self.ttl,
+            started=started,
+            remaining=result.remaining,
+            on_lost=options.get("on_lost"),
+            auto_renew=options.get("auto_renew", True),
+            max_hold=options.get("max_hold"),
+            release_on_commit=options.get("release_on_commit"),
+        )
 
     def guard(self, lease: BaseLease, due: float | None) -> None:
         """A lease that nothing renews (``due`` is None) and the server never ends: if
@@ -197,6 +216,24 @@ def _checked_name(name: Any) -> str:
             _valid_names.clear()
         _valid_names[name] = None
     return name
+
+
+def _ttl_arg(value: Any, what: str = "ttl") -> float:
+    """``validate_ttl(value, what)``, the usual value (a plain float or int in range)
+    passed by two comparisons. Only the exact types: a bool is an int that is no lease
+    length, and NaN fails both comparisons, so it goes to the full check."""
+    kind = type(value)
+    if (kind is float or kind is int) and 0.01 <= value <= MAX_TTL:
+        return float(value)
+    return validate_ttl(value, what)
+
+
+def _timeout_arg(value: Any) -> float | None:
+    """``validate_timeout(value)``, with the same shortcut as :func:`_ttl_arg`."""
+    kind = type(value)
+    if (kind is float or kind is int) and 0 <= value <= MAX_TIMEOUT:
+        return float(value)
+    return validate_timeout(value)
 
 
 def _when_dropped(backend: LeaseServer, name: str, owner: str, ended: dict[str, Any]) -> None:
@@ -249,11 +286,11 @@ def acquire_lease(
         backend, name, ttl=ttl, timeout=timeout, deadline=deadline, fair=fair, options=options
     )
     owner, holder = attempt.owner, attempt.holder
-    # A backend that can wait and try again in one round trip (Redis) does so.
-    combined = getattr(backend, "wait_and_acquire", None)
     try:
         started = time.monotonic()
         result = backend.acquire(name, owner, ttl, holder, wait=attempt.budget(), fair=fair)
+        # A backend that can wait and try again in one round trip (Redis) does so.
+        combined = None if result.acquired else getattr(backend, "wait_and_acquire", None)
         while not attempt.granted(result):
             seconds = attempt.next_wait(result)
             again = None
@@ -273,7 +310,7 @@ def acquire_lease(
     finally:
         if attempt.registered:
             _leave_quietly(attempt.waits, name, owner)
-    lease = Lease(**attempt.lease_kwargs(result, started))
+    lease = attempt.lease(Lease, result, started)
     due = lease._renewal_due()
     if due is not None:
         renewer(backend.alias).add(lease, due)
@@ -328,10 +365,10 @@ async def aacquire_lease(
         backend, name, ttl=ttl, timeout=timeout, deadline=deadline, fair=fair, options=options
     )
     owner, holder = attempt.owner, attempt.holder
-    combined = getattr(backend, "await_and_acquire", None)
     try:
         started = time.monotonic()
         result = await backend.aacquire(name, owner, ttl, holder, wait=attempt.budget(), fair=fair)
+        combined = None if result.acquired else getattr(backend, "await_and_acquire", None)
         while not attempt.granted(result):
             seconds = attempt.next_wait(result)
             again = None
@@ -356,13 +393,16 @@ async def aacquire_lease(
                 await attempt.waits.aleave_queue(name, owner)
             except Exception as exc:
                 log_expected(logger, exc, "Could not leave the wait queue of %r", name)
-    lease = AsyncLease(**attempt.lease_kwargs(result, started))
-    lease._start_renewal()
-    attempt.guard(lease, lease._renewal_due())
+    lease = attempt.lease(AsyncLease, result, started)
+    due = lease._renewal_due()
+    if due is not None:
+        loop_renewer(asyncio.get_running_loop()).add(lease, due)
+    attempt.guard(lease, due)
     try:
-        signals.lock_acquired.send(
-            sender=AsyncLease, lease=lease, waited=time.monotonic() - attempt.began
-        )
+        if signals.lock_acquired.receivers:
+            signals.lock_acquired.send(
+                sender=AsyncLease, lease=lease, waited=time.monotonic() - attempt.began
+            )
     except BaseException:
         with contextlib.suppress(Exception):
             await lease.release()
@@ -384,17 +424,16 @@ def finish_lease(lease: Lease, body_failed: bool) -> None:
     raised (its exception is the one the caller needs to see; the loss is still
     logged and signalled).
     """
-    lease.held()  # notices a lease that ran out while inside
     try:
-        lease.release()
+        # Notices a lease that ran out while inside (its release step asks held()).
+        lease._release(deferrable=True)  # what release() runs, one call less
     except LockError:
         if body_failed:
             logger.exception("Could not release lock %r after an error in its block", lease.name)
             return
         raise
-    problem = _exit_problem(lease, body_failed)
-    if problem is not None:
-        raise problem
+    if not body_failed and lease._state == "lost":
+        raise LockLost(lease, lease.lost_reason)
 
 
 async def afinish_lease(lease: AsyncLease, body_failed: bool) -> None:
@@ -445,15 +484,23 @@ class _LockBase:
         release_on_commit: bool | None = None,
     ) -> None:
         self.name = _checked_name(name)
-        check_alias(backend)
+        if type(backend) is not str or backend not in backends._backends:
+            check_alias(backend)  # the usual alias, already built, needs no look
         self.backend_alias = backend
-        self._ttl = None if ttl is None else validate_ttl(ttl)
-        self._timeout = timeout if timeout is _DEFAULT else validate_timeout(timeout)
-        self.auto_renew = validate_flag(auto_renew, "auto_renew")
-        self.reentrant = validate_flag(reentrant, "reentrant")
-        self.fair = validate_flag(fair, "fair")
+        self._ttl = None if ttl is None else _ttl_arg(ttl)
+        self._timeout = timeout if timeout is _DEFAULT else _timeout_arg(timeout)
+        # Flags are checked only when not one of the two bools (the usual case).
+        if auto_renew is not True and auto_renew is not False:
+            validate_flag(auto_renew, "auto_renew")
+        self.auto_renew = auto_renew
+        if reentrant is not False and reentrant is not True:
+            validate_flag(reentrant, "reentrant")
+        self.reentrant = reentrant
+        if fair is not False and fair is not True:
+            validate_flag(fair, "fair")
+        self.fair = fair
         if max_hold is not None:
-            max_hold = validate_ttl(max_hold, "max_hold")
+            max_hold = _ttl_arg(max_hold, "max_hold")
         self.max_hold = max_hold
         if on_lost is not None and not callable(on_lost):
             raise TypeError(f"on_lost must be a callable taking the lease, not {on_lost!r}.")
@@ -471,17 +518,20 @@ class _LockBase:
 
     @property
     def ttl(self) -> float:
-        return self._ttl if self._ttl is not None else validate_ttl(conf.DEFAULT_TTL)
+        return self._ttl if self._ttl is not None else _ttl_arg(conf.DEFAULT_TTL)
 
     @property
     def timeout(self) -> float | None:
         if self._timeout is _DEFAULT:
-            return validate_timeout(conf.DEFAULT_TIMEOUT)
+            return _timeout_arg(conf.DEFAULT_TIMEOUT)
         return self._timeout
 
     @property
     def backend(self) -> BaseBackend:
-        return backends[self.backend_alias]
+        # The built backend straight from the handler's dict (the usual case), without
+        # the handler's method call.
+        found = backends._backends.get(self.backend_alias)
+        return found if found is not None else backends[self.backend_alias]
 
     def _options(self) -> dict[str, Any]:
         return {
@@ -519,8 +569,8 @@ class Lock(_LockBase):
         Raises :class:`LockNotAcquired` when the lock stays busy,
         :class:`LockBackendUnavailable` when the server cannot be reached.
         """
-        wait = self.timeout if timeout is _DEFAULT else validate_timeout(timeout)
-        again = self._reentrant_lease()
+        wait = self.timeout if timeout is _DEFAULT else _timeout_arg(timeout)
+        again = self._reentrant_lease() if self.reentrant else None
         if isinstance(again, Lease):
             # Confirm with the server (and refresh the lease) rather than trust local
             # state: re-entering a lock lost under the outer block must fail loudly.
@@ -532,7 +582,15 @@ class Lock(_LockBase):
                     again._depth += 1
             return again
         lease = acquire_lease(
-            self.backend, self.name, ttl=self.ttl, timeout=wait, fair=self.fair, **self._options()
+            self.backend,
+            self.name,
+            ttl=self.ttl,
+            timeout=wait,
+            fair=self.fair,
+            on_lost=self.on_lost,
+            auto_renew=self.auto_renew,
+            max_hold=self.max_hold,
+            release_on_commit=self.release_on_commit,
         )
         if self.reentrant:
             reentrancy.remember(lease)
@@ -595,8 +653,8 @@ class Lock(_LockBase):
 class AsyncLock(_LockBase):
     """The asyncio lock: ``async with alock(...) as lease``, a decorator for coroutine
     functions, or ``await alock(...).acquire()``. Same arguments and semantics as
-    :class:`Lock`; renewal runs as an asyncio task of the lease, and reentrancy is
-    per asyncio task.
+    :class:`Lock`; renewal runs on the loop that took the lease (each renewal turn
+    an asyncio task), and reentrancy is per asyncio task.
 
     A release is never deferred to a transaction's end: Django runs no
     ``transaction.atomic()`` in async code (it refuses it there). Code that writes in a
@@ -613,7 +671,7 @@ class AsyncLock(_LockBase):
 
     async def acquire(self, *, timeout: float | None = _DEFAULT) -> AsyncLease:
         """Acquire a lease, waiting up to ``timeout`` seconds without blocking the loop."""
-        wait = self.timeout if timeout is _DEFAULT else validate_timeout(timeout)
+        wait = self.timeout if timeout is _DEFAULT else _timeout_arg(timeout)
         again = self._reentrant_lease()
         if isinstance(again, AsyncLease):
             await again.extend()

@@ -13,10 +13,14 @@ releasing is released at its next renewal time instead of being kept alive for
 as long as the process runs. A lease that ended stays in the heap until its turn
 comes (then it is dropped) or until the heap has doubled since it was last
 compacted, whichever is first: ending a lease costs the renewer nothing.
+
+The leases of ``alock()`` are renewed on their event loop instead, the same way: one
+:class:`LoopRenewer` per loop, a heap and one pending timer of the loop for all of them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import heapq
 import itertools
@@ -26,6 +30,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from distlocks.backends.base import BaseBackend
@@ -33,7 +38,7 @@ from distlocks.exceptions import LockError
 from distlocks.lease import EXTEND, FREE_LOST, release_dropped
 
 if TYPE_CHECKING:
-    from distlocks.lease import Lease
+    from distlocks.lease import AsyncLease, Lease
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +82,11 @@ class Renewer:
 
     def add(self, lease: Lease, due: float) -> None:
         """Renew ``lease`` at monotonic time ``due`` (and after that as it asks)."""
-        entry = (due, next(self._seq), weakref.ref(lease), _ident(lease))
+        # The lease's identity (see _ident), inlined: this runs once per lease.
+        entry = (
+            due, next(self._seq), weakref.ref(lease),
+            (lease._backend, lease.name, lease.owner, lease._ended),
+        )  # fmt: skip
         with self._lock:
             if len(self._heap) >= self._compact_at:
                 self._compact()
@@ -250,6 +259,97 @@ class Renewer:
             self._renew_alone(lease)
 
 
+class LoopRenewer:
+    """Renews the :class:`~distlocks.lease.AsyncLease` leases of one event loop: one
+    heap and one pending timer of the loop for all of them, so taking a lease costs a
+    push on the heap, and releasing it nothing (a timer or a task per lease would cost
+    their creation and cancellation on every cycle, though most leases end before their
+    first renewal). Each renewal turn runs as a task of its own, as before.
+
+    Only the loop's thread touches it. It refers to its loop weakly (the loop refers to
+    it through its pending timer), so a loop dropped unclosed is still collected. An
+    ended lease stays in the heap until its turn or the next compaction, as in
+    :class:`Renewer`; a live one is kept alive by the heap, as its renewal task did."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)
+        self._heap: list[tuple[float, int, AsyncLease]] = []
+        self._seq = itertools.count()
+        # The earliest time a timer of ours is set for (inf: none). A timer is never
+        # cancelled: one that fires with nothing due just sets the next one.
+        self._timer_at = math.inf
+        self._compact_at = COMPACT_AT
+
+    def add(self, lease: AsyncLease, due: float) -> None:
+        """Renew ``lease`` at monotonic time ``due``; called on the loop's thread."""
+        heap = self._heap
+        if len(heap) >= self._compact_at:
+            self._heap = heap = [entry for entry in heap if not entry[2]._ended["ended"]]
+            heapq.heapify(heap)
+            self._compact_at = max(COMPACT_AT, 2 * len(heap))
+        heapq.heappush(heap, (due, next(self._seq), lease))
+        if due < self._timer_at:
+            self._set_timer(due)
+
+    def _set_timer(self, due: float) -> None:
+        loop = self._loop()
+        if loop is None or loop.is_closed():
+            return
+        self._timer_at = due
+        loop.call_later(max(0.0, due - time.monotonic()), self._fire)
+
+    def _fire(self) -> None:
+        """A timer went off: start the turns of the leases due (within COALESCE)."""
+        self._timer_at = math.inf
+        heap = self._heap
+        now = time.monotonic() + COALESCE
+        while heap and heap[0][0] <= now:
+            lease = heapq.heappop(heap)[2]
+            if not lease._ended["ended"]:
+                try:
+                    lease._renewal_turn(self)
+                except Exception:  # one lease's bug must not stop the others' renewal
+                    logger.exception("Renewal of lock %r failed unexpectedly", lease.name)
+        if heap:
+            self._set_timer(heap[0][0])
+
+
+_loop_renewers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopRenewer] = (
+    weakref.WeakKeyDictionary()
+)
+_loop_renewers_lock = threading.Lock()
+
+
+def loop_renewer(loop: asyncio.AbstractEventLoop) -> LoopRenewer:
+    """The renewer of the asyncio leases of ``loop`` (call it on the loop's thread)."""
+    last = _last_loop
+    if last[0]() is loop:
+        found = last[1]()
+        if found is not None:
+            return found
+    return _find_loop_renewer(loop)
+
+
+def _find_loop_renewer(loop: asyncio.AbstractEventLoop) -> LoopRenewer:
+    global _last_loop
+    with _loop_renewers_lock:  # loops of other threads may look up at the same time
+        found = _loop_renewers.get(loop)
+        if found is None:
+            found = _loop_renewers[loop] = LoopRenewer(loop)
+    # The last loop asked about and its renewer: most processes run one loop at a time.
+    # Both weakly: a renewer lives as long as its loop, and no longer.
+    _last_loop = (weakref.ref(loop), weakref.ref(found))
+    return found
+
+
+def _dead() -> None:
+    return None
+
+
+#: (weak references to the last loop looked up and to its renewer).
+_last_loop: tuple[Callable[[], object], Callable[[], LoopRenewer | None]] = (_dead, _dead)
+
+
 def lateness() -> dict[str, dict[str, float]]:
     """How late renewals ran against their schedule, per backend alias: the median and
     99th percentile in seconds of the most recent ones (of each turn's first lease, the
@@ -287,7 +387,10 @@ def renewer(alias: str = "") -> Renewer:
 
 
 def _reset_after_fork() -> None:
+    global _loop_renewers_lock
     _renewers.clear()
+    # A forked child runs none of its parent's loops; the guard may have been held.
+    _loop_renewers_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):

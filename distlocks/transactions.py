@@ -85,14 +85,28 @@ def _sync_storage() -> threading.local | None:
     holds, for a thread running no event loop, a plain ``threading.local`` whose
     attributes are the aliases this thread initialized. None if not (another layout):
     the public lookup is used then."""
+    global _storage_seen
     try:
         local = connections._connections  # type: ignore[attr-defined]
-        storage = object.__getattribute__(local, "_storage")
     except AttributeError:
         return None
+    seen = _storage_seen
+    if seen[0] is local:
+        # The handler's Local and its storage live as long as each other: what was
+        # found for this Local holds (a new handler or Local is looked at anew).
+        return seen[1]
+    try:
+        storage = object.__getattribute__(local, "_storage")
+    except AttributeError:
+        storage = None
     if type(local).__name__ != "_ThreadCriticalLocal" or type(storage) is not threading.local:
-        return None
+        storage = None
+    _storage_seen = (local, storage)
     return storage
+
+
+#: (the connection handler's Local, the storage _sync_storage() found in it).
+_storage_seen: tuple[object, threading.local | None] = (None, None)
 
 
 def _key(backend: LeaseServer, name: str) -> tuple[int, str, str, str]:
