@@ -15,6 +15,7 @@ from distlocks import get_backend
 from distlocks.backends.base import BaseBackend
 from distlocks.handler import backends
 from distlocks.testing.servers import RedisClusterSet, RedisServer
+from tests.lost_reply_proxy import LostReplyProxy
 
 #: Every backend alias the contract suite runs against.
 CONTRACT_BACKENDS = ["locmem", "redis", "pg", "redlock", "zk", "etcd"]
@@ -136,6 +137,17 @@ def redis_cluster() -> Iterator[RedisClusterSet]:
     cluster = RedisClusterSet(masters=3, replicas=1, node_timeout_ms=1000).start()
     yield cluster
     cluster.close()
+
+
+@pytest.fixture(scope="session")
+def lost_reply_proxy() -> Iterator[LostReplyProxy]:
+    """A proxy to the session's Redis server that loses the reply to a request a test
+    names (tests/lost_reply_proxy.py); its ``url()`` names the server's database."""
+    from django.conf import settings
+
+    relay = LostReplyProxy.to(settings.REDIS_URL)
+    yield relay
+    relay.close()
 
 
 @pytest.fixture
