@@ -159,6 +159,21 @@ def redis_client() -> Iterator[redis.Redis]:
     client.close()
 
 
+@pytest.fixture
+def broker(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
+    """The Celery broker's Redis, with the test module's ``IDLE_QUEUE`` (a queue no
+    worker consumes, where published messages stay put for inspection) emptied before
+    and after the test."""
+    from django.conf import settings
+
+    queue = request.module.IDLE_QUEUE
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    client.delete(queue)
+    yield client
+    client.delete(queue)
+    client.close()
+
+
 @contextlib.contextmanager
 def database_alias(alias: str, url: str) -> Iterator[str]:
     """Add a MySQL/MariaDB ``DATABASES`` alias for ``url`` to the running process (the

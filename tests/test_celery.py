@@ -63,15 +63,6 @@ ROOT = Path(__file__).resolve().parent.parent
 IDLE_QUEUE = "distlocks-tests-idle"
 
 
-@pytest.fixture
-def broker() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
-    client.delete(IDLE_QUEUE)
-    yield client
-    client.delete(IDLE_QUEUE)
-    client.close()
-
-
 def _free(name: str, alias: str = "default") -> None:
     get_backend(alias).force_release(name)
 

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
-from django.conf import settings
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
@@ -63,15 +61,6 @@ def sends(monkeypatch: pytest.MonkeyPatch) -> _Sends:
         redis.connection.AbstractConnection, "send_packed_command", send_packed_command
     )
     return counter
-
-
-@pytest.fixture
-def broker() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
-    client.delete(IDLE_QUEUE)
-    yield client
-    client.delete(IDLE_QUEUE)
-    client.close()
 
 
 def _trivial(n: int) -> int:
