@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -50,11 +51,16 @@ def celery_workers(
             )
         )  # fmt: skip
 
+    # Counted by name: other workers on the same broker (another module's, another
+    # test session's) answer the broadcast ping too.
+    nodes = {f"{node}@{socket.gethostname()}" for node, _ in workers}
+
     def ready() -> bool:
         for proc in procs:
             assert proc.poll() is None, tails(logs)
         try:
-            return len(app.control.ping(timeout=0.5)) >= len(procs)
+            answered = {name for reply in app.control.ping(timeout=0.5) for name in reply}
+            return nodes <= answered
         except (redis.ConnectionError, OSError):
             # A pooled broker connection the server dropped: the next poll reconnects.
             return False
