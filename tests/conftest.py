@@ -15,6 +15,7 @@ from distlocks import get_backend
 from distlocks.backends.base import BaseBackend
 from distlocks.handler import backends
 from distlocks.testing.servers import RedisClusterSet, RedisServer
+from tests.lost_reply_proxy import LostReplyProxy
 
 #: Every backend alias the contract suite runs against.
 CONTRACT_BACKENDS = ["locmem", "redis", "pg", "redlock", "zk", "etcd"]
@@ -138,12 +139,38 @@ def redis_cluster() -> Iterator[RedisClusterSet]:
     cluster.close()
 
 
+@pytest.fixture(scope="session")
+def lost_reply_proxy() -> Iterator[LostReplyProxy]:
+    """A proxy to the session's Redis server that loses the reply to a request a test
+    names (tests/lost_reply_proxy.py); its ``url()`` names the server's database."""
+    from django.conf import settings
+
+    relay = LostReplyProxy.to(settings.REDIS_URL)
+    yield relay
+    relay.close()
+
+
 @pytest.fixture
 def redis_client() -> Iterator[redis.Redis]:
     from django.conf import settings
 
     client = redis.Redis.from_url(settings.REDIS_URL)
     yield client
+    client.close()
+
+
+@pytest.fixture
+def broker(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
+    """The Celery broker's Redis, with the test module's ``IDLE_QUEUE`` (a queue no
+    worker consumes, where published messages stay put for inspection) emptied before
+    and after the test."""
+    from django.conf import settings
+
+    queue = request.module.IDLE_QUEUE
+    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
+    client.delete(queue)
+    yield client
+    client.delete(queue)
     client.close()
 
 

@@ -17,6 +17,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 #: SO_LINGER on with a zero timeout: close() sends a reset instead of a FIN.
 _RESET_LINGER = struct.pack("ii", 1, 0)
@@ -28,6 +29,8 @@ class LostReplyProxy:
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream = ("127.0.0.1", upstream_port)
+        #: The database :meth:`url` names unless told another.
+        self.db = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
@@ -40,8 +43,19 @@ class LostReplyProxy:
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="lost-reply-proxy").start()
 
-    def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
+    @classmethod
+    def to(cls, url: str) -> LostReplyProxy:
+        """A proxy to the Redis server of ``url`` whose :meth:`url` names the same
+        database by default."""
+        parts = urlsplit(url)
+        if parts.port is None:
+            raise ValueError(f"no port in {url!r}")
+        relay = cls(parts.port)
+        relay.db = int(parts.path.strip("/") or 0)
+        return relay
+
+    def url(self, db: int | None = None) -> str:
+        return f"redis://127.0.0.1:{self.port}/{self.db if db is None else db}"
 
     def lose_reply_to(self, needle: bytes, before_reset: Callable[[], None] | None = None) -> None:
         """Lose the reply to the next request that contains ``needle``."""

@@ -4,7 +4,9 @@ project takes names from a backend package, and the modules of a package."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,27 +22,46 @@ def module_files(package: Path) -> list[str]:
     return sorted(p.name for p in package.glob("*.py")) or ["-"]
 
 
-def _names_used(tree: ast.AST, names: tuple[str, ...]) -> set[str]:
+@dataclass(frozen=True)
+class _Imports:
+    """What one source file imports, as far as the search below needs it."""
+
+    #: (module, name, bound name) of every ``from module import name [as bound]``.
+    froms: tuple[tuple[str, str, str], ...]
+    #: (name, attribute) of every ``name.attribute`` in the file.
+    attributes: frozenset[tuple[str, str]]
+
+
+@functools.cache
+def _imports(path: Path, mtime_ns: int) -> _Imports | None:
+    """The file parsed once per version (``mtime_ns``): the four package tests search
+    the same few hundred files, and parsing them is most of their time."""
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except SyntaxError:
+        return None  # a file being written, or broken: its own tests say so
+    froms: list[tuple[str, str, str]] = []
+    attributes: set[tuple[str, str]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            froms += [(node.module, a.name, a.asname or a.name) for a in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            attributes.add((node.value.id, node.attr))
+    return _Imports(tuple(froms), frozenset(attributes))
+
+
+def _names_used(imports: _Imports, names: tuple[str, ...]) -> set[str]:
     """Names taken from ``distlocks.backends.<n>`` for each ``n`` in ``names``:
     ``from distlocks.backends.<n> import X``, and ``A.X`` where ``A`` is the module
     imported from ``distlocks.backends``."""
     modules = {f"distlocks.backends.{n}" for n in names}
-    found: set[str] = set()
-    aliases: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module in modules:
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module == "distlocks.backends":
-            aliases.update(
-                alias.asname or alias.name for alias in node.names if alias.name in names
-            )
-    for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Name)
-            and node.value.id in aliases
-        ):
-            found.add(node.attr)
+    found = {name for module, name, _ in imports.froms if module in modules}
+    aliases = {
+        bound
+        for module, name, bound in imports.froms
+        if module == "distlocks.backends" and name in names
+    }
+    found.update(attr for value, attr in imports.attributes if value in aliases)
     return found
 
 
@@ -52,11 +73,10 @@ def names_taken(package: Path, *names: str) -> dict[str, list[str]]:
         for path in sorted((ROOT / top).rglob("*.py")):
             if "__pycache__" in path.parts or package in path.parents:
                 continue  # the package's own modules import from their siblings
-            try:
-                tree = ast.parse(path.read_text(), str(path))
-            except SyntaxError:
-                continue  # a file being written, or broken: its own tests say so
-            for name in _names_used(tree, names):
+            imports = _imports(path, path.stat().st_mtime_ns)
+            if imports is None:
+                continue
+            for name in _names_used(imports, names):
                 used.setdefault(name, []).append(str(path.relative_to(ROOT)))
     mention = re.compile(
         r"distlocks\.backends\.(?:" + "|".join(map(re.escape, names)) + r")\.(\w+)"

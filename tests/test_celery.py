@@ -9,13 +9,10 @@ duplicates and redeliveries are checked from the outside.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import itertools
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -54,6 +51,7 @@ from distlocks.fencing import unfenced
 from distlocks.locks import holder_extra
 from tests import celery_tasks
 from tests.celery_app import app
+from tests.celery_workers import celery_workers
 from tests.testapp import tasks
 from tests.testapp.models import Counter, TaskRun
 from tests.waiting import wait_for, wait_gone
@@ -61,15 +59,6 @@ from tests.waiting import wait_for, wait_gone
 ROOT = Path(__file__).resolve().parent.parent
 #: A queue no worker consumes: messages published there stay put for inspection.
 IDLE_QUEUE = "distlocks-tests-idle"
-
-
-@pytest.fixture
-def broker() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
-    client.delete(IDLE_QUEUE)
-    yield client
-    client.delete(IDLE_QUEUE)
-    client.close()
 
 
 def _free(name: str, alias: str = "default") -> None:
@@ -398,42 +387,9 @@ def workers(pg_ready: None, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     """Two worker processes, prefork with concurrency 2 each."""
     app.control.purge()
     logs = tmp_path_factory.mktemp("celery")
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
-    procs = []
-    for index in (1, 2):
-        log = (logs / f"worker{index}.log").open("w")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
-                 "--pool", "prefork", "--concurrency", "2", "-n", f"w{index}@%h",
-                 "--without-gossip", "--without-mingle", "--loglevel", "INFO",
-                 "--prefetch-multiplier", "1"],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-        )  # fmt: skip
-
-    def ready() -> bool:
-        for proc in procs:
-            assert proc.poll() is None, _tails(logs)
-        return len(app.control.ping(timeout=0.5)) >= 2
-
-    try:
-        wait_for(ready, limit=90, what="two Celery workers answering ping")
-        yield [proc.pid for proc in procs]
-    finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-
-
-def _tails(logs: Path) -> str:
-    return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs.glob("*.log"))
+    two = [(f"w{index}", ["--concurrency", "2"]) for index in (1, 2)]
+    with celery_workers(app, "tests.celery_app", logs, two) as pids:
+        yield pids
 
 
 def _rows(run: str) -> list[TaskRun]:

@@ -10,14 +10,12 @@ against the real Redis broker or a broker that is down.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 from celery import Celery
 from celery.app.trace import trace_task
-from django.conf import settings
 
 from distlocks import get_backend
 from distlocks.contrib.celery import single_execution
@@ -29,15 +27,6 @@ IDLE_QUEUE = "distlocks-tests-republish"
 
 dead = Celery("dead-broker-republish", broker="redis://127.0.0.1:9/0", set_as_current=False)
 dead.conf.broker_connection_timeout = 0.5
-
-
-@pytest.fixture
-def broker() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
-    client.delete(IDLE_QUEUE)
-    yield client
-    client.delete(IDLE_QUEUE)
-    client.close()
 
 
 def _run_as_a_worker(task: Any, task_id: str, args: tuple[Any, ...]) -> Any:

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
-from django.conf import settings
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
@@ -28,6 +26,7 @@ from distlocks.contrib.celery import single_execution
 from distlocks.exceptions import LockLost, LockNotAcquired
 from distlocks.locks import current_holder
 from tests.celery_app import app
+from tests.redis_clients import kill_own_connections
 
 pytestmark = pytest.mark.django_db
 
@@ -62,15 +61,6 @@ def sends(monkeypatch: pytest.MonkeyPatch) -> _Sends:
         redis.connection.AbstractConnection, "send_packed_command", send_packed_command
     )
     return counter
-
-
-@pytest.fixture
-def broker() -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(settings.CELERY_BROKER_URL)
-    client.delete(IDLE_QUEUE)
-    yield client
-    client.delete(IDLE_QUEUE)
-    client.close()
 
 
 def _trivial(n: int) -> int:
@@ -318,7 +308,7 @@ def test_the_calls_sent_together_survive_a_broken_connection(
     backend = get_backend("default")
     n = _n()
     sent = queued_or_running.apply_async((n,), queue=IDLE_QUEUE)
-    redis_client.client_kill_filter(_type="normal", skipme=True)
+    assert kill_own_connections(redis_client) >= 1  # not the workers' nor anyone else's
     app.conf.task_store_eager_result = True
     try:
         assert queued_or_running.apply((n,), task_id=sent.id).get() == n

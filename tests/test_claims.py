@@ -8,12 +8,9 @@ SIGSTOPped worker process, is at the end.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,10 +27,9 @@ from distlocks.claims import claim
 from distlocks.exceptions import LockLost, StaleFencingToken
 from distlocks.fencing import unfenced
 from distlocks.signals import fencing_rejected
+from tests.celery_workers import celery_workers, tails
 from tests.testapp.models import Account, Counter, Parcel, PlainCounter
 from tests.waiting import wait_for
-
-ROOT = Path(__file__).resolve().parent.parent
 
 ALIASES = [
     pytest.param("default", marks=pytest.mark.django_db(transaction=True)),
@@ -249,53 +245,15 @@ def claim_workers(pg_ready: None, tmp_path_factory: pytest.TempPathFactory) -> I
     from tests.claim_celery_app import app
 
     logs = tmp_path_factory.mktemp("claim-workers")
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
-    procs = []
-    for queue in ("claims-a", "claims-b"):
-        log = (logs / f"{queue}.log").open("w")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "tests.claim_celery_app", "worker",
-                 "--pool", "prefork", "--concurrency", "1", "-Q", queue, "-n", f"{queue}@%h",
-                 "--without-gossip", "--without-mingle", "--loglevel", "INFO",
-                 "--prefetch-multiplier", "1"],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-        )  # fmt: skip
-
-    def ready() -> bool:
-        for proc in procs:
-            assert proc.poll() is None, _tails(logs)
-        try:
-            return len(app.control.ping(timeout=0.5)) >= 2
-        except (redis.ConnectionError, OSError):
-            # A pooled broker connection that the server dropped (another test of this
-            # session kills the server's clients): the next poll reconnects.
-            return False
-
-    try:
-        wait_for(ready, limit=90, what="two claim workers answering ping")
+    queues = [(queue, ["--concurrency", "1", "-Q", queue]) for queue in ("claims-a", "claims-b")]
+    with celery_workers(app, "tests.claim_celery_app", logs, queues):
         yield logs
-    finally:
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-
-
-def _tails(logs: Path) -> str:
-    return "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs.glob("*.log"))
 
 
 def _report(client: redis.Redis, key: str, logs: Path) -> bytes:
     """The next report a task step pushed to ``key`` (waited for, with a deadline)."""
     reply = client.blpop([key], timeout=90)
-    assert reply is not None, f"no {key} within 90 s\n{_tails(logs)}"
+    assert reply is not None, f"no {key} within 90 s\n{tails(logs)}"
     return bytes(reply[1])
 
 

@@ -15,6 +15,7 @@ import socket
 import tracemalloc
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from django.test import override_settings
@@ -89,23 +90,34 @@ def _fill() -> RedisBackend:
     return backend
 
 
-def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    return registry.get_sample_value(name, labels) or 0.0
+def scrape(registry: CollectorRegistry) -> dict[tuple[str, frozenset[Any]], float]:
+    """Every sample of one scrape, by name and labels (registry.get_sample_value
+    scrapes anew at each call: a count of every lock each time)."""
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in registry.collect()
+        for sample in family.samples
+    }
+
+
+def value(samples: dict[tuple[str, frozenset[Any]], float], name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
 
 
 def test_live_lock_metrics_are_exact_past_the_listing_limit(
     many: RedisBackend, registry: CollectorRegistry
 ) -> None:
     assert LOCKS > livelocks.DEFAULT_LIMIT
+    samples = scrape(registry)
     statuses = {
-        s: value(registry, "distlocks_live_locks", backend="big", status=s)
+        s: value(samples, "distlocks_live_locks", backend="big", status=s)
         for s in livelocks.STATUSES
     }
     assert sum(statuses.values()) == LOCKS
     assert statuses[livelocks.ORPHANED] == ORPHANS
     assert statuses[livelocks.STUCK] == 1
-    assert value(registry, "distlocks_backend_up", backend="big") == 1
-    assert value(registry, "distlocks_oldest_lock_age_seconds", backend="big") >= OLD_S - 60
+    assert value(samples, "distlocks_backend_up", backend="big") == 1
+    assert value(samples, "distlocks_oldest_lock_age_seconds", backend="big") >= OLD_S - 60
 
 
 def test_a_scrape_keeps_no_rows_and_reads_in_small_chunks(many: RedisBackend) -> None:

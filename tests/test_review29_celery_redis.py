@@ -35,12 +35,9 @@ ALIAS = "review29-lossy"
 
 
 @pytest.fixture(scope="module")
-def proxy() -> Iterator[LostReplyProxy]:
-    port = urlsplit(django_settings.REDIS_URL).port
-    assert port is not None
-    relay = LostReplyProxy(port)
-    yield relay
-    relay.close()
+def proxy(lost_reply_proxy: LostReplyProxy) -> LostReplyProxy:
+    """The session's lost-reply proxy (tests/conftest.py)."""
+    return lost_reply_proxy
 
 
 @pytest.fixture
