@@ -275,8 +275,11 @@ class LoopRenewer:
         self._loop = weakref.ref(loop)
         self._heap: list[tuple[float, int, AsyncLease]] = []
         self._seq = itertools.count()
-        # The earliest time a timer of ours is set for (inf: none). A timer is never
-        # cancelled: one that fires with nothing due just sets the next one.
+        # The one timer of ours pending on the loop, and when it fires (inf: none). A
+        # lease due sooner replaces it (cancelled: a timer left behind would set one of
+        # its own when it fires, and the loop would hold one more per such lease). Weakly:
+        # a handle refers to its loop, which this renewer must not keep alive.
+        self._timer: Callable[[], asyncio.TimerHandle | None] = _dead
         self._timer_at = math.inf
         self._compact_at = COMPACT_AT
 
@@ -295,11 +298,15 @@ class LoopRenewer:
         loop = self._loop()
         if loop is None or loop.is_closed():
             return
+        pending = self._timer()
+        if pending is not None:
+            pending.cancel()
         self._timer_at = due
-        loop.call_later(max(0.0, due - time.monotonic()), self._fire)
+        self._timer = weakref.ref(loop.call_later(max(0.0, due - time.monotonic()), self._fire))
 
     def _fire(self) -> None:
         """A timer went off: start the turns of the leases due (within COALESCE)."""
+        self._timer = _dead
         self._timer_at = math.inf
         heap = self._heap
         now = time.monotonic() + COALESCE
