@@ -182,6 +182,68 @@ def test_one_loop_keeps_one_renewal_timer_however_its_leases_mix() -> None:
     assert most <= 1, f"{most} renewal timers pending on one loop"
 
 
+def test_an_async_lease_dropped_while_held_is_released_not_renewed_for_ever(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An alock() lease its holder dropped without release() is released at its next
+    renewal turn, as lock()'s renewer does: the loop's renewer kept it alive and renewed
+    it for as long as the loop ran, so nobody else could ever take the lock."""
+    import gc
+
+    async def main() -> bool:
+        await alock("review3:dropped", backend=ALIAS, ttl=0.6, timeout=0).acquire()
+        gc.collect()  # the lease is dropped: nothing refers to it but the renewer
+        # Several ttls: a lease renewed for ever keeps the lock past them all.
+        again = await alock("review3:dropped", backend=ALIAS, ttl=30, timeout=10).acquire()
+        try:
+            return again.held()
+        finally:
+            await again.release()
+
+    with caplog.at_level("WARNING", logger="distlocks"):
+        assert asyncio.run(main())
+    assert "dropped without release()" in caplog.text
+
+
+def test_loops_in_threads_and_in_turn_each_renew_their_own_leases() -> None:
+    """Four threads, each running two event loops one after the other (asyncio.run()
+    twice), each loop with a short and a long lease: every short lease is renewed
+    while held, each loop keeps at most one timer of its renewer, and every lease is
+    released at the end."""
+    import threading
+
+    results: list[tuple[int, bool, int]] = []
+    errors: list[BaseException] = []
+
+    async def one(tag: str) -> tuple[int, bool, int]:
+        loop = asyncio.get_running_loop()
+        most = 0
+        async with alock(f"review3:{tag}:long", backend=ALIAS, ttl=60, timeout=0):
+            async with alock(f"review3:{tag}:short", backend=ALIAS, ttl=0.3, timeout=0) as short:
+                renewer = loop_renewer(loop)
+                deadline = loop.time() + 60
+                while short.renewals < 3 and short.held() and loop.time() < deadline:
+                    most = max(most, _pending_timers(loop, renewer))
+                    await asyncio.sleep(0.01)
+                return short.renewals, short.held(), most
+
+    def thread(i: int) -> None:
+        try:
+            for run in range(2):
+                results.append(asyncio.run(one(f"t{i}:{run}")))
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=thread, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert len(results) == 8
+    assert all(renewals >= 3 and held and most <= 1 for renewals, held, most in results)
+
+
 # -- (c) the Redis listing index's sweep --------------------------------------------
 
 HOLDER = Holder("host", 1, "thread")
