@@ -8,6 +8,7 @@ the layer above every backend is tested, a real Redis server for the scripts."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import decimal
 import fractions
 import math
@@ -242,6 +243,88 @@ def test_loops_in_threads_and_in_turn_each_renew_their_own_leases() -> None:
     assert not errors, errors
     assert len(results) == 8
     assert all(renewals >= 3 and held and most <= 1 for renewals, held, most in results)
+
+
+def test_an_async_renewal_that_cannot_reach_the_server_reports_the_loss(
+    own_redis: Any, settings: Any
+) -> None:
+    """The server goes away under a held alock() lease: its renewals fail, are retried
+    while the lease lasts, and then the loss is reported once, by the lock_lost signal,
+    the on_lost callback and LockLost at the block's end, with the renewal's error in
+    its reason (as with a renewal task per lease)."""
+    from distlocks import signals
+    from distlocks.exceptions import LockLost
+
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "down": {
+            "BACKEND": "distlocks.backends.redis.RedisBackend",
+            "LOCATION": own_redis.url,
+            "OPTIONS": {"socket_timeout": 0.5, "socket_connect_timeout": 0.5},
+        },
+    }
+    reasons: list[str] = []
+    called: list[Any] = []
+
+    def on_signal(sender: Any, lease: Any, reason: str, **kwargs: Any) -> None:
+        reasons.append(reason)
+
+    async def main() -> None:
+        lost = asyncio.Event()
+
+        def on_lost(lease: Any) -> None:
+            called.append(lease)
+            lost.set()
+
+        async with alock("review3:down", backend="down", ttl=1.5, on_lost=on_lost) as lease:
+            own_redis.kill()
+            await asyncio.wait_for(lost.wait(), 60)
+            assert not lease.held() and lease.renewals == 0
+
+    signals.lock_lost.connect(on_signal)
+    try:
+        with pytest.raises(LockLost, match="last renewal error"):
+            asyncio.run(main())
+    finally:
+        signals.lock_lost.disconnect(on_signal)
+    assert len(reasons) == 1 and len(called) == 1, (reasons, called)
+    assert "ran out without being renewed" in reasons[0]
+    assert "last renewal error" in reasons[0]
+
+
+def test_a_task_cancelled_while_holding_frees_the_lock_and_its_renewal() -> None:
+    """Cancelling the task inside its alock() block releases the lease on the way out;
+    the renewer holds nothing of it afterwards (no renewal turn ever runs for it), and
+    the lock can be taken at once."""
+
+    async def main() -> tuple[bool, int, bool]:
+        inside = asyncio.Event()
+        seen: list[Any] = []
+
+        async def holder() -> None:
+            async with alock("review3:cancelled", backend=ALIAS, ttl=0.3, timeout=0) as lease:
+                seen.append(lease)
+                inside.set()
+                await asyncio.Event().wait()  # until cancelled
+
+        task = asyncio.create_task(holder())
+        await asyncio.wait_for(inside.wait(), 30)
+        lease = seen[0]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while lease.renewals < 2 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        again = await alock("review3:cancelled", backend=ALIAS, ttl=30, timeout=0).acquire()
+        await again.release()
+        renewer = loop_renewer(loop)
+        live = [e for e in renewer._heap if e[2]() is lease and not e[3][3]["ended"]]
+        return lease.state == "released", len(live), lease._renew_task is None
+
+    released, live, idle = asyncio.run(main())
+    assert released and live == 0 and idle
 
 
 # -- (c) the Redis listing index's sweep --------------------------------------------
