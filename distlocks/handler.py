@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 import threading
 from collections.abc import Mapping
@@ -113,8 +114,10 @@ def check_alias(alias: str) -> Mapping[str, Any] | None:
     configs = backend_configs()
     if alias not in configs:
         known = ", ".join(repr(a) for a in sorted(configs)) or "none"
+        close = difflib.get_close_matches(alias, list(configs), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise ImproperlyConfigured(
-            f"Unknown distlocks backend alias {alias!r}; DISTLOCKS_BACKENDS defines {known}."
+            f"Unknown distlocks backend alias {alias!r}; {hint}DISTLOCKS_BACKENDS defines {known}."
         )
     return configs[alias]
 

@@ -622,6 +622,16 @@ class AsyncLease(BaseLease):
         return True
 
 
+async def arelease_dropped(
+    backend: LeaseServer, name: str, owner: str, ended: dict[str, Any]
+) -> None:
+    """:func:`release_dropped` for an asyncio lease, on the loop that renewed it."""
+    if ended["ended"] or ended["pid"] != process.pid:
+        return
+    logger.warning("Lock %r was dropped without release(); releasing it", name)
+    await backend.arelease_quietly(name, owner)
+
+
 def release_dropped(backend: LeaseServer, name: str, owner: str, ended: dict[str, Any]) -> None:
     """Release the lock of a lease its holder dropped without releasing it (nobody can
     release it any more); ``ended`` is the lease's own flag, set when it ended."""

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from distlocks.backends.base import BaseBackend
 from distlocks.exceptions import LockError
-from distlocks.lease import EXTEND, FREE_LOST, release_dropped
+from distlocks.lease import EXTEND, FREE_LOST, arelease_dropped, release_dropped
 
 if TYPE_CHECKING:
     from distlocks.lease import AsyncLease, Lease
@@ -269,14 +269,23 @@ class LoopRenewer:
     Only the loop's thread touches it. It refers to its loop weakly (the loop refers to
     it through its pending timer), so a loop dropped unclosed is still collected. An
     ended lease stays in the heap until its turn or the next compaction, as in
-    :class:`Renewer`; a live one is kept alive by the heap, as its renewal task did."""
+    :class:`Renewer`; and as there, the heap refers to its leases weakly: a lease that
+    its holder dropped without releasing is released at its turn (it was renewed for as
+    long as the loop ran, its lock never free again)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = weakref.ref(loop)
-        self._heap: list[tuple[float, int, AsyncLease]] = []
+        self._heap: list[
+            tuple[float, int, weakref.ref[AsyncLease], tuple[Any, str, str, dict[str, Any]]]
+        ] = []
+        # The releases of dropped leases in flight (the loop keeps its tasks weakly).
+        self._cleanups: set[asyncio.Task[None]] = set()
         self._seq = itertools.count()
-        # The earliest time a timer of ours is set for (inf: none). A timer is never
-        # cancelled: one that fires with nothing due just sets the next one.
+        # The one timer of ours pending on the loop, and when it fires (inf: none). A
+        # lease due sooner replaces it (cancelled: a timer left behind would set one of
+        # its own when it fires, and the loop would hold one more per such lease). Weakly:
+        # a handle refers to its loop, which this renewer must not keep alive.
+        self._timer: Callable[[], asyncio.TimerHandle | None] = _dead
         self._timer_at = math.inf
         self._compact_at = COMPACT_AT
 
@@ -284,10 +293,12 @@ class LoopRenewer:
         """Renew ``lease`` at monotonic time ``due``; called on the loop's thread."""
         heap = self._heap
         if len(heap) >= self._compact_at:
-            self._heap = heap = [entry for entry in heap if not entry[2]._ended["ended"]]
+            self._heap = heap = [entry for entry in heap if not entry[3][3]["ended"]]
             heapq.heapify(heap)
             self._compact_at = max(COMPACT_AT, 2 * len(heap))
-        heapq.heappush(heap, (due, next(self._seq), lease))
+        # The lease's identity (see _ident) is kept to release it if it is dropped.
+        ident = (lease._backend, lease.name, lease.owner, lease._ended)
+        heapq.heappush(heap, (due, next(self._seq), weakref.ref(lease), ident))
         if due < self._timer_at:
             self._set_timer(due)
 
@@ -295,21 +306,34 @@ class LoopRenewer:
         loop = self._loop()
         if loop is None or loop.is_closed():
             return
+        pending = self._timer()
+        if pending is not None:
+            pending.cancel()
         self._timer_at = due
-        loop.call_later(max(0.0, due - time.monotonic()), self._fire)
+        self._timer = weakref.ref(loop.call_later(max(0.0, due - time.monotonic()), self._fire))
 
     def _fire(self) -> None:
         """A timer went off: start the turns of the leases due (within COALESCE)."""
+        self._timer = _dead
         self._timer_at = math.inf
         heap = self._heap
         now = time.monotonic() + COALESCE
         while heap and heap[0][0] <= now:
-            lease = heapq.heappop(heap)[2]
-            if not lease._ended["ended"]:
-                try:
+            _, _, ref, ident = heapq.heappop(heap)
+            if ident[3]["ended"]:
+                continue
+            lease = ref()
+            try:
+                if lease is None:
+                    # Dropped by its holder without a release: nobody can release it
+                    # now, so do it here rather than renew it.
+                    task = asyncio.get_running_loop().create_task(arelease_dropped(*ident))
+                    self._cleanups.add(task)
+                    task.add_done_callback(self._cleanups.discard)
+                else:
                     lease._renewal_turn(self)
-                except Exception:  # one lease's bug must not stop the others' renewal
-                    logger.exception("Renewal of lock %r failed unexpectedly", lease.name)
+            except Exception:  # one lease's bug must not stop the others' renewal
+                logger.exception("Renewal of lock %r failed unexpectedly", ident[1])
         if heap:
             self._set_timer(heap[0][0])
 

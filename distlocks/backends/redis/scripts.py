@@ -157,8 +157,18 @@ end
 local function index_sweep(index, now_ms, token)
   if token % INDEX_SWEEP_EVERY ~= 0 then return end
   local state = index .. ':sweep'
-  local found = redis.call('HSCAN', index, redis.call('GET', state) or '0',
-    'COUNT', INDEX_SWEEP_COUNT)
+  -- This runs after the grant is written: an error here would fail a script whose lock
+  -- stays held, by an owner whose caller was told it failed. So a cursor that is not
+  -- one (lost, rewritten, of another type: pcall) starts the pass again instead.
+  local cursor = redis.pcall('GET', state)
+  if type(cursor) ~= 'string' or #cursor > 19 or not string.match(cursor, '^%d+$') then
+    cursor = '0'
+  end
+  local found = redis.pcall('HSCAN', index, cursor, 'COUNT', INDEX_SWEEP_COUNT)
+  if found.err then
+    redis.pcall('SET', state, '0')
+    return
+  end
   local before, gone = now_ms - INDEX_PRUNE_AFTER_MS, {}
   local fields = found[2]
   for i = 1, #fields, 2 do
