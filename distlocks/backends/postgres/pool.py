@@ -180,11 +180,22 @@ class Connection(psycopg.Connection[Any]):
         return statement.load(result.get_value(0, 0) if result.ntuples else None)
 
     def _prepare(self, statement: Statement) -> None:
-        result = self._request(self.pgconn.prepare, statement.name, statement.query,
-                               statement.types)  # fmt: skip
-        if result is None:  # pragma: no cover - never expected from a PREPARE
-            raise psycopg.InternalError(f"could not prepare {statement.name.decode()!r}")
+        # Recorded before it is sent: an exception raised asynchronously (Ctrl-C, a
+        # Celery soft time limit) just after the server prepared it must not leave a
+        # statement the session has and this set lacks (every later PREPARE of it
+        # would fail with "already exists", and a lease's renewal would report its
+        # lock lost). One recorded but never sent is harmless: the next
+        # exec_prepared finds it missing ("does not exist") and prepares it then.
         self._fast_statements.add(statement.name)
+        try:
+            result = self._request(self.pgconn.prepare, statement.name, statement.query,
+                                   statement.types)  # fmt: skip
+        except psycopg.Error:
+            self._fast_statements.discard(statement.name)  # refused, or no answer
+            raise
+        if result is None:  # pragma: no cover - never expected from a PREPARE
+            self._fast_statements.discard(statement.name)
+            raise psycopg.InternalError(f"could not prepare {statement.name.decode()!r}")
 
     def _request(self, send: Any, *args: Any) -> Any:
         """One blocking libpq request (``send(*args)``, which releases the GIL), under
