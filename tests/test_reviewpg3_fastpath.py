@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from distlocks.backends.base import Holder
 from distlocks.backends.postgres import PostgresBackend, session, wire
 from distlocks.backends.postgres.pool import Connection
+from distlocks.exceptions import LockBackendUnavailable, LockError
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
@@ -143,3 +144,100 @@ def test_an_interrupted_acquire_leaves_no_lock_and_no_connection_out(
     owner = uuid.uuid4().hex
     assert backend.acquire(name, owner, 30.0, HOLDER).acquired
     assert backend.release(name, owner)
+
+
+# Names that share long prefixes (they differ only in their last characters), reach
+# the registry's 200 characters, or are made of characters outside the BMP.
+_names = st.one_of(
+    st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=20),
+    st.builds(
+        lambda tail: "p" * 190 + tail,
+        st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=10),
+    ),
+    st.text(st.characters(min_codepoint=0x10000, max_codepoint=0x10FFFF), min_size=1, max_size=50),
+    st.integers(0, 5_000).map(lambda i: f"entity:{i}"),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(names=st.lists(_names, min_size=1, max_size=300))
+def test_the_name_cache_never_hands_a_name_another_s_bytes(
+    monkeypatch: pytest.MonkeyPatch, names: list[str]
+) -> None:
+    """Whatever the order of names and however often the bounded cache is emptied,
+    what the fast path sends for a name is what encoding that name alone gives."""
+    monkeypatch.setattr(session, "NAMES_CACHED", 7)
+    cached = PostgresBackend("reviewpg3-cache", {"OPTIONS": {}})
+    owner = "o" * 32
+    for name in names * 2:  # every name again, after evictions
+        fresh = PostgresBackend("reviewpg3-fresh", {"OPTIONS": {}})
+        named = cached._named(name)
+        assert len(cached._names) <= 7
+        assert named.key == fresh.key(name) and named.guard == fresh._guard(name)
+        expected = wire.values(
+            session.ACQUIRE_TRY, fresh._params(name, owner, 30.0, HOLDER), "utf-8"
+        )
+        assert cached._try_args(named, owner, 30.0, HOLDER) == expected
+        unlock = {"key": named.key, "reader": 0, "guard": named.guard}
+        assert named.unlock_args == wire.values(session.UNLOCK, unlock, "utf-8")
+
+
+def test_five_thousand_names_through_the_bounded_cache() -> None:
+    """More names than the cache holds (4,096): each one's key and bytes are its own."""
+    backend = PostgresBackend("reviewpg3-many", {"OPTIONS": {}})
+    names = [f"entity:{i}" for i in range(5_000)] + [f"entity:{i}" for i in range(0, 5_000, 7)]
+    for name in names:
+        named = backend._named(name)
+        assert named.key == backend.key(name)
+        assert named.try_args[session._NAME] == name.encode()
+    assert len(backend._names) <= session.NAMES_CACHED
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=30),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    extra=st.one_of(
+        st.dictionaries(st.text(max_size=10), _json, max_size=5),
+        st.builds(lambda n: {"big": "€😀" * n}, st.integers(10_000, 40_000)),
+        st.sampled_from([{"nan": float("nan")}, {"lone": "\ud800"}, {"nul": "a\x00"}]),
+    )
+)
+def test_odd_holder_extra_is_stored_as_json_or_refused_as_a_lock_error(
+    backend: PostgresBackend, name: str, extra: dict[str, Any]
+) -> None:
+    """Nested, unicode (lone surrogates, NULs), big or not JSON at all (NaN): written
+    as json.dumps gives it, or refused by the server as a LockError that leaves no
+    lock and no connection behind."""
+    holder = Holder(host="h", pid=1, thread="t", extra=extra)
+    owner = uuid.uuid4().hex
+    refused: LockError | None = None
+    try:
+        acquired = backend.acquire(name, owner, 30.0, holder).acquired
+    except LockError as exc:
+        refused = exc
+    if refused is not None:
+        assert not isinstance(refused, LockBackendUnavailable)
+        assert backend.held_connection_count() == 0
+        assert _nothing_checked_out(backend)
+        assert _free(backend, name)
+        with psycopg.connect(**backend._connect_kwargs()) as check:  # the server refuses it
+            with pytest.raises(psycopg.Error):
+                check.execute("SELECT %s::jsonb", (json.dumps(extra),))
+        return
+    assert acquired
+    try:
+        with psycopg.connect(**backend._connect_kwargs()) as check:
+            row = check.execute(
+                "SELECT extra FROM distlocks_lockregistry WHERE key = %s", (backend.key(name),)
+            ).fetchone()
+        assert row is not None and row[0] == json.loads(json.dumps(extra))
+    finally:
+        assert backend.release(name, owner)
