@@ -6,7 +6,11 @@ migration taken back and forth under live rows."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -241,3 +245,70 @@ def test_odd_holder_extra_is_stored_as_json_or_refused_as_a_lock_error(
         assert row is not None and row[0] == json.loads(json.dumps(extra))
     finally:
         assert backend.release(name, owner)
+
+
+@contextlib.contextmanager
+def _frozen(pid: int) -> Iterator[None]:
+    """The server process ``pid`` stopped (SIGSTOP): its socket stays open and its
+    kernel still acknowledges, but nothing answers; resumed afterwards."""
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except PermissionError:
+        pytest.skip("the server's processes belong to another user")
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _bounded(call: Any, limit: float = 60.0) -> Any:
+    """``call()``'s result or exception, failing if it is still blocked after ``limit``
+    seconds (a hang, not a slow machine: the bound is ten times the socket timeout)."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert not thread.is_alive(), f"still blocked after {limit} s"
+    return outcome[0]
+
+
+def test_a_frozen_server_session_is_cut_on_every_fast_statement(name: str) -> None:
+    """SIGSTOP on the server process behind a held lease's connection and behind an
+    idle pooled one: the renewal ping says the lease is lost, the release says
+    nothing was released, an acquire on the frozen connection is
+    LockBackendUnavailable; each within the socket timeout, none hangs, and the pool
+    is whole afterwards."""
+    backend = PostgresBackend("reviewpg3-frozen", {"OPTIONS": {"socket_timeout": 1.0}})
+    try:
+        owner, other = uuid.uuid4().hex, uuid.uuid4().hex
+        assert backend.acquire(name, owner, 30.0, HOLDER).acquired
+        assert backend.extend(name, owner, 30.0)  # every statement prepared
+        assert backend.acquire(f"{name}:2", other, 30.0, HOLDER).acquired
+        assert backend.release(f"{name}:2", other)  # an idle connection, prepared
+        held = backend._held[owner].conn.info.backend_pid
+        with _frozen(held):
+            assert _bounded(lambda: backend.extend(name, owner, 30.0)) is False
+        assert backend.held_connection_count() == 0
+        # Resumed, the server sees the connection closed and frees the lock.
+        wait_for(lambda: _free(backend, name), what="the frozen holder's lock freed")
+        idle = backend.pool._idle[-1]
+        with _frozen(idle.info.backend_pid):
+            outcome = _bounded(lambda: backend.acquire(f"{name}:3", other, 30.0, HOLDER))
+        assert isinstance(outcome, LockBackendUnavailable), outcome
+        assert "socket_timeout" in str(outcome)
+        assert _nothing_checked_out(backend)
+        lease = uuid.uuid4().hex
+        assert backend.acquire(f"{name}:3", lease, 30.0, HOLDER).acquired
+        held = backend._held[lease].conn.info.backend_pid
+        with _frozen(held):
+            assert _bounded(lambda: backend.release(f"{name}:3", lease)) is False
+        assert _nothing_checked_out(backend)
+    finally:
+        backend.close()
