@@ -67,8 +67,12 @@ def _interrupt(
 
 def _free(backend: PostgresBackend, name: str) -> bool:
     with psycopg.connect(**backend._connect_kwargs()) as other:
-        key = backend.key(name)
-        row = other.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
+        # Unlocked before the connection closes: the server ends a closed session
+        # (and frees its locks) only some time after the client has gone.
+        row = other.execute(
+            "SELECT pg_try_advisory_lock(%(key)s) AND pg_advisory_unlock(%(key)s)",
+            {"key": backend.key(name)},
+        ).fetchone()
         return bool(row and row[0])
 
 
