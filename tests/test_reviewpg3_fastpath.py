@@ -316,3 +316,38 @@ def test_a_frozen_server_session_is_cut_on_every_fast_statement(name: str) -> No
         assert _nothing_checked_out(backend)
     finally:
         backend.close()
+
+
+def _chain(exc: BaseException | None) -> str:
+    """Every message of ``exc`` and the errors chained to it."""
+    seen = []
+    while exc is not None and len(seen) < 10:
+        seen.append(f"{type(exc).__name__}: {exc} {exc.args!r}")
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(seen)
+
+
+def test_no_error_of_the_fast_path_shows_the_password(name: str) -> None:
+    """A password in the connection settings (the test server trusts any) never
+    appears in what a cut request, a lost connection or an unreachable server
+    raises, nor in anything chained to it."""
+    secret = "pw-" + uuid.uuid4().hex
+    backend = PostgresBackend("reviewpg3-secret", {"OPTIONS": {"socket_timeout": 1.0}})
+    params = {**backend._connect_kwargs(), "password": secret}
+    backend._connect_kwargs = lambda: params  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+    try:
+        owner = uuid.uuid4().hex
+        assert backend.acquire(name, owner, 30.0, HOLDER).acquired
+        assert backend.release(name, owner)
+        idle = backend.pool._idle[-1]
+        with _frozen(idle.info.backend_pid):  # a request cut by the watchdog
+            errors.append(_bounded(lambda: backend.acquire(name, owner, 30.0, HOLDER)))
+        backend.close()
+        params["port"] = 1  # nothing listens there
+        errors.append(_bounded(lambda: backend.acquire(name, owner, 30.0, HOLDER)))
+    finally:
+        backend.close()
+    assert all(isinstance(exc, LockBackendUnavailable) for exc in errors), errors
+    for exc in errors:
+        assert secret not in _chain(exc)
