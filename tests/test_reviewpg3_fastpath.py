@@ -351,3 +351,27 @@ def test_no_error_of_the_fast_path_shows_the_password(name: str) -> None:
     assert all(isinstance(exc, LockBackendUnavailable) for exc in errors), errors
     for exc in errors:
         assert secret not in _chain(exc)
+
+
+def test_a_refused_registry_write_in_transaction_mode_leaves_no_lock(name: str) -> None:
+    """A name past the registry's 200 characters is refused after the transaction-level
+    lock was granted: the acquisition is a LockError, the caller's transaction goes on,
+    and it does not hold the lock (a savepoint took it back)."""
+    from django.db import connection, transaction
+
+    backend = PostgresBackend("reviewpg3-xact", {"OPTIONS": {"mode": "transaction"}})
+    long_name = f"{name}:" + "x" * 250
+    try:
+        with transaction.atomic():
+            with pytest.raises(LockError, match="StringDataRightTruncation"):
+                backend.acquire(long_name, uuid.uuid4().hex, 30.0, HOLDER)
+            assert _free(backend, long_name)
+            with connection.cursor() as cursor:  # the transaction is still usable
+                cursor.execute("SELECT 1")
+                assert cursor.fetchone() == (1,)
+            owner = uuid.uuid4().hex
+            assert backend.acquire(name, owner, 30.0, HOLDER).acquired
+            assert not _free(backend, name)
+        assert _free(backend, name)
+    finally:
+        backend.close()
