@@ -1,7 +1,8 @@
 """Review of migration 0004 (the mint as the function ``distlocks_mint`` and the
 registry's hidden ``ceiling`` column), by attack: taken back to 0003 and forward
 again under live rows and a held lock, and the code run against a database that
-is behind it, in both modes. One server of its own (the ``durable`` fixture), for
+is behind it, in both modes; then the server restarted and crashed under the same
+backend. One server of its own (the ``durable`` fixture), for
 the whole file's single test."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from distlocks.backends.postgres import TABLE, PostgresBackend
 from distlocks.exceptions import LockError
 from distlocks.testing.servers import PostgresServer
 from tests.test_postgres_durable import ALIAS, durable  # noqa: F401 - the fixture
+from tests.test_postgres_token_crash import _crash, _restart
 
 HOLDER = Holder(host="h", pid=1, thread="t")
 _owners = itertools.count()
@@ -103,6 +105,20 @@ def test_0004_back_to_0003_and_forward_under_live_rows(
                     f"SELECT count(*) FROM {TABLE} WHERE ceiling < fencing_token"
                 ).fetchone()
             assert rows == (0,)
+
+            # The server restarted (cleanly, then crashed) under the same backend: its
+            # idle connections, whose prepared statements went with their sessions, are
+            # replaced before use, and a held lease learns that its lock is gone.
+            for restart in (_restart, _crash):
+                kept = f"o-kept-{restart.__name__}"
+                assert backend.acquire("mig:held", kept, 30.0, HOLDER).acquired
+                assert _cycle(backend, "mig:a") > 0  # an idle connection, prepared
+                restart(durable)
+                assert backend.extend("mig:held", kept, 30.0) is False
+                for name, tokens in issued.items():
+                    token = _cycle(backend, name)
+                    assert token > max(tokens), f"{name}: {token} after {tokens}"
+                    tokens.append(token)
         finally:
             backend.close()
             xact.close()
