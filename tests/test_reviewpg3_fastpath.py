@@ -375,3 +375,54 @@ def test_a_refused_registry_write_in_transaction_mode_leaves_no_lock(name: str) 
         assert _free(backend, name)
     finally:
         backend.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_forked_child_prepares_on_connections_of_its_own(
+    backend: PostgresBackend, name: str
+) -> None:
+    """Forked while the parent's pool has an idle connection with every statement
+    prepared and a held lease: the child's locks run on sessions of its own (each
+    preparing its statements), it cannot take the parent's lock, and the parent's
+    connections are untouched (the idle one still prepared, the lease still held)."""
+    mine, free = uuid.uuid4().hex, f"{name}:free"
+    assert backend.acquire(name, mine, 30.0, HOLDER).acquired
+    first = uuid.uuid4().hex
+    assert backend.acquire(free, first, 30.0, HOLDER).acquired
+    assert backend.extend(free, first, 30.0)
+    assert backend.release(free, first)
+    idle = backend.pool._idle[-1]
+    assert idle._fast_statements == {
+        session.ACQUIRE_TRY.name,
+        session.HOLDS.name,
+        session.UNLOCK.name,
+    }
+    parent_pids = {idle.info.backend_pid, backend._held[mine].conn.info.backend_pid}
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            child = uuid.uuid4().hex
+            assert backend.held_connection_count() == 0
+            assert not backend.acquire(name, child, 30.0, HOLDER).acquired
+            assert backend.acquire(free, child, 30.0, HOLDER).acquired
+            conn = backend._held[child].conn
+            assert conn.info.backend_pid not in parent_pids
+            assert backend.extend(free, child, 30.0)
+            assert conn._fast_statements == {
+                session.ACQUIRE_TRY.name,
+                session.HOLDS.name,
+            }
+            assert backend.release(free, child)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert backend.extend(name, mine, 30.0)
+    assert not _free(backend, name)
+    again = uuid.uuid4().hex
+    assert backend.acquire(free, again, 30.0, HOLDER).acquired
+    assert backend._held[again].conn is idle  # the same session, not ended by the child
+    assert backend.release(free, again)
+    assert backend.release(name, mine)
