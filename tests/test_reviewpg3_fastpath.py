@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from distlocks.backends.base import Holder
-from distlocks.backends.postgres import PostgresBackend, session, wire
+from distlocks.backends.postgres import PostgresBackend, session, sql, wire
 from distlocks.backends.postgres.pool import Connection
 from distlocks.exceptions import LockBackendUnavailable, LockError
 from tests.waiting import wait_for
@@ -426,3 +426,36 @@ def test_a_forked_child_prepares_on_connections_of_its_own(
     assert backend._held[again].conn is idle  # the same session, not ended by the child
     assert backend.release(free, again)
     assert backend.release(name, mine)
+
+
+@pytest.mark.parametrize("path", ["value", "fetchone"])
+def test_an_interrupt_as_a_request_is_watched_leaves_no_deadline_behind(
+    monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """Interrupted just after the request registered its deadline with the reply
+    watchdog, before it was sent: the deadline is dropped with it, or the watchdog
+    would shut down the (healthy) connection a socket timeout later, and with it
+    whatever lease it holds by then."""
+    from distlocks.backends.postgres import pool
+
+    conn = Connection.connect(**PostgresBackend("w", {"OPTIONS": {}})._connect_kwargs())
+    conn.reply_timeout = 5.0
+    real = pool.watchdog.watch
+
+    def watch(watched: Connection, deadline: float) -> None:
+        real(watched, deadline)
+        if watched is conn:
+            raise Interrupted
+
+    try:
+        monkeypatch.setattr(pool.watchdog, "watch", watch)
+        with pytest.raises(Interrupted):
+            if path == "value":
+                conn.value(session.HOLDS, {"classid": 1, "objid": 2})
+            else:
+                conn.fetchone(sql.HOLDS, (1, 2))
+        monkeypatch.undo()
+        assert id(conn) not in pool.watchdog._watched
+        assert conn.value(session.HOLDS, {"classid": 1, "objid": 2}) is False
+    finally:
+        conn.close()

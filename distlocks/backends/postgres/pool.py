@@ -209,9 +209,11 @@ class Connection(psycopg.Connection[Any]):
         for statements that answer in microseconds."""
         pgconn = self.pgconn
         reply_timeout = self.reply_timeout
-        if reply_timeout is not None:
-            watchdog.watch(self, time.monotonic() + reply_timeout + self.lock_wait)
         try:
+            # Registered inside the try: an exception raised asynchronously as it
+            # registers must not leave a deadline that cuts the connection later.
+            if reply_timeout is not None:
+                watchdog.watch(self, time.monotonic() + reply_timeout + self.lock_wait)
             with self._in_libpq:
                 if pgconn.status != _OK:  # closed, or broken by an earlier request
                     raise psycopg.OperationalError("the connection is closed")
@@ -245,8 +247,8 @@ class Connection(psycopg.Connection[Any]):
         reply_timeout = self.reply_timeout
         if reply_timeout is None:
             return psycopg.Connection.wait(self, *args, **kwargs)
-        watchdog.watch(self, time.monotonic() + reply_timeout + self.lock_wait)
         try:
+            watchdog.watch(self, time.monotonic() + reply_timeout + self.lock_wait)
             result = psycopg.Connection.wait(self, *args, **kwargs)
         except psycopg.OperationalError as exc:
             if self._cut:
