@@ -459,3 +459,70 @@ def test_an_interrupt_as_a_request_is_watched_leaves_no_deadline_behind(
         assert conn.value(session.HOLDS, {"classid": 1, "objid": 2}) is False
     finally:
         conn.close()
+
+
+def test_force_release_races_release_and_reacquire_on_the_fast_path(name: str) -> None:
+    """One thread takes, renews and gives back the lock over and over (its next lease
+    usually on the same session, the pool being LIFO); another force-releases it by
+    tokens it saw: mostly earlier ones, which must never evict anyone, sometimes the
+    current one. Every lease found lost was one evicted by its own token."""
+    holder_side = PostgresBackend("reviewpg3-holder", {"OPTIONS": {}})
+    operator = PostgresBackend("reviewpg3-operator", {"OPTIONS": {}})
+    issued: list[int] = []
+    lost: list[int] = []
+    evicted: list[int] = []
+    stale_evictions: list[int] = []
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def hold() -> None:
+        try:
+            for _ in range(150):
+                owner = uuid.uuid4().hex
+                result = holder_side.acquire(name, owner, 30.0, HOLDER)
+                if not result.acquired:
+                    continue  # the operator's eviction is still under way
+                issued.append(result.fencing_token)
+                renewed = holder_side.extend(name, owner, 30.0)
+                released = holder_side.release(name, owner)
+                if not (renewed and released):
+                    lost.append(result.fencing_token)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def operate() -> None:
+        try:
+            turn = 0
+            while not done.is_set():
+                turn += 1
+                if len(issued) < 2:
+                    continue
+                if turn % 4 == 0:
+                    token = issued[-1]
+                    if operator.force_release(name, token):
+                        evicted.append(token)
+                else:
+                    token = issued[-2]  # an earlier lease: never evicts anyone
+                    if operator.force_release(name, token):
+                        stale_evictions.append(token)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=hold), threading.Thread(target=operate)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads)
+    finally:
+        done.set()
+        holder_side.close()
+        operator.close()
+    assert errors == []
+    assert len(issued) > 50 and issued == sorted(set(issued))
+    # The next to last token names a lease already given back: it evicts no one.
+    assert stale_evictions == []
+    assert set(lost) <= set(evicted), (lost, evicted)
