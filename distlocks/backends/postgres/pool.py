@@ -180,11 +180,22 @@ class Connection(psycopg.Connection[Any]):
         return statement.load(result.get_value(0, 0) if result.ntuples else None)
 
     def _prepare(self, statement: Statement) -> None:
-        result = self._request(self.pgconn.prepare, statement.name, statement.query,
-                               statement.types)  # fmt: skip
-        if result is None:  # pragma: no cover - never expected from a PREPARE
-            raise psycopg.InternalError(f"could not prepare {statement.name.decode()!r}")
+        # Recorded before it is sent: an exception raised asynchronously (Ctrl-C, a
+        # Celery soft time limit) just after the server prepared it must not leave a
+        # statement the session has and this set lacks (every later PREPARE of it
+        # would fail with "already exists", and a lease's renewal would report its
+        # lock lost). One recorded but never sent is harmless: the next
+        # exec_prepared finds it missing ("does not exist") and prepares it then.
         self._fast_statements.add(statement.name)
+        try:
+            result = self._request(self.pgconn.prepare, statement.name, statement.query,
+                                   statement.types)  # fmt: skip
+        except psycopg.Error:
+            self._fast_statements.discard(statement.name)  # refused, or no answer
+            raise
+        if result is None:  # pragma: no cover - never expected from a PREPARE
+            self._fast_statements.discard(statement.name)
+            raise psycopg.InternalError(f"could not prepare {statement.name.decode()!r}")
 
     def _request(self, send: Any, *args: Any) -> Any:
         """One blocking libpq request (``send(*args)``, which releases the GIL), under
@@ -198,9 +209,11 @@ class Connection(psycopg.Connection[Any]):
         for statements that answer in microseconds."""
         pgconn = self.pgconn
         reply_timeout = self.reply_timeout
-        if reply_timeout is not None:
-            watchdog.watch(self, time.monotonic() + reply_timeout + self.lock_wait)
         try:
+            # Registered inside the try: an exception raised asynchronously as it
+            # registers must not leave a deadline that cuts the connection later.
+            if reply_timeout is not None:
+                watchdog.watch(self, time.monotonic() + reply_timeout + self.lock_wait)
             with self._in_libpq:
                 if pgconn.status != _OK:  # closed, or broken by an earlier request
                     raise psycopg.OperationalError("the connection is closed")
@@ -234,8 +247,8 @@ class Connection(psycopg.Connection[Any]):
         reply_timeout = self.reply_timeout
         if reply_timeout is None:
             return psycopg.Connection.wait(self, *args, **kwargs)
-        watchdog.watch(self, time.monotonic() + reply_timeout + self.lock_wait)
         try:
+            watchdog.watch(self, time.monotonic() + reply_timeout + self.lock_wait)
             result = psycopg.Connection.wait(self, *args, **kwargs)
         except psycopg.OperationalError as exc:
             if self._cut:

@@ -184,6 +184,12 @@ class SessionLocks(PooledBackend):
             # The connection is gone, and the server freed the lock with it.
             self._discard(held.conn)
             return False
+        except BaseException:
+            # Interrupted (Ctrl-C, a Celery soft time limit): the lease is no one's
+            # any more and whether the unlock ran is unknown. Closed, which frees the
+            # lock if it did not, rather than lost to the pool with the lock on it.
+            self._discard(held.conn)
+            raise
         self.pool.put(held.conn)
         return unlocked
 
@@ -218,8 +224,10 @@ class SessionLocks(PooledBackend):
         try:
             params = {"key": held.key, "reader": held.reader, "guard": held.guard}
             held.conn.value(UNLOCKS[held.unlock], params)
-        except psycopg.Error:
+        except BaseException as exc:  # interrupted too: the connection is no one's
             self._discard(held.conn)
+            if not isinstance(exc, psycopg.Error):
+                raise
         else:
             self.pool.put(held.conn)
 

@@ -9,6 +9,7 @@ and a force release see them before the caller's transaction commits.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import psycopg
@@ -63,6 +64,39 @@ class TransactionLocks(PooledBackend):
         conn = self._django_connection(name)
         self._prune_xact()
         params = self._params(name, owner, ttl, holder)
+        # The lock and its registry write are all or nothing: a transaction-level lock
+        # cannot be unlocked, only rolled back with the savepoint it was taken in. A
+        # registry write that fails (a database behind migration 0004, a name past the
+        # registry's width, the lock connections unreachable) must not leave the
+        # caller's transaction holding a lock that no one sees, until it ends.
+        with conn.cursor() as cursor:
+            cursor.execute("SAVEPOINT distlocks_lock")
+        try:
+            token = self._lock_and_register(conn, params, wait)
+        except BaseException:
+            with contextlib.suppress(Exception), conn.cursor() as cursor:
+                cursor.execute("ROLLBACK TO SAVEPOINT distlocks_lock")
+                cursor.execute("RELEASE SAVEPOINT distlocks_lock")
+            raise
+        with conn.cursor() as cursor:
+            cursor.execute("RELEASE SAVEPOINT distlocks_lock")  # the lock stays, in the caller's
+        if token is None:
+            return AcquireResult(False, 0, None)
+        with self._held_lock:
+            self._held[owner] = Held(
+                conn.connection,
+                params["key"],
+                token,
+                transaction=self._transaction_id(conn),
+            )
+        # Forget it when the transaction commits (a rollback is caught by _prune_xact).
+        transaction.on_commit(lambda: self._forget(owner), using=self.database)
+        return AcquireResult(True, token, None)
+
+    def _lock_and_register(self, conn: Any, params: dict[str, Any], wait: float) -> int | None:
+        """Take the transaction-level lock (one try, or a wait of ``wait`` seconds) and
+        write its token and holder to the registry: the token, or None when not
+        granted."""
         with conn.cursor() as cursor:
             if wait <= 0:
                 cursor.execute(sql.TRY_XACT, params)
@@ -83,31 +117,21 @@ class TransactionLocks(PooledBackend):
                     if getattr(exc, "__cause__", None) is not None and isinstance(
                         exc.__cause__, psycopg.errors.LockNotAvailable
                     ):
-                        return AcquireResult(False, 0, None)
+                        return None
                     raise
                 finally:
                     cursor.execute("SELECT set_config('lock_timeout', %s, true)", [previous])
                     cursor.execute("RELEASE SAVEPOINT distlocks_wait")
         if not granted:
-            return AcquireResult(False, 0, None)
+            return None
         # The token and the holder are written on a connection of our own, committed at
         # once: written in the caller's transaction they would stay invisible to
         # everyone else (the listing, a force release) until it commits. The lock is
         # already held, so no one else can mint a token for this name meanwhile.
         params["backend_pid"] = conn.connection.info.backend_pid
-        with self._pooled("acquire", name) as registry:
+        with self._pooled("acquire", params["name"]) as registry:
             row = registry.execute(sql.REGISTER_XACT, params).fetchone()
-        token = int(row[0]) if row else 0
-        with self._held_lock:
-            self._held[owner] = Held(
-                conn.connection,
-                params["key"],
-                token,
-                transaction=self._transaction_id(conn),
-            )
-        # Forget it when the transaction commits (a rollback is caught by _prune_xact).
-        transaction.on_commit(lambda: self._forget(owner), using=self.database)
-        return AcquireResult(True, token, None)
+        return int(row[0]) if row else 0
 
     @staticmethod
     def _transaction_id(conn: Any) -> str:
