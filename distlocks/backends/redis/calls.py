@@ -107,9 +107,11 @@ class _Pinned:
         self.pool = pool
         self.conn = pool.get_connection()
 
-    def __del__(self) -> None:
+    def __del__(self, _suppress: Any = contextlib.suppress) -> None:
+        # At thread exit or interpreter shutdown; at shutdown the module's globals may
+        # already be None, hence contextlib.suppress kept as a default argument.
         if self.pool is not None:
-            with contextlib.suppress(Exception):  # at thread exit or interpreter shutdown
+            with _suppress(Exception):
                 self.pool.release(self.conn)
 
 
