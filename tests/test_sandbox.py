@@ -99,3 +99,44 @@ def test_try_it_in_a_new_project(tmp_path: Path) -> None:
     for port in (redis_port, pg_port):
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+@pytest.mark.parametrize("inherited", ["ignored", "blocked"])
+def test_ctrl_c_stops_it_whatever_sigint_it_inherited(inherited: str, tmp_path: Path) -> None:
+    """Started as a shell's background job (SIGINT ignored, which exec keeps) or by a
+    parent with SIGINT blocked, the sandbox still stops its servers on SIGINT. Found by
+    the suite: an earlier test left the pytest process so, and the sandbox hung."""
+    trap = "trap '' INT" if inherited == "ignored" else ""
+    command = f"{trap}; exec {sys.executable} -m distlocks.testing.sandbox"
+    if inherited == "blocked":
+        # A blocked signal mask also survives exec; a helper blocks it, then execs.
+        command = (
+            f"exec {sys.executable} -c 'import os, signal, sys; "
+            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); "
+            f'os.execv(sys.executable, [sys.executable, "-m", "distlocks.testing.sandbox"])\''
+        )
+    sandbox = subprocess.Popen(
+        ["sh", "-c", command],
+        cwd=tmp_path,
+        env=_clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+    threading.Thread(target=_reader, args=(sandbox.stdout, lines), daemon=True).start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while READY not in "".join(seen):
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, "".join(seen)
+            seen.append(line)
+        sandbox.send_signal(signal.SIGINT)
+        code = sandbox.wait(60)
+    finally:
+        if sandbox.poll() is None:
+            sandbox.kill()
+            sandbox.wait(10)
+    assert code == 0, "".join(seen)

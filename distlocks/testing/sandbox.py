@@ -98,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         "--settings-file", type=Path, help="also write the settings to this file (overwritten)"
     )
     args = parser.parse_args(argv)
+    # Ctrl-C (SIGINT) stops the servers whatever this process inherited: a shell starts
+    # background jobs (`... &`) with SIGINT ignored, and a parent may have it blocked;
+    # both carry across exec, and Python then leaves SIGINT alone.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     extra: list[Any] = []
     try:
