@@ -101,3 +101,26 @@ def test_a_server_started_from_a_short_lived_thread_outlives_it(tmp_path: Path) 
         assert server.process.poll() is None
     finally:
         server.stop()
+
+
+def test_ctrl_c_stops_the_servers_even_from_a_background_job(tmp_path: Path) -> None:
+    """`python -m distlocks.testing.servers` with no command runs until Ctrl-C; started
+    as a shell's background job (SIGINT ignored, which exec keeps) it must still stop."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTLOCKS_TEST_")}
+    command = f"trap '' INT; exec {sys.executable} -m distlocks.testing.servers --no-postgres"
+    child = subprocess.Popen(
+        ["sh", "-c", command], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None
+        for line in child.stdout:
+            if "Servers are up" in line:
+                break
+        child.send_signal(signal.SIGINT)
+        code = child.wait(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
+    assert code == 0

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from distlocks.testing.servers import ServerError, ensure_test_servers
+from distlocks.testing.servers.process import restore_ctrl_c
 
 #: The line printed once the servers are up and the settings shown (scripts wait for it).
 READY = "Servers are up. Press Ctrl-C to stop them (their data is removed)."
@@ -98,11 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "--settings-file", type=Path, help="also write the settings to this file (overwritten)"
     )
     args = parser.parse_args(argv)
-    # Ctrl-C (SIGINT) stops the servers whatever this process inherited: a shell starts
-    # background jobs (`... &`) with SIGINT ignored, and a parent may have it blocked;
-    # both carry across exec, and Python then leaves SIGINT alone.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    restore_ctrl_c()  # Ctrl-C stops the servers, whatever SIGINT this process inherited
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     extra: list[Any] = []
     try:

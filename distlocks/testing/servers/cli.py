@@ -8,7 +8,7 @@ import contextlib
 import signal
 import subprocess
 
-from distlocks.testing.servers.process import DATABASE_URL_ENV, REDIS_URL_ENV
+from distlocks.testing.servers.process import DATABASE_URL_ENV, REDIS_URL_ENV, restore_ctrl_c
 from distlocks.testing.servers.session import ensure_test_servers
 
 
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-postgres", action="store_true", help="do not start PostgreSQL")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="command to run (after --)")
     args = parser.parse_args(argv)
+    restore_ctrl_c()  # Ctrl-C stops the servers, whatever SIGINT this process inherited
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     redis_url, database_url = ensure_test_servers(
         redis=not args.no_redis, postgres=not args.no_postgres

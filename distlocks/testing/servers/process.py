@@ -215,6 +215,17 @@ def _sweep_stale_run_dirs() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def restore_ctrl_c() -> None:
+    """Make Ctrl-C (SIGINT) raise KeyboardInterrupt in this process, whatever it
+    inherited: a shell starts background jobs (``... &``) with SIGINT ignored, and a
+    parent may have it blocked; both survive exec, and Python then leaves SIGINT alone.
+    For the commands that run until Ctrl-C (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def _install_signal_cleanup() -> None:
     """Turn SIGTERM/SIGHUP into SystemExit so that atexit cleanup runs."""
     if threading.current_thread() is not threading.main_thread():
