@@ -20,6 +20,14 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 LONG = "reports:" + "quarterly-export-for-the-northern-region-" * 4 + "end"
 
 
+def _log_in(page: Any, live_server: Any, username: str, password: str) -> None:
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/")
+    page.fill("#id_username", username)
+    page.fill("#id_password", password)
+    page.click("input[type=submit]")
+    page.wait_for_selector("#site-name")
+
+
 @pytest.fixture
 def staged(name: str, pg_ready: None) -> Any:
     leases = []
@@ -48,11 +56,7 @@ def test_the_table_fits_the_window(
     livelocks.snapshots.clear()
     page = browser_page
     page.set_viewport_size({"width": width, "height": height})
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/")
-    page.fill("#id_username", "ops")
-    page.fill("#id_password", "s3cret-pw")
-    page.click("input[type=submit]")
-    page.wait_for_selector("#site-name")
+    _log_in(page, live_server, "ops", "s3cret-pw")
     page.goto(f"{live_server.url}/admin/distlocks/livelock/?refresh=0")
     page.wait_for_selector("table#result_list")
 
@@ -123,11 +127,7 @@ def test_the_force_release_button_is_readable(
     django_user_model.objects.create_superuser("ops", password="s3cret-pw")
     page = browser_page
     page.emulate_media(color_scheme=scheme)
-    page.goto(f"{live_server.url}/admin/login/?next=/admin/")
-    page.fill("#id_username", "ops")
-    page.fill("#id_password", "s3cret-pw")
-    page.click("input[type=submit]")
-    page.wait_for_selector("#site-name")
+    _log_in(page, live_server, "ops", "s3cret-pw")
     lease = staged[0]
     page.goto(f"{live_server.url}/admin/distlocks/livelock/lock/?backend=redis&name={lease.name}")
     button = page.locator("#distlocks-force-release")
@@ -164,11 +164,7 @@ def test_a_backend_that_cannot_list_is_a_readable_banner_at_1280(
     with override_settings(DISTLOCKS_BACKENDS={**settings.DISTLOCKS_BACKENDS, "ledger": minimal}):
         try:
             livelocks.snapshots.clear()
-            page.goto(f"{live_server.url}/admin/login/?next=/admin/")
-            page.fill("#id_username", "viewer")
-            page.fill("#id_password", "pw")
-            page.click("input[type=submit]")
-            page.wait_for_selector("#site-name")
+            _log_in(page, live_server, "viewer", "pw")
             page.goto(f"{live_server.url}/admin/distlocks/livelock/?refresh=0")
             page.wait_for_selector("table#result_list")
             shots = os.environ.get("DISTLOCKS_LAYOUT_SHOTS")

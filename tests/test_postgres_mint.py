@@ -27,9 +27,8 @@ from typing import Any
 import psycopg
 import pytest
 from django.core.management import call_command
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from distlocks.backends.postgres import TABLE, PostgresBackend
 from distlocks.backends.postgres.sql import EPOCH, FENCE, RESERVE_US
@@ -42,6 +41,7 @@ from tests.test_postgres_token_crash import (
     _crash,
     _cycle,
     _sql,
+    run_crash_machine,
 )
 
 _owners = itertools.count()
@@ -180,16 +180,7 @@ def test_the_fast_path_stays_under_the_ceiling_on_disk(
     synchronous_commit: str,
 ) -> None:
     with django_db_blocker.unblock():
-        run_state_machine_as_test(
-            lambda: _Boundary(durable, synchronous_commit),
-            settings=settings(
-                max_examples=10,
-                stateful_step_count=15,
-                deadline=None,
-                database=None,
-                suppress_health_check=list(HealthCheck),
-            ),
-        )
+        run_crash_machine(lambda: _Boundary(durable, synchronous_commit), examples=10, steps=15)
 
 
 def test_a_known_name_is_minted_without_reading_the_ceiling_or_the_marker(

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import signal
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -379,6 +380,21 @@ class _Crashes(RuleBasedStateMachine):
         self.backend.close()
 
 
+def run_crash_machine(make: Callable[[], Any], *, examples: int, steps: int) -> None:
+    """Run a state machine whose steps crash servers: few examples, no deadline (a
+    crash and restart takes seconds), nothing kept between runs."""
+    run_state_machine_as_test(
+        make,
+        settings=settings(
+            max_examples=examples,
+            stateful_step_count=steps,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
+
+
 @pytest.mark.parametrize("synchronous_commit", ["off", "on"])
 def test_tokens_strictly_increase_through_any_sequence_of_crashes(
     durable: PostgresServer,  # noqa: F811 - the fixture
@@ -386,16 +402,7 @@ def test_tokens_strictly_increase_through_any_sequence_of_crashes(
     synchronous_commit: str,
 ) -> None:
     with django_db_blocker.unblock():
-        run_state_machine_as_test(
-            lambda: _Crashes(durable, synchronous_commit),
-            settings=settings(
-                max_examples=6,
-                stateful_step_count=10,
-                deadline=None,
-                database=None,
-                suppress_health_check=list(HealthCheck),
-            ),
-        )
+        run_crash_machine(lambda: _Crashes(durable, synchronous_commit), examples=6, steps=10)
 
 
 def test_an_upgrade_seeds_the_ceilings_from_the_registry_and_survives_a_crash(

@@ -45,19 +45,12 @@ def _reader(stream: object, lines: queue.Queue[str | None]) -> None:
     lines.put(None)
 
 
-def test_try_it_in_a_new_project(tmp_path: Path) -> None:
-    env = _clean_env()
-    bin_dir = Path(sys.executable).parent
-    subprocess.run(
-        [str(bin_dir / "django-admin"), "startproject", "mysite", str(tmp_path)],
-        check=True,
-        env=env,
-        timeout=60,
-    )
-    settings_file = tmp_path / "mysite" / "local_settings.py"
+def _start(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    """Start the sandbox as ``command`` and read its output up to the ready line
+    (within 180 s): the process and what it printed."""
     sandbox = subprocess.Popen(
-        [sys.executable, "-m", "distlocks.testing.sandbox", "--settings-file", str(settings_file)],
-        cwd=tmp_path,
+        command,
+        cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -73,7 +66,29 @@ def test_try_it_in_a_new_project(tmp_path: Path) -> None:
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             assert line is not None, "".join(seen)
             seen.append(line)
-        printed = "".join(seen)
+    except BaseException:
+        sandbox.kill()
+        sandbox.wait(10)
+        raise
+    return sandbox, "".join(seen)
+
+
+def test_try_it_in_a_new_project(tmp_path: Path) -> None:
+    env = _clean_env()
+    bin_dir = Path(sys.executable).parent
+    subprocess.run(
+        [str(bin_dir / "django-admin"), "startproject", "mysite", str(tmp_path)],
+        check=True,
+        env=env,
+        timeout=60,
+    )
+    settings_file = tmp_path / "mysite" / "local_settings.py"
+    sandbox, printed = _start(
+        [sys.executable, "-m", "distlocks.testing.sandbox", "--settings-file", str(settings_file)],
+        tmp_path,
+        env,
+    )
+    try:
         assert "DISTLOCKS_BACKENDS = {" in printed and "DATABASES = {" in printed
         assert settings_file.read_text() in printed
 
@@ -95,7 +110,7 @@ def test_try_it_in_a_new_project(tmp_path: Path) -> None:
     finally:
         sandbox.send_signal(signal.SIGINT)
         code = sandbox.wait(60)
-    assert code == 0, "".join(seen)
+    assert code == 0, printed
     for port in (redis_port, pg_port):
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -115,28 +130,12 @@ def test_ctrl_c_stops_it_whatever_sigint_it_inherited(inherited: str, tmp_path: 
             "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); "
             f'os.execv(sys.executable, [sys.executable, "-m", "distlocks.testing.sandbox"])\''
         )
-    sandbox = subprocess.Popen(
-        ["sh", "-c", command],
-        cwd=tmp_path,
-        env=_clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=_reader, args=(sandbox.stdout, lines), daemon=True).start()
-    seen: list[str] = []
+    sandbox, printed = _start(["sh", "-c", command], tmp_path, _clean_env())
     try:
-        deadline = time.monotonic() + 180
-        while READY not in "".join(seen):
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line is not None, "".join(seen)
-            seen.append(line)
         sandbox.send_signal(signal.SIGINT)
         code = sandbox.wait(60)
     finally:
         if sandbox.poll() is None:
             sandbox.kill()
             sandbox.wait(10)
-    assert code == 0, "".join(seen)
+    assert code == 0, printed
