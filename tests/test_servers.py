@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -124,3 +125,32 @@ def test_ctrl_c_stops_the_servers_even_from_a_background_job(tmp_path: Path) -> 
             child.kill()
             child.wait(10)
     assert code == 0
+
+
+class _CtrlCOnReady(io.StringIO):
+    """Standard output whose reader presses Ctrl-C the moment "Servers are up" shows."""
+
+    def flush(self) -> None:
+        super().flush()
+        if "Servers are up" in self.getvalue():
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_the_moment_the_servers_are_announced_still_stops_cleanly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reader can press Ctrl-C as soon as the line is out: before the wait starts. That
+    must be the same clean stop (exit 0), not a KeyboardInterrupt out of main."""
+    from distlocks.testing.servers import cli
+
+    out = _CtrlCOnReady()
+    monkeypatch.setattr(sys, "stdout", out)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        code = cli.main(["--no-postgres"])  # the session's Redis is reused: nothing starts
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C right after the announcement escaped main()")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 0
+    assert "Servers are up" in out.getvalue()

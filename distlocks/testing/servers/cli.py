@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{REDIS_URL_ENV}={redis_url}", flush=True)
     print(f"{DATABASE_URL_ENV}={database_url}", flush=True)
     if not command:
-        print("Servers are up; press Ctrl-C to stop them.", flush=True)
+        # The announcement is inside the try: whoever reads it may press Ctrl-C at once.
         with contextlib.suppress(KeyboardInterrupt):
+            print("Servers are up; press Ctrl-C to stop them.", flush=True)
             signal.pause()
         return 0
     child = subprocess.Popen(command)
