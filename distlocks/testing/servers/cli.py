@@ -35,10 +35,14 @@ def main(argv: list[str] | None = None) -> int:
             print("Servers are up; press Ctrl-C to stop them.", flush=True)
             signal.pause()
         return 0
-    child = subprocess.Popen(command)
+    child: subprocess.Popen[bytes] | None = None
     while True:
         try:
+            if child is None:
+                child = subprocess.Popen(command)
             return child.wait()
         except KeyboardInterrupt:
+            if child is None:  # Ctrl-C before the command started: nothing to wait for
+                return 130
             # The child got the same SIGINT from the terminal; let it finish.
             continue
