@@ -161,14 +161,6 @@ class RedisCalls(RedisClients):
             threading.Thread(target=self.release_quietly, args=(name, owner), daemon=True).start()
         return self._error("acquire", name, exc)
 
-    @contextlib.contextmanager
-    def _acquiring(self, name: str, owner: str) -> Iterator[None]:
-        """:meth:`_errors` for an acquire (see :meth:`_acquire_error`)."""
-        try:
-            yield
-        except _DRIVER_ERRORS as exc:
-            raise self._acquire_error(name, owner, exc) from exc
-
     def _demoted(self, exc: redis.ResponseError) -> bool:
         """A Sentinel-managed connection still open to a primary that a failover made
         a replica: the script's first write fails, and Redis reports it as a script
@@ -291,11 +283,19 @@ class RedisCalls(RedisClients):
 
     async def _arun(self, script: str, keys: list[str], args: list[Any]) -> Any:
         side = self._async_side()
-        client, scripts = side.client, side.scripts
-        if self._direct:
-            async with self._call_slot(side):
+        # One of the loop's connections for a quick call: at once when one is free, else in
+        # turn behind the coroutines already waiting for one. Taken and given back here,
+        # not in an async context manager: building and driving one per call cost more
+        # Python work than the rest of this method.
+        slots = side.calls
+        if slots.locked():
+            await self._queue_for_slot(slots)
+        else:
+            await slots.acquire()
+        try:
+            if self._direct:
                 return await self._arun_direct(side, script, keys, args)
-        async with self._call_slot(side):
+            client, scripts = side.client, side.scripts
             try:
                 return await scripts[script](keys=keys, args=args, client=client)
             except redis.ResponseError as exc:
@@ -303,3 +303,5 @@ class RedisCalls(RedisClients):
                     raise
             await client.connection_pool.disconnect(inuse_connections=False)
             return await scripts[script](keys=keys, args=args, client=client)
+        finally:
+            slots.release()

@@ -6,12 +6,11 @@ client per event loop with its limits on connections.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import inspect as pyinspect
 import threading
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -333,28 +332,19 @@ class RedisClients(RedisKeys):
     def async_pool_size(self) -> int:
         return int(self.options.get("async_pool_size", self.DEFAULT_ASYNC_POOL_SIZE))
 
-    @contextlib.asynccontextmanager
-    async def _call_slot(self, side: _AsyncSide) -> AsyncIterator[None]:
-        """One of the loop's connections for a quick call: at once when one is free,
-        else in turn behind the coroutines already waiting for one."""
-        slots = side.calls
-        if slots.locked():
-            try:
-                await asyncio.wait_for(slots.acquire(), self.ASYNC_QUEUE_TIMEOUT)
-            except TimeoutError:
-                raise LockBackendUnavailable(
-                    self.alias,
-                    f"no free connection within {self.ASYNC_QUEUE_TIMEOUT:g} s: "
-                    f"{self._async_limits()[0]} calls of this event loop were in flight "
-                    f"the whole time. Raise OPTIONS['async_pool_size'] (now "
-                    f"{self.async_pool_size}) or run fewer coroutines against this backend.",
-                ) from None
-        else:
-            await slots.acquire()
+    async def _queue_for_slot(self, slots: asyncio.Semaphore) -> None:
+        """Wait for a call slot behind the coroutines already waiting for one; fail
+        after ASYNC_QUEUE_TIMEOUT rather than queue for ever."""
         try:
-            yield
-        finally:
-            slots.release()
+            await asyncio.wait_for(slots.acquire(), self.ASYNC_QUEUE_TIMEOUT)
+        except TimeoutError:
+            raise LockBackendUnavailable(
+                self.alias,
+                f"no free connection within {self.ASYNC_QUEUE_TIMEOUT:g} s: "
+                f"{self._async_limits()[0]} calls of this event loop were in flight "
+                f"the whole time. Raise OPTIONS['async_pool_size'] (now "
+                f"{self.async_pool_size}) or run fewer coroutines against this backend.",
+            ) from None
 
     def close(self) -> None:
         client, self._client = self._client, None

@@ -1,0 +1,164 @@
+"""The Python work of one uncontended Redis cycle, lock() and alock() (issue 29's "no
+regression" rows): no generator-based context manager is entered per call, since
+building and driving one (a generator, its wrapper, next or anext per step) cost more
+than the rest of a backend call's Python work; and alock() switches tasks no more than
+the raw redis.asyncio cycle does (a ``SET NX PX`` and a compare-and-delete script).
+The queue for a call slot, which the asyncio calls take inline, still fails after
+ASYNC_QUEUE_TIMEOUT. Counted, not timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+import pytest
+import redis.asyncio
+
+from distlocks import alock, get_backend, lock
+from distlocks.backends.redis import RedisBackend
+from distlocks.exceptions import LockBackendUnavailable
+
+ALIAS = "redis"
+CYCLES = 20
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+# What entering a generator-based context manager runs, sync or async.
+_CM_ENTRY = {
+    contextlib._GeneratorContextManager.__enter__.__code__,
+    contextlib._AsyncGeneratorContextManager.__aenter__.__code__,
+}
+
+
+@contextlib.contextmanager
+def _entered_context_managers() -> Iterator[list[str]]:
+    """The generator-based context managers entered meanwhile, by where they were made."""
+    entered: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code in _CM_ENTRY:
+            func = frame.f_locals["self"].gen
+            code = getattr(func, "gi_code", None) or getattr(func, "ag_code", None)
+            entered.append(f"{code.co_filename}:{code.co_name}" if code else repr(func))
+
+    sys.setprofile(profile)
+    try:
+        yield entered
+    finally:
+        sys.setprofile(None)
+
+
+def _sync_cycles(name: str) -> None:
+    for _ in range(CYCLES):
+        with lock(name, backend=ALIAS, ttl=30, timeout=0):
+            pass
+
+
+async def _async_cycles(name: str, n: int = CYCLES) -> None:
+    for _ in range(n):
+        async with alock(name, backend=ALIAS, ttl=30, timeout=0):
+            pass
+
+
+def test_a_sync_cycle_enters_no_generator_context_manager(name: str) -> None:
+    _sync_cycles(name)  # connects, loads the scripts
+    with _entered_context_managers() as entered:
+        _sync_cycles(name)
+    assert entered == []
+
+
+def test_an_async_cycle_enters_no_generator_context_manager(name: str) -> None:
+    async def main() -> list[str]:
+        await _async_cycles(name)  # the loop's client, its connection, the scripts
+        with _entered_context_managers() as entered:
+            await _async_cycles(name)
+        return entered
+
+    assert asyncio.run(main()) == []
+
+
+class _CountingLoop(asyncio.SelectorEventLoop):
+    """Counts its iterations: each is one pass through the selector, one task switch
+    or more."""
+
+    iterations = 0
+
+    def _run_once(self) -> None:
+        self.iterations += 1
+        super()._run_once()  # type: ignore[misc]
+
+
+def _iterations_per_cycle(make: Callable[[], Any]) -> float:
+    loop = _CountingLoop()
+    try:
+        cycles = loop.run_until_complete(make())
+        loop.run_until_complete(cycles(5))  # warm: connections, scripts
+        before = loop.iterations
+        loop.run_until_complete(cycles(CYCLES))
+        return (loop.iterations - before) / CYCLES
+    finally:
+        loop.close()
+
+
+def test_an_async_cycle_switches_tasks_no_more_than_the_raw_client(name: str) -> None:
+    url = get_backend(ALIAS).client.connection_pool.connection_kwargs
+    location = f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}"
+
+    async def raw() -> Callable[[int], Any]:
+        client = redis.asyncio.Redis.from_url(location)
+        release = client.register_script(_RELEASE)
+
+        async def cycles(n: int) -> None:
+            for _ in range(n):
+                token = uuid.uuid4().hex
+                assert await client.set(f"{name}:raw", token, nx=True, px=30000)
+                assert await release(keys=[f"{name}:raw"], args=[token])
+
+        return cycles
+
+    async def ours() -> Callable[[int], Any]:
+        return lambda n: _async_cycles(name, n)
+
+    mine, floor = _iterations_per_cycle(ours), _iterations_per_cycle(raw)
+    assert mine <= floor, (mine, floor)
+
+
+def test_a_call_queued_for_a_slot_fails_after_the_queue_timeout(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = get_backend(ALIAS)
+    assert isinstance(backend, RedisBackend)
+    monkeypatch.setattr(RedisBackend, "ASYNC_QUEUE_TIMEOUT", 0.2)
+
+    async def main() -> None:
+        side = backend._async_side()
+        slots = side.calls
+        taken = 0
+        while not slots.locked():  # every slot busy, as with that many calls in flight
+            await slots.acquire()
+            taken += 1
+        try:
+            with pytest.raises(LockBackendUnavailable, match="no free connection within"):
+                await backend.aacquire(name, uuid.uuid4().hex, 30, _holder())
+        finally:
+            for _ in range(taken):
+                slots.release()
+        # The slots are free again: the next call goes through.
+        owner = uuid.uuid4().hex
+        assert (await backend.aacquire(name, owner, 30, _holder())).acquired
+        assert await backend.arelease(name, owner)
+
+    asyncio.run(main())
+
+
+def _holder() -> Any:
+    from distlocks.locks import current_holder
+
+    return current_holder()
