@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
 import pytest
+import redis
 import redis.asyncio
 
 from distlocks import alock, get_backend, lock
@@ -162,3 +164,67 @@ def _holder() -> Any:
     from distlocks.locks import current_holder
 
     return current_holder()
+
+
+class _TimerCountingLoop(asyncio.SelectorEventLoop):
+    """Counts the timers scheduled on it."""
+
+    timers = 0
+
+    def call_at(self, when: float, callback: Any, *args: Any, **kwargs: Any) -> Any:
+        self.timers += 1
+        return super().call_at(when, callback, *args, **kwargs)
+
+
+def test_an_async_cycle_schedules_no_timer_per_call(name: str) -> None:
+    """The reads' socket timeout is kept by one timer per event loop, not one per read
+    (an asyncio.timeout() per read: two timers per cycle before)."""
+    loop = _TimerCountingLoop()
+    try:
+        loop.run_until_complete(_async_cycles(name, 5))
+        before = loop.timers
+        loop.run_until_complete(_async_cycles(name, 50))
+        assert loop.timers - before <= 2, loop.timers - before
+    finally:
+        loop.close()
+
+
+def test_a_paused_server_times_out_an_async_call(own_redis: Any, settings: Any, name: str) -> None:
+    """A server that stops answering (its writes paused longer than the socket timeout)
+    gives LockBackendUnavailable from a redis.TimeoutError within about the timeout, and
+    the connection the late reply was due on is not used again."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "paused": {
+            "BACKEND": "distlocks.backends.redis.RedisBackend",
+            "LOCATION": own_redis.url,
+            "OPTIONS": {"socket_timeout": 0.3},
+        },
+    }
+    admin = redis.Redis.from_url(own_redis.url)
+
+    async def main() -> float:
+        async with alock(name, backend="paused", timeout=0):
+            pass  # connected, scripts loaded
+        admin.execute_command("CLIENT", "PAUSE", 4000, "WRITE")  # scripts wait meanwhile
+        started = time.monotonic()
+        try:
+            with pytest.raises(LockBackendUnavailable) as excinfo:
+                await alock(name, backend="paused", timeout=0).acquire()
+            assert isinstance(excinfo.value.__cause__, redis.TimeoutError)
+            return time.monotonic() - started
+        finally:
+            admin.execute_command("CLIENT", "UNPAUSE")
+
+    try:
+        elapsed = asyncio.run(main())
+        assert elapsed < 3, f"took {elapsed:.1f}s"
+
+        async def again() -> bool:
+            # The acquire that timed out may have run once the pause ended: another name.
+            async with alock(f"{name}:after", backend="paused", timeout=5) as lease:
+                return lease.held()
+
+        assert asyncio.run(again())
+    finally:
+        admin.close()

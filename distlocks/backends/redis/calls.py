@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 import weakref
 from collections.abc import Iterator
@@ -95,6 +96,32 @@ async def _asend(conn: Any, *commands: tuple[Any, ...]) -> None:
         except OSError as exc:
             await conn.disconnect(nowait=True)
             raise redis.ConnectionError(f"Error while writing to socket: {exc}") from exc
+
+
+async def _aread(side: _AsyncSide, conn: Any) -> Any:
+    """``conn.read_response()``, its socket timeout kept by the loop's watch (one timer
+    for every read of the loop) instead of an asyncio.timeout() per read: a reply late
+    by the timeout has its connection aborted and raises redis.TimeoutError, as the
+    client's own timeout does."""
+    timeout = conn.socket_timeout
+    if timeout is None:
+        return await conn.read_response()
+    watch = side.watch
+    watch.start(asyncio.get_running_loop(), conn, timeout)
+    try:
+        # math.inf: no timer of the client's own (the watch keeps the timeout).
+        reply = await conn.read_response(timeout=math.inf)
+    except redis.ConnectionError as exc:
+        if watch.end(conn):
+            raise redis.TimeoutError(f"Timeout reading from {conn._host_error()}") from exc
+        raise
+    except BaseException:
+        watch.end(conn)
+        raise
+    if watch.end(conn):
+        # Read in time, from what had come before the abort: the connection is done.
+        await conn.disconnect(nowait=True)
+    return reply
 
 
 class _Pinned:
@@ -261,7 +288,7 @@ class RedisCalls(RedisClients):
             while True:
                 try:
                     await _asend(conn, ("EVALSHA", registered.sha, len(keys), *keys, *args))
-                    return await conn.read_response()
+                    return await _aread(side, conn)
                 except NoScriptError:
                     if reloaded:
                         raise

@@ -99,6 +99,58 @@ class _AsyncSentinelSSLConnection(
     pass
 
 
+class _ReadWatch:
+    """The socket timeout of one event loop's direct calls, kept with one timer for all
+    of them: a reply that has not come by its deadline has its connection aborted,
+    and the reader then raises redis.TimeoutError (see calls._aread).
+
+    redis.asyncio keeps it with an asyncio.timeout() around every read: a timer made,
+    pushed on the loop's heap and cancelled per round trip, several microseconds of a
+    call's Python work. Here a read costs a dict entry; the timer fires at the earliest
+    deadline of the reads under way (or of a read that ended since, and then finds
+    nothing to do), and is set again for the next one."""
+
+    __slots__ = ("deadlines", "expired", "timer")
+
+    def __init__(self) -> None:
+        #: id(connection) -> (deadline on the loop's clock, connection), reads under way.
+        self.deadlines: dict[int, tuple[float, Any]] = {}
+        #: id() of connections aborted for being late, until their reader has seen it.
+        self.expired: set[int] = set()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop, conn: Any, timeout: float) -> None:
+        deadline = loop.time() + timeout
+        self.deadlines[id(conn)] = (deadline, conn)
+        if self.timer is None:
+            self.timer = loop.call_at(deadline, self._check, loop)
+
+    def end(self, conn: Any) -> bool:
+        """The read on ``conn`` is over; True if the watch aborted its connection."""
+        key = id(conn)
+        self.deadlines.pop(key, None)
+        if key in self.expired:
+            self.expired.discard(key)
+            return True
+        return False
+
+    def _check(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.timer = None
+        now = loop.time()
+        for key, (deadline, conn) in list(self.deadlines.items()):
+            if deadline <= now:
+                del self.deadlines[key]
+                self.expired.add(key)
+                writer = getattr(conn, "_writer", None)
+                if writer is not None:
+                    # The reader sees the end of the stream after what it already
+                    # received: a reply that came just in time is still read.
+                    writer.transport.abort()
+        if self.deadlines:
+            first = min(deadline for deadline, _ in self.deadlines.values())
+            self.timer = loop.call_at(first, self._check, loop)
+
+
 @dataclasses.dataclass
 class _AsyncSide:
     """One event loop's redis.asyncio client, its scripts, and how many of its
@@ -110,6 +162,8 @@ class _AsyncSide:
     waits: asyncio.Semaphore
     #: Idle connections of the direct path (one server), most recently used last.
     idle: list[Any] = dataclasses.field(default_factory=list)
+    #: The socket timeout of the direct path's reads.
+    watch: _ReadWatch = dataclasses.field(default_factory=_ReadWatch)
 
 
 class RedisClients(RedisKeys):
