@@ -113,7 +113,8 @@ async def _aread(side: _AsyncSide, conn: Any) -> Any:
         reply = await conn.read_response(timeout=math.inf)
     except redis.ConnectionError as exc:
         if watch.end(conn):
-            raise redis.TimeoutError(f"Timeout reading from {conn._host_error()}") from exc
+            where = conn._host_error() if hasattr(conn, "_host_error") else "the server"
+            raise redis.TimeoutError(f"Timeout reading from {where}") from exc
         raise
     except BaseException:
         watch.end(conn)
