@@ -33,8 +33,9 @@ TTL = 30.0
 #: samples, so with 10 rounds one round more in the slow state (a step between two
 #: rows of the same round) moved a row's ratio by 10-15% (distlocks 1.16x the floor,
 #: 1.03x round by round); with 50 rounds of 100 cycles each row sees the machine's
-#: states in nearly the same proportions (a simulation of that machine: the spread of
-#: a 1.03x row's ratio falls from 0.92-1.20x to 1.00-1.07x). Same cycles in all.
+#: states in nearly the same proportions (``python -m bench.rounds_simulation``: a
+#: 1.03x row's ratio spreads over 0.94-1.12x with 10 rounds, 1.00-1.07x with 50).
+#: Same cycles in all.
 CYCLE_ROUNDS = 50
 
 
