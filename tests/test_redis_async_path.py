@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import sys
 import time
 import uuid
@@ -228,3 +229,50 @@ def test_a_paused_server_times_out_an_async_call(own_redis: Any, settings: Any, 
         assert asyncio.run(again())
     finally:
         admin.close()
+
+
+def test_a_reply_that_came_before_the_watch_fired_is_still_read(name: str) -> None:
+    """The watch ends a late read by aborting its connection; a reply already received
+    by then is read (the reader sees the end of the stream only after it), and the
+    connection is closed rather than used again."""
+    from distlocks.backends.redis.calls import _aread, _asend
+
+    backend = get_backend(ALIAS)
+    assert isinstance(backend, RedisBackend)
+
+    async def main() -> None:
+        side = backend._async_side()
+        conn = side.client.connection_pool.make_connection()
+        await conn.connect()
+        try:
+            await _asend(conn, ("PING",))
+            loop = asyncio.get_running_loop()
+            deadline = time.monotonic() + 10
+            while not conn._reader._buffer and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # until the reply is in the reader's buffer
+            assert conn._reader._buffer
+            # The read is due, and late: the watch aborts the connection first.
+            side.watch.start(loop, conn, -1.0)
+            side.watch._check(loop)
+            assert id(conn) in side.watch.expired
+            # What _aread does once its read returns: the reply, then the connection shut.
+            assert await conn.read_response(timeout=math.inf) in (b"PONG", "PONG")
+            assert side.watch.end(conn)
+        finally:
+            await conn.disconnect(nowait=True)
+
+        # And a late read with nothing received is a timeout, as the client's own.
+        conn = side.client.connection_pool.make_connection()
+        await conn.connect()
+        conn.socket_timeout = 0.2
+        try:
+            await _asend(conn, ("BLPOP", f"{name}:never", 5))
+            started = time.monotonic()
+            with pytest.raises(redis.TimeoutError):
+                await _aread(side, conn)
+            assert time.monotonic() - started < 3
+            assert not conn.is_connected
+        finally:
+            await conn.disconnect(nowait=True)
+
+    asyncio.run(main())
