@@ -227,7 +227,8 @@ class AsyncCycle(_AsyncWorkload):
     def __init__(self, options: RunOptions) -> None:
         super().__init__(options)
         self.iterations = options.iterations or (40 if options.quick else 5000)
-        self.rounds = 1 if options.quick else 10
+        # Many short rounds, as the synchronous cycle (bench.workloads.CYCLE_ROUNDS says why).
+        self.rounds = 1 if options.quick else 50
         self.batch = max(1, math.ceil(self.iterations / self.rounds))
         self.warm_up_iterations = 5 if options.quick else 300
 

@@ -8,7 +8,9 @@ uncontended cycle three ways, interleaved in blocks (the order rotating each blo
   :func:`~distlocks.locks.acquire_lease` calls them;
 * ``lock()``: ``with lock(name, backend=alias, ttl=30, timeout=0): pass`` (default
   options: renewed, release at COMMIT);
-* ``alock()``: ``async with alock(...)``, against the asyncio backend row.
+* ``alock()``: ``async with alock(...)``, against the asyncio backend row;
+* ``floor``, ``async floor`` (Redis only): the benchmark's floors, redis-py's ``SET NX
+  PX`` and a compare-and-delete script, for the client CPU of a cycle with nothing on top.
 
 The figure that matters is the *client CPU* per cycle of the calling thread
 (``time.thread_time()``), over all blocks and in the block that took least (``least``:
@@ -71,11 +73,48 @@ def _variants(alias: str, loop: asyncio.AbstractEventLoop) -> list[Variant]:
             async with alock(name + ":alock", backend=alias, ttl=30, timeout=0):
                 pass
 
-    return [
+    variants = [
         (f"{alias}: backend", backend_cycles),
         (f"{alias}: lock()", lock_cycles),
         (f"{alias}: async backend", lambda n: loop.run_until_complete(abackend(n))),
         (f"{alias}: alock()", lambda n: loop.run_until_complete(alock_(n))),
+    ]
+    if alias == "default":
+        variants += _redis_floors(name, loop)
+    return variants
+
+
+def _redis_floors(name: str, loop: asyncio.AbstractEventLoop) -> list[Variant]:
+    """The benchmark's Redis floors (``floor``, ``async-floor``), for the client CPU a
+    cycle costs with nothing on top of redis-py: SET NX PX and a compare-and-delete."""
+    import redis
+    import redis.asyncio
+
+    from bench.base import Env
+    from bench.implementations import _COMPARE_AND_DELETE
+
+    url = Env.from_environ().redis_url
+    client = redis.Redis.from_url(url)
+    release = client.register_script(_COMPARE_AND_DELETE)
+    aclient = redis.asyncio.Redis.from_url(url)
+    arelease = aclient.register_script(_COMPARE_AND_DELETE)
+    key = name + ":floor"
+
+    def floor_cycles(n: int) -> None:
+        for _ in range(n):
+            token = os.urandom(16).hex()
+            client.set(key, token, nx=True, px=30000)
+            release(keys=[key], args=[token])
+
+    async def afloor(n: int) -> None:
+        for _ in range(n):
+            token = os.urandom(16).hex()
+            await aclient.set(key, token, nx=True, px=30000)
+            await arelease(keys=[key], args=[token])
+
+    return [
+        ("default: floor", floor_cycles),
+        ("default: async floor", lambda n: loop.run_until_complete(afloor(n))),
     ]
 
 

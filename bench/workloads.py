@@ -26,6 +26,18 @@ from bench.workers import WorkerPool, cycles_until
 #: Lease length of every lock taken; long enough that nothing expires mid-measurement.
 TTL = 30.0
 
+#: Rounds of the one-thread cycle workloads (this one and ``async-cycle``): many short
+#: rounds rather than a few long ones. The machine's speed moves in steps (another
+#: guest's load, the host's frequency): in the run of 2026-11-27 the floor's rounds
+#: took 220 or 300 us, nothing in between. Each row's median is taken over all its
+#: samples, so with 10 rounds one round more in the slow state (a step between two
+#: rows of the same round) moved a row's ratio by 10-15% (distlocks 1.16x the floor,
+#: 1.03x round by round); with 50 rounds of 100 cycles each row sees the machine's
+#: states in nearly the same proportions (``python -m bench.rounds_simulation``: a
+#: 1.03x row's ratio spreads over 0.94-1.12x with 10 rounds, 1.00-1.07x with 50).
+#: Same cycles in all.
+CYCLE_ROUNDS = 50
+
 
 @workload
 class Cycle(Workload):
@@ -42,7 +54,7 @@ class Cycle(Workload):
     def __init__(self, options: RunOptions) -> None:
         super().__init__(options)
         self.iterations = options.iterations or (40 if options.quick else 5000)
-        self.rounds = 1 if options.quick else 10
+        self.rounds = 1 if options.quick else CYCLE_ROUNDS
         self.batch = max(1, math.ceil(self.iterations / self.rounds))
         self.warm_up_iterations = 5 if options.quick else 300
 

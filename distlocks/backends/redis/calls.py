@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 import weakref
 from collections.abc import Iterator
@@ -97,6 +98,33 @@ async def _asend(conn: Any, *commands: tuple[Any, ...]) -> None:
             raise redis.ConnectionError(f"Error while writing to socket: {exc}") from exc
 
 
+async def _aread(side: _AsyncSide, conn: Any) -> Any:
+    """``conn.read_response()``, its socket timeout kept by the loop's watch (one timer
+    for every read of the loop) instead of an asyncio.timeout() per read: a reply late
+    by the timeout has its connection aborted and raises redis.TimeoutError, as the
+    client's own timeout does."""
+    timeout = conn.socket_timeout
+    if timeout is None:
+        return await conn.read_response()
+    watch = side.watch
+    watch.start(asyncio.get_running_loop(), conn, timeout)
+    try:
+        # math.inf: no timer of the client's own (the watch keeps the timeout).
+        reply = await conn.read_response(timeout=math.inf)
+    except redis.ConnectionError as exc:
+        if watch.end(conn):
+            where = conn._host_error() if hasattr(conn, "_host_error") else "the server"
+            raise redis.TimeoutError(f"Timeout reading from {where}") from exc
+        raise
+    except BaseException:
+        watch.end(conn)
+        raise
+    if watch.end(conn):
+        # Read in time, from what had come before the abort: the connection is done.
+        await conn.disconnect(nowait=True)
+    return reply
+
+
 class _Pinned:
     """A connection taken from a backend's pool for one thread, for as long as that
     thread lives: given back to the pool when the thread's local storage goes."""
@@ -160,14 +188,6 @@ class RedisCalls(RedisClients):
             # background, so the caller hears of the outage after one timeout.
             threading.Thread(target=self.release_quietly, args=(name, owner), daemon=True).start()
         return self._error("acquire", name, exc)
-
-    @contextlib.contextmanager
-    def _acquiring(self, name: str, owner: str) -> Iterator[None]:
-        """:meth:`_errors` for an acquire (see :meth:`_acquire_error`)."""
-        try:
-            yield
-        except _DRIVER_ERRORS as exc:
-            raise self._acquire_error(name, owner, exc) from exc
 
     def _demoted(self, exc: redis.ResponseError) -> bool:
         """A Sentinel-managed connection still open to a primary that a failover made
@@ -269,7 +289,7 @@ class RedisCalls(RedisClients):
             while True:
                 try:
                     await _asend(conn, ("EVALSHA", registered.sha, len(keys), *keys, *args))
-                    return await conn.read_response()
+                    return await _aread(side, conn)
                 except NoScriptError:
                     if reloaded:
                         raise
@@ -291,11 +311,19 @@ class RedisCalls(RedisClients):
 
     async def _arun(self, script: str, keys: list[str], args: list[Any]) -> Any:
         side = self._async_side()
-        client, scripts = side.client, side.scripts
-        if self._direct:
-            async with self._call_slot(side):
+        # One of the loop's connections for a quick call: at once when one is free, else in
+        # turn behind the coroutines already waiting for one. Taken and given back here,
+        # not in an async context manager: building and driving one per call cost more
+        # Python work than the rest of this method.
+        slots = side.calls
+        if slots.locked():
+            await self._queue_for_slot(slots)
+        else:
+            await slots.acquire()
+        try:
+            if self._direct:
                 return await self._arun_direct(side, script, keys, args)
-        async with self._call_slot(side):
+            client, scripts = side.client, side.scripts
             try:
                 return await scripts[script](keys=keys, args=args, client=client)
             except redis.ResponseError as exc:
@@ -303,3 +331,5 @@ class RedisCalls(RedisClients):
                     raise
             await client.connection_pool.disconnect(inuse_connections=False)
             return await scripts[script](keys=keys, args=args, client=client)
+        finally:
+            slots.release()

@@ -6,12 +6,11 @@ client per event loop with its limits on connections.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import inspect as pyinspect
 import threading
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
@@ -100,6 +99,58 @@ class _AsyncSentinelSSLConnection(
     pass
 
 
+class _ReadWatch:
+    """The socket timeout of one event loop's direct calls, kept with one timer for all
+    of them: a reply that has not come by its deadline has its connection aborted,
+    and the reader then raises redis.TimeoutError (see calls._aread).
+
+    redis.asyncio keeps it with an asyncio.timeout() around every read: a timer made,
+    pushed on the loop's heap and cancelled per round trip, several microseconds of a
+    call's Python work. Here a read costs a dict entry; the timer fires at the earliest
+    deadline of the reads under way (or of a read that ended since, and then finds
+    nothing to do), and is set again for the next one."""
+
+    __slots__ = ("deadlines", "expired", "timer")
+
+    def __init__(self) -> None:
+        #: id(connection) -> (deadline on the loop's clock, connection), reads under way.
+        self.deadlines: dict[int, tuple[float, Any]] = {}
+        #: id() of connections aborted for being late, until their reader has seen it.
+        self.expired: set[int] = set()
+        self.timer: asyncio.TimerHandle | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop, conn: Any, timeout: float) -> None:
+        deadline = loop.time() + timeout
+        self.deadlines[id(conn)] = (deadline, conn)
+        if self.timer is None:
+            self.timer = loop.call_at(deadline, self._check, loop)
+
+    def end(self, conn: Any) -> bool:
+        """The read on ``conn`` is over; True if the watch aborted its connection."""
+        key = id(conn)
+        self.deadlines.pop(key, None)
+        if key in self.expired:
+            self.expired.discard(key)
+            return True
+        return False
+
+    def _check(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.timer = None
+        now = loop.time()
+        for key, (deadline, conn) in list(self.deadlines.items()):
+            if deadline <= now:
+                del self.deadlines[key]
+                self.expired.add(key)
+                writer = getattr(conn, "_writer", None)
+                if writer is not None:
+                    # The reader sees the end of the stream after what it already
+                    # received: a reply that came just in time is still read.
+                    writer.transport.abort()
+        if self.deadlines:
+            first = min(deadline for deadline, _ in self.deadlines.values())
+            self.timer = loop.call_at(first, self._check, loop)
+
+
 @dataclasses.dataclass
 class _AsyncSide:
     """One event loop's redis.asyncio client, its scripts, and how many of its
@@ -111,6 +162,8 @@ class _AsyncSide:
     waits: asyncio.Semaphore
     #: Idle connections of the direct path (one server), most recently used last.
     idle: list[Any] = dataclasses.field(default_factory=list)
+    #: The socket timeout of the direct path's reads.
+    watch: _ReadWatch = dataclasses.field(default_factory=_ReadWatch)
 
 
 class RedisClients(RedisKeys):
@@ -333,28 +386,19 @@ class RedisClients(RedisKeys):
     def async_pool_size(self) -> int:
         return int(self.options.get("async_pool_size", self.DEFAULT_ASYNC_POOL_SIZE))
 
-    @contextlib.asynccontextmanager
-    async def _call_slot(self, side: _AsyncSide) -> AsyncIterator[None]:
-        """One of the loop's connections for a quick call: at once when one is free,
-        else in turn behind the coroutines already waiting for one."""
-        slots = side.calls
-        if slots.locked():
-            try:
-                await asyncio.wait_for(slots.acquire(), self.ASYNC_QUEUE_TIMEOUT)
-            except TimeoutError:
-                raise LockBackendUnavailable(
-                    self.alias,
-                    f"no free connection within {self.ASYNC_QUEUE_TIMEOUT:g} s: "
-                    f"{self._async_limits()[0]} calls of this event loop were in flight "
-                    f"the whole time. Raise OPTIONS['async_pool_size'] (now "
-                    f"{self.async_pool_size}) or run fewer coroutines against this backend.",
-                ) from None
-        else:
-            await slots.acquire()
+    async def _queue_for_slot(self, slots: asyncio.Semaphore) -> None:
+        """Wait for a call slot behind the coroutines already waiting for one; fail
+        after ASYNC_QUEUE_TIMEOUT rather than queue for ever."""
         try:
-            yield
-        finally:
-            slots.release()
+            await asyncio.wait_for(slots.acquire(), self.ASYNC_QUEUE_TIMEOUT)
+        except TimeoutError:
+            raise LockBackendUnavailable(
+                self.alias,
+                f"no free connection within {self.ASYNC_QUEUE_TIMEOUT:g} s: "
+                f"{self._async_limits()[0]} calls of this event loop were in flight "
+                f"the whole time. Raise OPTIONS['async_pool_size'] (now "
+                f"{self.async_pool_size}) or run fewer coroutines against this backend.",
+            ) from None
 
     def close(self) -> None:
         client, self._client = self._client, None

@@ -114,8 +114,13 @@ class RedisLocks(RedisCalls):
         fair: bool = False,
     ) -> AcquireResult:
         keys, args = self._indexed_acquire_call(name, owner, ttl, holder, wait, fair)
-        with self._acquiring(name, owner):
-            return self._acquire_result(await self._arun("acquire", keys, args))
+        # A plain except, as in acquire(): a generator-based context manager per call
+        # costs more than the rest of this method's Python work.
+        try:
+            reply = await self._arun("acquire", keys, args)
+        except _DRIVER_ERRORS as exc:
+            raise self._acquire_error(name, owner, exc) from exc
+        return self._acquire_result(reply)
 
     def _release_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
         k = self.all_keys(name)
@@ -139,8 +144,11 @@ class RedisLocks(RedisCalls):
             raise self._error("release", name, exc) from exc
 
     async def arelease(self, name: str, owner: str) -> bool:
-        with self._errors("release", name):
-            return bool(await self._arun("release", *self._indexed_release_call(name, owner)))
+        keys, args = self._indexed_release_call(name, owner)
+        try:
+            return bool(await self._arun("release", keys, args))
+        except _DRIVER_ERRORS as exc:
+            raise self._error("release", name, exc) from exc
 
     def _extend_call(self, name: str, owner: str, ttl: float) -> tuple[list[str], list[Any]]:
         ttl_ms = max(1, round(ttl * 1000))
