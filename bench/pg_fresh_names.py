@@ -29,6 +29,7 @@ from typing import Any
 
 import psycopg
 
+from bench.cli import positive
 from bench.pg_durable import DurablePgFloor, durable_env, server_settings
 from bench.postgres import bench_conninfo
 from bench.run import _start
@@ -88,16 +89,10 @@ def _wal_per_cycle(admin: Any, cycle: Callable[[], None], cycles: int) -> float:
     return float(admin.execute(since, (before,)).fetchone()[0]) / cycles
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"a whole number of at least 1, not {text!r}")
-    return int(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.pg_fresh_names", description=__doc__)
-    parser.add_argument("--blocks", type=_positive, default=20, help="interleaved blocks (20)")
-    parser.add_argument("--block-size", type=_positive, default=50, help="cycles per block (50)")
+    parser.add_argument("--blocks", type=positive, default=20, help="interleaved blocks (20)")
+    parser.add_argument("--block-size", type=positive, default=50, help="cycles per block (50)")
     args = parser.parse_args(argv)
     n = args.blocks * args.block_size
     run = f"{os.getpid()}-{time.time_ns()}"

@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench.cli import positive
+
 #: A variant runs ``n`` cycles when called with ``n``.
 Variant = tuple[str, Callable[[int], None]]
 NAME = "bench:profile-lease"
@@ -142,16 +144,10 @@ def _timed(
     }
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"a whole number of at least 1, not {text!r}")
-    return int(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile_lease", description=__doc__)
-    parser.add_argument("--blocks", type=_positive, default=20, help="interleaved blocks (20)")
-    parser.add_argument("--block-size", type=_positive, default=200, help="cycles per block")
+    parser.add_argument("--blocks", type=positive, default=20, help="interleaved blocks (20)")
+    parser.add_argument("--block-size", type=positive, default=200, help="cycles per block")
     parser.add_argument(
         "--backend", action="append", choices=BACKENDS, help="only these (repeatable)"
     )

@@ -44,6 +44,7 @@ from typing import Any, cast
 import psycopg
 from django.db import connections
 
+from bench.cli import positive
 from bench.pg_durable import DurablePgFloor, durable_env, server_settings
 from bench.postgres import bench_conninfo
 from bench.profile_save import _by_function, _calls_per_save
@@ -257,16 +258,10 @@ def _explain(conn: Any, statement: str, table: str) -> tuple[list[str], int, int
     return plan, after[0] - updated, after[1] - hot
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"a whole number of at least 1, not {text!r}")
-    return int(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile_pg", description=__doc__)
-    parser.add_argument("--blocks", type=_positive, default=30, help="interleaved blocks (30)")
-    parser.add_argument("--block-size", type=_positive, default=100, help="cycles per block (100)")
+    parser.add_argument("--blocks", type=positive, default=30, help="interleaved blocks (30)")
+    parser.add_argument("--block-size", type=positive, default=100, help="cycles per block (100)")
     args = parser.parse_args(argv)
     n = args.blocks * args.block_size
     cycles = min(1000, n)  # for the server's side and cProfile

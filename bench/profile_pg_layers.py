@@ -41,6 +41,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any, cast
 
+from bench.cli import positive
+
 Variant = tuple[str, Callable[[], None]]
 FLOOR = "floor: try + unlock, bare psycopg"
 PROFILED = "lock() (default)"
@@ -162,16 +164,10 @@ def _timed(
     }
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"a whole number of at least 1, not {text!r}")
-    return int(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile_pg_layers", description=__doc__)
-    parser.add_argument("--blocks", type=_positive, default=30, help="interleaved blocks (30)")
-    parser.add_argument("--block-size", type=_positive, default=100, help="cycles per block (100)")
+    parser.add_argument("--blocks", type=positive, default=30, help="interleaved blocks (30)")
+    parser.add_argument("--block-size", type=positive, default=100, help="cycles per block (100)")
     parser.add_argument("--profile", action="store_true", help="cProfile the lock() cycle")
     args = parser.parse_args(argv)
 
