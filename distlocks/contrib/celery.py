@@ -89,6 +89,7 @@ from distlocks.validation import (
 try:
     from celery import Task, shared_task
     from celery.app.task import Context
+    from celery.backends.base import BaseBackend as _ResultBackend
     from celery.exceptions import Ignore, Retry
     from celery.local import Proxy
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -400,6 +401,7 @@ class SingleExecutionTask(_TaskBase):
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         backend = self._lock_backend(f"unique_while={single.unique_while!r}")
         retrying = self._is_own_retry(task_id)
+        fresh = task_id is None
         task_id = task_id or str(uuid.uuid4())
         marker, owner = name + QUEUED_SUFFIX, _marker_owner(task_id)
         # An eta years ahead must not make a marker the servers cannot store: past the
@@ -432,9 +434,26 @@ class SingleExecutionTask(_TaskBase):
             return published
         existing = None
         running_check = single.unique_while == "queued_or_running"
+        run_lock = name if running_check else None
+        if fresh and _together.usable(backend) and self._publish_can_fold(options):
+            # The broker on the lock server's database: the check, the marker and the
+            # publish in one script, one round trip (None: not here, nothing written).
+            folded = _together.publish_with_marker(
+                self.app, backend, marker, owner, ttl, holder, run_lock,
+                lambda producer: super(SingleExecutionTask, self).apply_async(
+                    args, kwargs, task_id=task_id, producer=producer, **options
+                ),
+            )  # fmt: skip
+            if folded is not None:
+                kind, found = folded
+                if kind == _together.SENT:
+                    return found
+                if not found:  # the marker is held, by no task: nothing to return
+                    raise LockNotAcquired(marker, backend.alias, 0)
+                return self._deduplicated(found, name, task_id, args, kwargs, options)
         # On Redis, the check and the marker are one script: one round trip.
         together = (
-            _together.enqueue(backend, marker, owner, ttl, holder, name if running_check else None)
+            _together.enqueue(backend, marker, owner, ttl, holder, run_lock)
             if _together.usable(backend)
             else None
         )
@@ -471,6 +490,18 @@ class SingleExecutionTask(_TaskBase):
             # Not published: nothing may keep duplicates away.
             backend.release_quietly(marker, owner)
             raise
+
+    def _publish_can_fold(self, options: Mapping[str, Any]) -> bool:
+        """Whether this call's publish may go in the marker's script: published to the
+        app's broker through its producer pool (not a caller's producer or connection,
+        not run eagerly), by a call that does not subscribe to its result on the way
+        (a Redis or RPC result backend does, for a call that keeps its result: a call
+        then answered with another task's id would stay subscribed)."""
+        if "producer" in options or "connection" in options or self.app.conf.task_always_eager:
+            return False
+        return bool(options.get("ignore_result", self.ignore_result)) or (
+            type(self.backend).on_task_call is _ResultBackend.on_task_call
+        )
 
     def _is_own_retry(self, task_id: str | None) -> bool:
         """Whether this publish is ``self.retry()`` of the run in progress."""

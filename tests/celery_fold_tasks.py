@@ -1,0 +1,50 @@
+"""The tasks of tests/test_celery_fold.py (app: :mod:`tests.celery_fold_app`).
+
+They keep no result (a call that keeps one is not folded when the result backend
+subscribes to it), so each run notes its task id on a Redis list instead, for the
+tests to count the runs. ``keeps_result`` keeps its result, and is therefore never
+folded with the suite's Redis result backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from distlocks.contrib.celery import single_execution
+from tests.celery_fold_app import app
+
+#: Where each run notes its task id (on the broker's database).
+RUNS = "distlocks-tests-fold:runs"
+
+_client: Any = None
+
+
+def _note(self: Any, n: int) -> int:
+    global _client
+    if _client is None:
+        _client = redis.Redis.from_url(app.conf.broker_url)
+    _client.rpush(RUNS, str(self.request.id))
+    return n
+
+
+queued = single_execution(
+    app=app,
+    name="fold.queued",
+    backend="broker-db",
+    unique_while="queued",
+    ignore_result=True,
+    bind=True,
+)(_note)
+queued_or_running = single_execution(
+    app=app,
+    name="fold.queued_or_running",
+    backend="broker-db",
+    unique_while="queued_or_running",
+    ignore_result=True,
+    bind=True,
+)(_note)
+keeps_result = single_execution(
+    app=app, name="fold.keeps_result", backend="broker-db", unique_while="queued", bind=True
+)(_note)
