@@ -1,9 +1,8 @@
 """The tasks of tests/test_celery_fold.py (app: :mod:`tests.celery_fold_app`).
 
-They keep no result (a call that keeps one is not folded when the result backend
-subscribes to it), so each run notes its task id on a Redis list instead, for the
-tests to count the runs. ``keeps_result`` keeps its result, and is therefore never
-folded with the suite's Redis result backend.
+Each run notes its task id on a Redis list, for the tests to count the runs. All but
+``keeps_result`` keep no result: with the suite's Redis result backend, a call that
+keeps its result is subscribed to it before the publish, which a duplicate undoes.
 """
 
 from __future__ import annotations

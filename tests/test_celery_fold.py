@@ -207,20 +207,26 @@ def test_a_broker_on_another_database_takes_the_plain_path(
     assert info.extra["celery_task_id"] == sent.id
 
 
-def test_a_call_that_subscribes_to_its_result_takes_the_plain_path(
+def test_a_call_that_keeps_its_result_is_folded_and_a_duplicate_leaves_no_subscription(
     sends: _AllSends, broker: redis.Redis
 ) -> None:
-    """The suite's Redis result backend subscribes a call that keeps its result: a
-    duplicate answered from inside the publish would stay subscribed, so the call
-    is not folded (the marker's script, then the publish)."""
+    """The suite's Redis result backend subscribes a call that keeps its result before
+    the publish: a duplicate, answered from inside the publish with another task's id,
+    drops the subscription of the id it was given and will never use."""
     n = _n()
+    consumer = keeps_result.backend.result_consumer
     keeps_result.apply_async((n + 1,))
+    lock_db = int(BROKER_DB["LOCATION"].rsplit("/", 1)[-1])
     sends.reset()
     first = keeps_result.apply_async((n,))
-    lock_db = int(BROKER_DB["LOCATION"].rsplit("/", 1)[-1])
-    assert sends.by_db.get(lock_db) == 2
+    assert sends.by_db.get(lock_db) == 1
+    subscribed = set(consumer.subscribed_to)
+    assert consumer._get_key_for_task(first.id) in subscribed
+    sends.reset()
     again = keeps_result.apply_async((n,))
+    assert sends.by_db.get(lock_db) == 1
     assert again.id == first.id
+    assert set(consumer.subscribed_to) == subscribed
     assert broker.llen(QUEUE) == 2
 
 
@@ -290,16 +296,15 @@ def test_published_messages_run_once_each_on_a_worker(
     broker: redis.Redis, fold_workers: list[int]
 ) -> None:
     """A burst of calls, each key three times: every id handed out names a message
-    the script published, each runs exactly once on the worker, and the keys are
-    free afterwards."""
+    the script published, each runs exactly once on the worker (and a result kept is
+    stored), and the keys are free afterwards."""
     base = _n()
-    ids = [
-        task.apply_async((base + k,)).id
-        for _, k, task in itertools.product(
-            range(3), range(10), (queued, queued_or_running)
-        )
-    ]  # fmt: skip
-    published = set(ids)
+    tasks = (queued, queued_or_running, keeps_result)
+    calls = [
+        (task, base + k, task.apply_async((base + k,)).id)
+        for _, k, task in itertools.product(range(3), range(10), tasks)
+    ]
+    published = {task_id for _, _, task_id in calls}
 
     def runs() -> list[str]:
         return [run.decode() for run in broker.lrange(RUNS, 0, -1)]
@@ -307,12 +312,14 @@ def test_published_messages_run_once_each_on_a_worker(
     wait_for(lambda: len(runs()) >= len(published), limit=60, what="the runs on the worker")
     wait_for(lambda: broker.llen(QUEUE) == 0, limit=30, what="an empty queue")
     assert sorted(runs()) == sorted(published)  # each published message ran once
+    for task, n, task_id in calls:
+        if task is keeps_result:
+            assert task.AsyncResult(task_id).get(timeout=30) == n
     backend = get_backend("broker-db")
-    for k in range(10):
-        for task in (queued, queued_or_running):
-            name = task.lock_name((base + k,))
-            wait_for(
-                lambda name=name: backend.inspect(name) is None
-                and backend.inspect(name + ":queued") is None,
-                limit=30, what=f"{name} and its marker free",
-            )  # fmt: skip
+    for task, n, _ in calls:
+        name = task.lock_name((n,))
+        wait_for(
+            lambda name=name: backend.inspect(name) is None
+            and backend.inspect(name + ":queued") is None,
+            limit=30, what=f"{name} and its marker free",
+        )  # fmt: skip

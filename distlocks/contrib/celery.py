@@ -98,6 +98,11 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 try:
+    from celery.backends.redis import RedisBackend as _RedisResults
+except ImportError:  # pragma: no cover - a Celery without its Redis result backend
+    _RedisResults = None
+
+try:
     from celery.contrib.django.task import DjangoTask as _TaskBase
 except ImportError:  # pragma: no cover - Celery without its Django task class
     _TaskBase = Task
@@ -448,6 +453,7 @@ class SingleExecutionTask(_TaskBase):
                 kind, found = folded
                 if kind == _together.SENT:
                     return found
+                self._unsubscribe(task_id, options)  # never published: nothing to wait for
                 if not found:  # the marker is held, by no task: nothing to return
                     raise LockNotAcquired(marker, backend.alias, 0)
                 return self._deduplicated(found, name, task_id, args, kwargs, options)
@@ -494,14 +500,30 @@ class SingleExecutionTask(_TaskBase):
     def _publish_can_fold(self, options: Mapping[str, Any]) -> bool:
         """Whether this call's publish may go in the marker's script: published to the
         app's broker through its producer pool (not a caller's producer or connection,
-        not run eagerly), by a call that does not subscribe to its result on the way
-        (a Redis or RPC result backend does, for a call that keeps its result: a call
-        then answered with another task's id would stay subscribed)."""
+        not run eagerly), by a call whose result backend does nothing for it before
+        the publish, or only subscribes to its result (Redis), which
+        :meth:`_unsubscribe` undoes for a call answered with another task's id. (RPC
+        declares its reply queue, shared by every call: the plain path.)"""
         if "producer" in options or "connection" in options or self.app.conf.task_always_eager:
             return False
-        return bool(options.get("ignore_result", self.ignore_result)) or (
-            type(self.backend).on_task_call is _ResultBackend.on_task_call
+        results = self.backend
+        return (
+            bool(options.get("ignore_result", self.ignore_result))
+            or type(results).on_task_call is _ResultBackend.on_task_call
+            or (_RedisResults is not None and isinstance(results, _RedisResults))
         )
+
+    def _unsubscribe(self, task_id: str, options: Mapping[str, Any]) -> None:
+        """Undo what Celery's publish did for ``task_id`` before its message turned out
+        to be a duplicate's, never sent: the Redis result backend's subscription to its
+        result (the call returns another task's id; nobody will wait for this one)."""
+        results = self.backend
+        if (
+            not options.get("ignore_result", self.ignore_result)
+            and _RedisResults is not None
+            and isinstance(results, _RedisResults)
+        ):
+            results.result_consumer.cancel_for(task_id)
 
     def _is_own_retry(self, task_id: str | None) -> bool:
         """Whether this publish is ``self.retry()`` of the run in progress."""
