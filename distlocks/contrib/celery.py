@@ -37,8 +37,9 @@ The helpers below the class (the key made from the arguments, the marker's
 lifetime, the retry and eta arithmetic) exist only for it and must agree between
 the two ends. Split, each end of the hand-off would be read without the other.
 What is apart, in :mod:`distlocks.contrib.celery_redis`, is how the two locks share
-round trips on a Redis server (pipelined calls, the enqueue check as one script):
-an optimisation of the calls made here, not a part of the protocol.
+round trips on a Redis server (pipelined calls, the enqueue check as one script, with
+the message's publish in it where the broker is the same database): an optimisation
+of the calls made here, not a part of the protocol.
 """
 
 from __future__ import annotations
