@@ -93,6 +93,7 @@ try:
     from celery.backends.base import BaseBackend as _ResultBackend
     from celery.exceptions import Ignore, Retry
     from celery.local import Proxy
+    from celery.signals import before_task_publish
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "distlocks.contrib.celery needs Celery 5.4 or later: pip install 'distlocks[celery]'."
@@ -504,8 +505,16 @@ class SingleExecutionTask(_TaskBase):
         not run eagerly), by a call whose result backend does nothing for it before
         the publish, or only subscribes to its result (Redis), which
         :meth:`_unsubscribe` undoes for a call answered with another task's id. (RPC
-        declares its reply queue, shared by every call: the plain path.)"""
+        declares its reply queue, shared by every call: the plain path.)
+
+        Not while anything listens to ``before_task_publish``: Celery sends it before
+        the publish, so a duplicate answered from inside it would be heard of by
+        receivers that never hear ``after_task_publish`` (tracing opens a span in the
+        one and closes it in the other), and a call the fold gives back to the plain
+        path would be heard of twice."""
         if "producer" in options or "connection" in options or self.app.conf.task_always_eager:
+            return False
+        if before_task_publish.has_listeners(self.name):
             return False
         results = self.backend
         return (

@@ -118,7 +118,31 @@ for i = 1, #sends do
   if i == 1 and type(sent) == 'table' and sent.err then return {5, sent.err} end
 end
 """
-FOLD = _Script(_FOLD_HEAD + _CHECK + _FOLD_PUSH + ACQUIRE)
+# A script is not undone when it fails half-way: ACQUIRE failing after the push (one of
+# the keys it writes holds another type: its fencing counter, the listing index) would
+# leave the message queued with no marker, and the caller told it failed; a caller that
+# tries again queues the task twice. So ACQUIRE runs under pcall, and if it fails the
+# message pushed is taken back off its queue (LREM: each message is unique, it carries
+# its delivery tag) with what ACQUIRE wrote of the marker (no marker of this owner was
+# there before: the head returned {4} for one), and the error is the script's answer.
+_FOLD_ACQUIRE = (
+    """
+local acquired, reply = pcall(function()
+"""
+    + ACQUIRE
+    + """
+end)
+if acquired then return reply end
+redis.call('LREM', sends[1][2], 1, sends[1][3])
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  if KEYS[5] then redis.pcall('HDEL', KEYS[5], ARGV[3]) end
+end
+if type(reply) == 'table' and reply.err then reply = reply.err end
+return redis.error_reply(tostring(reply))
+"""
+)
+FOLD = _Script(_FOLD_HEAD + _CHECK + _FOLD_PUSH + _FOLD_ACQUIRE)
 
 logger = logging.getLogger("distlocks.contrib.celery")
 #: Release steps that send a release to the server.
@@ -245,6 +269,8 @@ def enqueue(
     args = [*args, "1" if run_lock is not None else "0"]
     script = ENQUEUE
     if sends is not None:
+        if backend._pinned() is None:
+            return None  # nothing sent: the plain calls
         script = FOLD
         args.append(len(sends))
         for name, key, value in sends:
@@ -253,8 +279,19 @@ def enqueue(
     try:
         replies = send_together(backend, [(script, keys, args)])
     except _DRIVER_ERRORS as exc:
+        if sends is not None:
+            # A timeout leaves it in doubt whether the script ran: if it did, the
+            # message is queued, and its marker must stay to keep duplicates away
+            # (a plain acquire's timeout gives the lock back in the background).
+            raise backend._error("acquire", marker, exc) from exc
         raise backend._acquire_error(marker, owner, exc) from exc
     if replies is None:
+        if sends is not None:
+            # The connection broke twice after the call was sent: the script may have
+            # run, the message with it. Not the plain calls, which would publish it
+            # again under the marker this call may hold: the caller hears of it.
+            broke = redis.ConnectionError("the connection broke twice; the script may have run")
+            raise backend._error("acquire", marker, broke)
         return None
     reply = replies[0]
     if isinstance(reply, Exception):
@@ -315,8 +352,16 @@ class _Fold:
         run_lock: str | None,
     ) -> None:
         self.call = (backend, marker, owner, ttl, holder, run_lock)
+        self.done = False
 
-    def publish(self, channel: Any, message: Any, **kwargs: Any) -> None:
+    def publish(self, channel: Any, message: Any, **kwargs: Any) -> Any:
+        if self.done:
+            # Another message Celery sends through the same producer once the task's
+            # is queued (the task-sent event, with task_send_sent_event): sent as
+            # kombu sends it without a batch. (A publish of the task's own message
+            # again, kombu's retry after a connection error, is not done: it folds
+            # again, and the script's head sees the marker is its own.)
+            return channel.basic_publish(message, **kwargs)
         noted = _Noted()
         channel.basic_publish(message, _publish_batch=noted, **kwargs)
         sends = _sends(channel, noted.commands)
@@ -328,6 +373,8 @@ class _Fold:
         kind, found = outcome
         if kind != TAKEN:
             raise _Answer(kind, found)
+        self.done = True
+        return None
 
 
 def _sends(channel: Any, commands: list[tuple[str, tuple[Any, ...]]]) -> list[Any] | None:

@@ -1,0 +1,360 @@
+"""Attacks on the publish folded into the queue marker's script (see
+tests/test_celery_fold.py for what it does): what else goes through the producer
+while the fold is in place, a script that fails after its push, replies that are
+lost or late, signal receivers, and the broker's message options. Each test states
+the rule: one message on the queue exactly when the marker is taken, and the caller
+told the truth.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.signals import after_task_publish, before_task_publish
+from django.conf import settings as django_settings
+
+from distlocks import get_backend
+from distlocks.contrib.celery import single_execution
+from distlocks.exceptions import LockError
+from tests.celery_fold_app import QUEUE, app
+from tests.celery_fold_settings import BROKER_DB
+from tests.celery_fold_tasks import queued, queued_or_running
+from tests.test_celery_fold import _marker, _n, _run_next, broker, channel, sends
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.django_db
+
+__all__ = ["broker", "channel", "sends"]  # fixtures, used by name
+
+
+def test_a_sent_event_through_the_same_producer_is_sent_and_the_task_queued_once(
+    broker: redis.Redis, channel: Any
+) -> None:
+    """With ``task_send_sent_event``, Celery publishes the task-sent event through the
+    producer it published the task with, while the fold is still in place: that
+    second publish must go out as kombu sends it (Celery's event dispatcher would
+    swallow an error and keep the event in a buffer), and the task is queued once."""
+    n = _n()
+    queued.apply_async((n + 1,))
+    _run_next(channel, queued)
+    events = broker.pubsub()
+    events.psubscribe("*celeryev*")
+    wait_for(
+        lambda: (events.get_message(timeout=0.1) or {}).get("type") == "psubscribe",
+        limit=30, what="the subscription",
+    )  # fmt: skip
+    app.conf.task_send_sent_event = True
+    try:
+        sent = queued.apply_async((n,))
+        heard: list[dict[str, Any]] = []
+
+        def an_event() -> bool:
+            message = events.get_message(timeout=0.1)
+            if message and message.get("type") == "pmessage":
+                heard.append(json.loads(base64.b64decode(json.loads(message["data"])["body"])))
+            return any(event.get("uuid") == sent.id for event in heard)
+
+        wait_for(an_event, limit=30, what="the task-sent event")
+    finally:
+        app.conf.task_send_sent_event = False
+        events.close()
+    assert broker.llen(QUEUE) == 1
+    assert _marker(queued, n).extra["celery_task_id"] == sent.id
+    assert _run_next(channel, queued) == n
+
+
+@pytest.mark.parametrize("part", ["fence", "index"])
+def test_a_script_that_fails_after_its_push_publishes_nothing(
+    broker: redis.Redis, part: str
+) -> None:
+    """A key the marker's acquire writes after the push holds another type (its
+    fencing counter, or the listing index): the call fails, and the message it pushed
+    must not stay queued, or a caller that tries again would queue the task twice."""
+    n = _n()
+    backend = get_backend("broker-db")
+    marker = queued.lock_name((n,)) + ":queued"
+    key = backend.all_keys(marker).fence if part == "fence" else backend.index_key
+    saved = broker.dump(key)
+    broker.delete(key)
+    broker.rpush(key, "not a counter")
+    try:
+        with pytest.raises(LockError, match="WRONGTYPE"):
+            queued.apply_async((n,))
+        assert broker.llen(QUEUE) == 0
+    finally:
+        broker.delete(key)
+        if saved is not None:
+            broker.restore(key, 0, saved)
+    assert backend.inspect(marker) is None
+
+
+@contextlib.contextmanager
+def _counting_publishes() -> Iterator[list[str]]:
+    heard: list[str] = []
+
+    def before(sender: Any = None, **_: Any) -> None:
+        heard.append("before")
+
+    def after(sender: Any = None, **_: Any) -> None:
+        heard.append("after")
+
+    before_task_publish.connect(before, weak=False)
+    after_task_publish.connect(after, weak=False)
+    try:
+        yield heard
+    finally:
+        before_task_publish.disconnect(before)
+        after_task_publish.disconnect(after)
+
+
+@pytest.mark.parametrize("task", [queued, queued_or_running], ids=["queued", "queued_or_running"])
+def test_publish_signals_are_sent_only_for_a_message_published(
+    task: Any, broker: redis.Redis
+) -> None:
+    """Tracing (OpenTelemetry, ddtrace) opens a span in ``before_task_publish`` and
+    closes it in ``after_task_publish``: a duplicate that hears the first and never
+    the second would leave a span open in the caller. As without the fold, a
+    duplicate sends neither."""
+    n = _n()
+    task.apply_async((n + 1,))
+    with _counting_publishes() as heard:
+        first = task.apply_async((n,))
+        again = task.apply_async((n,))
+    assert again.id == first.id
+    assert heard == ["before", "after"]
+    assert broker.llen(QUEUE) == 2
+
+
+@pytest.fixture
+def slow_backend(settings: Any) -> Any:
+    """A lock backend on the broker's database whose replies time out quickly."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "broker-db": BROKER_DB,
+        "broker-db-slow": {**BROKER_DB, "OPTIONS": {"socket_timeout": 0.3}},
+    }
+    return get_backend("broker-db-slow")
+
+
+def _same(n: int) -> int:
+    return n
+
+
+impatient = single_execution(
+    app=app, name="fold.impatient", backend="broker-db-slow", unique_while="queued",
+    ignore_result=True,
+)(_same)  # fmt: skip
+
+
+def test_a_reply_that_came_too_late_leaves_the_marker_with_its_message(
+    broker: redis.Redis, slow_backend: Any
+) -> None:
+    """A long script of another client keeps the server busy past the caller's
+    timeout; the caller gives up, and the server then runs the call it had received:
+    the message is queued. The marker must stay with it (a plain acquire's timeout
+    gives the lock back, in the background, but here that would let the next call
+    queue the task a second time)."""
+    n = _n()
+    impatient.apply_async((n + 1,))  # connected, queue declared, scripts loaded
+    slow_backend.release_quietly("not held", "nobody")  # its script loaded
+    slow_backend.client.ping()  # a connection in the pool, for a release to use
+    broker.delete(QUEUE)
+    busy_client = redis.Redis.from_url(django_settings.CELERY_BROKER_URL)
+    busy_client.ping()
+    started = threading.Event()
+
+    def busy() -> None:
+        started.set()
+        busy_client.eval(_BUSY, 0, 1500)
+
+    busy_thread = threading.Thread(target=busy)
+    busy_thread.start()
+    try:
+        started.wait(timeout=30)
+        wait_for(_server_busy, limit=30, what="the busy server")
+        with pytest.raises(LockError):
+            impatient.apply_async((n,))
+    finally:
+        busy_thread.join(timeout=60)
+        busy_client.close()
+    wait_for(lambda: broker.llen(QUEUE) == 1, limit=30, what="the late script's push")
+    wait_for(
+        lambda: not any("release_quietly" in t.name for t in threading.enumerate()),
+        limit=30, what="the background release",
+    )  # fmt: skip
+    info = slow_backend.inspect(impatient.lock_name((n,)) + ":queued")
+    assert info is not None  # the marker covers the queued message
+    again = impatient.apply_async((n,))
+    assert again.id == info.extra["celery_task_id"]
+    assert broker.llen(QUEUE) == 1
+
+
+def _server_busy() -> bool:
+    """Whether the server is running another client's script (a ping goes unanswered)."""
+    probe = redis.Redis.from_url(django_settings.CELERY_BROKER_URL, socket_timeout=0.05)
+    try:
+        probe.ping()
+    except redis.TimeoutError:
+        return True
+    finally:
+        probe.close()
+    return False
+
+
+#: Keeps the server busy for ARGV[1] ms (below its busy-reply threshold, 5 s).
+_BUSY = """
+local t = redis.call('TIME')
+local start = t[1] * 1000 + math.floor(t[2] / 1000)
+local now = start
+while now - start < tonumber(ARGV[1]) do
+  t = redis.call('TIME')
+  now = t[1] * 1000 + math.floor(t[2] / 1000)
+end
+return 1
+"""
+
+
+class _Proxy:
+    """A TCP proxy in front of the real Redis server that can lose replies: armed with
+    ``k``, it closes the next k client connections that send an EVALSHA once the
+    server has answered it, before the client gets the answer."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.drops = 0
+        self.lock = threading.Lock()
+        self.closing = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closing:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            state = {"script": False}
+            threading.Thread(target=self._up, args=(client, server, state), daemon=True).start()
+            threading.Thread(target=self._down, args=(server, client, state), daemon=True).start()
+
+    def _up(self, client: socket.socket, server: socket.socket, state: dict[str, bool]) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                if b"EVALSHA" in data.upper():
+                    state["script"] = True
+                server.sendall(data)
+        _close(client, server)
+
+    def _down(self, server: socket.socket, client: socket.socket, state: dict[str, bool]) -> None:
+        with contextlib.suppress(OSError):
+            while data := server.recv(65536):
+                if state["script"]:
+                    state["script"] = False
+                    with self.lock:
+                        drop = self.drops > 0
+                        self.drops -= drop
+                    if drop:  # the server ran it; its answer is lost
+                        break
+                client.sendall(data)
+        _close(client, server)
+
+    def close(self) -> None:
+        self.closing = True
+        self.listener.close()
+
+
+def _close(*sockets: socket.socket) -> None:
+    for sock in sockets:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+
+
+@pytest.fixture
+def proxied(settings: Any, broker: redis.Redis) -> Iterator[tuple[_Proxy, Any]]:
+    """A Celery app and a lock backend that both reach the broker's database through
+    one :class:`_Proxy` (the same host, port and database: the fold is used), and a
+    task of that app with its marker there."""
+    url = redis.connection.parse_url(django_settings.CELERY_BROKER_URL)
+    proxy = _Proxy(url.get("host", "localhost"), int(url.get("port", 6379)))
+    location = f"redis://127.0.0.1:{proxy.port}/{url.get('db', 0)}"
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "proxied": {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": location},
+    }
+    proxied_app = Celery("distlocks-tests-fold-proxied", broker=location)
+    proxied_app.conf.task_default_queue = QUEUE
+    proxied_app.conf.broker_connection_retry_on_startup = True
+    task = single_execution(
+        app=proxied_app, name="fold.proxied", backend="proxied", unique_while="queued",
+        ignore_result=True,
+    )(_same)  # fmt: skip
+    try:
+        yield proxy, task
+    finally:
+        proxied_app.close()
+        proxy.close()
+
+
+@pytest.mark.parametrize("lost", [1, 2], ids=["once", "twice"])
+def test_a_script_whose_replies_are_lost_queues_its_message_once(
+    proxied: tuple[_Proxy, Any], broker: redis.Redis, lost: int
+) -> None:
+    """The server runs the script and the reply is lost, once (the call is sent again
+    on a new connection) or twice (the client gives up): however the caller is
+    answered, one message is queued, and the marker covers it."""
+    proxy, task = proxied
+    n = _n()
+    task.apply_async((n + 1,))
+    broker.delete(QUEUE)
+    proxy.drops = lost
+    try:
+        sent = task.apply_async((n,)).id
+    except LockError:
+        sent = None
+    assert broker.llen(QUEUE) == 1
+    info = get_backend("proxied").inspect(task.lock_name((n,)) + ":queued")
+    assert info is not None
+    if sent is not None:
+        assert info.extra["celery_task_id"] == sent
+    assert task.apply_async((n,)).id == info.extra["celery_task_id"]
+    assert broker.llen(QUEUE) == 1
+
+
+def test_many_threads_queue_one_message_and_all_get_its_id(broker: redis.Redis) -> None:
+    """Twelve threads (more than the producer pool's ten) call at once with one key:
+    one message is queued, and every caller gets its id."""
+    n = _n()
+    queued.apply_async((n + 1,))
+    broker.delete(QUEUE)
+    ids: list[str] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(12)
+
+    def call() -> None:
+        try:
+            start.wait(timeout=30)
+            ids.append(queued.apply_async((n,)).id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors
+    assert len(ids) == 12 and len(set(ids)) == 1
+    assert broker.llen(QUEUE) == 1
+    assert _marker(queued, n).extra["celery_task_id"] == ids[0]
