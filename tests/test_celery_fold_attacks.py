@@ -21,6 +21,9 @@ import redis
 from celery import Celery
 from celery.signals import after_task_publish, before_task_publish
 from django.conf import settings as django_settings
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from distlocks import get_backend
 from distlocks.contrib.celery import single_execution
@@ -358,3 +361,81 @@ def test_many_threads_queue_one_message_and_all_get_its_id(broker: redis.Redis) 
     assert len(ids) == 12 and len(set(ids)) == 1
     assert broker.llen(QUEUE) == 1
     assert _marker(queued, n).extra["celery_task_id"] == ids[0]
+
+
+_OPTIONS = st.fixed_dictionaries(
+    {},
+    optional={
+        "priority": st.integers(min_value=0, max_value=9),
+        "countdown": st.integers(min_value=0, max_value=3600),
+        "expires": st.integers(min_value=60, max_value=3600),
+        "headers": st.dictionaries(
+            st.sampled_from(["x-a", "x-b"]), st.text(max_size=5), max_size=2
+        ),
+        "compression": st.sampled_from(["zlib", "gzip", "bzip2"]),
+        "serializer": st.sampled_from(["json", "pickle"]),
+    },
+)
+
+
+def _queued_messages(broker: redis.Redis) -> dict[bytes, list[dict[str, Any]]]:
+    """Every message on the fold queue's keys (one per priority step), by key."""
+    found = {}
+    for key in broker.scan_iter(match=QUEUE.encode() + b"*"):
+        if broker.type(key) == b"list":
+            found[key] = [json.loads(raw) for raw in broker.lrange(key, 0, -1)]
+    return found
+
+
+def _shape(message: dict[str, Any]) -> dict[str, Any]:
+    """What must be the same in two messages of two calls with the same options."""
+    headers = {
+        k: v
+        for k, v in message["headers"].items()
+        if k not in ("id", "root_id", "argsrepr", "eta", "expires")
+    }
+    properties = {
+        k: v
+        for k, v in message["properties"].items()
+        if k not in ("correlation_id", "delivery_tag")
+    }
+    return {**message, "body": None, "headers": headers, "properties": properties}
+
+
+@hsettings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(options=_OPTIONS)
+def test_a_folded_message_is_the_one_kombu_publishes_with_any_options(
+    options: dict[str, Any], broker: redis.Redis, channel: Any, sends: Any
+) -> None:
+    """The same call, folded and published the plain way (a producer of the caller's
+    own): the message lands on the same key (priority steps), with the same
+    properties and headers, and both run on a worker's ``Request``."""
+    n = _n()
+    _clear(broker)
+    try:
+        queued.apply_async((n + 2,), **options)  # the queue declared: one round trip
+        _clear(broker)
+        sends.reset()
+        folded = queued.apply_async((n,), **options)
+        assert sends.count == 1  # folded
+        with app.producer_or_acquire() as producer:
+            plain = queued.apply_async((n + 1,), producer=producer, **options)
+        assert folded.id != plain.id
+        found = _queued_messages(broker)
+        assert [len(messages) for messages in found.values()] == [2]
+        first, second = next(iter(found.values()))
+        by_id = {m["headers"]["id"]: m for m in (first, second)}
+        assert _shape(by_id[folded.id]) == _shape(by_id[plain.id])
+        if options.get("serializer", "json") == "json":
+            assert {_run_next(channel, queued), _run_next(channel, queued)} == {n, n + 1}
+    finally:
+        _clear(broker)  # the markers left run out
+
+
+def _clear(broker: redis.Redis) -> None:
+    """Empty the fold queue's keys (one per priority step)."""
+    for key in broker.scan_iter(match=QUEUE.encode() + b"*"):
+        if broker.type(key) == b"list":
+            broker.delete(key)
