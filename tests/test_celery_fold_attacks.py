@@ -24,6 +24,7 @@ from django.conf import settings as django_settings
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
+from kombu import Exchange, Queue
 
 from distlocks import get_backend
 from distlocks.contrib.celery import single_execution
@@ -439,3 +440,93 @@ def _clear(broker: redis.Redis) -> None:
     for key in broker.scan_iter(match=QUEUE.encode() + b"*"):
         if broker.type(key) == b"list":
             broker.delete(key)
+
+
+@pytest.fixture
+def other_app(broker: redis.Redis) -> Iterator[Celery]:
+    """A Celery app on the broker's database with transport options of its own: a
+    global key prefix, another priority separator and steps, a queue that expires
+    (x-expires) and one on a topic exchange."""
+    other = Celery("distlocks-tests-fold-other", broker=django_settings.CELERY_BROKER_URL)
+    other.conf.broker_transport_options = {
+        "global_keyprefix": "fold-other:",
+        "sep": ":",
+        "priority_steps": [0, 5],
+    }
+    other.conf.task_default_queue = QUEUE + "-other"
+    other.conf.task_queues = [
+        Queue(QUEUE + "-other"),
+        Queue(QUEUE + "-expiring", queue_arguments={"x-expires": 600_000}),
+        Queue(QUEUE + "-topic", Exchange("fold-topic", type="topic"), routing_key="fold.#"),
+    ]
+    try:
+        yield other
+    finally:
+        for key in broker.scan_iter(match="fold-other:*"):
+            broker.delete(key)
+        other.close()
+
+
+@contextlib.contextmanager
+def _commands(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bytes]]:
+    """The commands this thread sends to Redis (as sent, one bytes per request)."""
+    seen: list[bytes] = []
+    thread = threading.get_ident()
+    original = redis.connection.AbstractConnection.send_packed_command
+
+    def send_packed_command(conn: Any, command: Any, check_health: bool = True) -> None:
+        if threading.get_ident() == thread:
+            parts = [command] if isinstance(command, bytes | str) else command
+            seen.append(b"".join(p.encode() if isinstance(p, str) else bytes(p) for p in parts))
+        original(conn, command, check_health)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            redis.connection.AbstractConnection, "send_packed_command", send_packed_command
+        )
+        yield seen
+
+
+@pytest.mark.parametrize(
+    ("options", "queue"),
+    [
+        ({}, "-other"),
+        ({"priority": 7}, "-other:5"),
+        ({"queue": QUEUE + "-expiring"}, "-expiring"),
+        ({"queue": QUEUE + "-topic", "routing_key": "fold.x"}, "-topic"),
+    ],
+    ids=["prefix", "priority", "expiring", "topic"],
+)
+def test_transport_options_and_routes_put_the_message_where_a_worker_reads_it(
+    other_app: Celery,
+    broker: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    options: dict[str, Any],
+    queue: str,
+) -> None:
+    """The message goes onto the key kombu's consumer reads (the global key prefix,
+    the priority separator and steps), an expiring queue keeps its expiry, a topic
+    exchange routes it, and a duplicate queues nothing."""
+    task = single_execution(
+        app=other_app, name="fold.other", backend="broker-db", unique_while="queued",
+        ignore_result=True,
+    )(_same)  # fmt: skip
+    n = _n()
+    task.apply_async((n + 1,), **options)  # declared, connected
+    for key in broker.scan_iter(match="fold-other:*"):
+        if broker.type(key) == b"list":
+            broker.delete(key)
+    with _commands(monkeypatch) as sent_commands:
+        sent = task.apply_async((n,), **options)
+    # Folded: the push went in the script (kombu's reads, for routing by a topic, or
+    # declaring an expiring queue at each publish, are made either way).
+    assert not any(b"\r\nLPUSH\r\n" in command for command in sent_commands)
+    assert task.apply_async((n,), **options).id == sent.id
+    key = "fold-other:" + QUEUE + queue
+    assert broker.llen(key) == 1
+    if queue == "-expiring":
+        assert broker.pttl(key) > 0
+    with other_app.connection_for_read() as connection:
+        name = (QUEUE + queue).split(":")[0]
+        message = connection.default_channel.basic_get(name, no_ack=True)
+    assert message is not None and message.headers["id"] == sent.id
