@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -530,3 +531,32 @@ def test_transport_options_and_routes_put_the_message_where_a_worker_reads_it(
         name = (QUEUE + queue).split(":")[0]
         message = connection.default_channel.basic_get(name, no_ack=True)
     assert message is not None and message.headers["id"] == sent.id
+
+
+def test_a_forked_child_folds_on_its_own_connections(broker: redis.Redis) -> None:
+    """The parent folded (its producer pool and its pinned lock connection are in
+    use); a child forked then queues a task and a duplicate of it on connections of
+    its own: one message, and the parent's connections still answer it."""
+    n = _n()
+    parent_first = queued.apply_async((n,))
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child, which reports through the pipe
+        code = 1
+        try:
+            first = queued.apply_async((n + 1,)).id
+            again = queued.apply_async((n + 1,)).id
+            os.write(writer, f"{first} {again}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(writer)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(reader) as pipe:
+        first, again = pipe.read().split()
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert first == again
+    assert broker.llen(QUEUE) == 2
+    assert queued.apply_async((n,)).id == parent_first.id
+    assert queued.apply_async((n + 1,)).id == first
+    assert broker.llen(QUEUE) == 2
