@@ -47,3 +47,18 @@ queued_or_running = single_execution(
 keeps_result = single_execution(
     app=app, name="fold.keeps_result", backend="broker-db", unique_while="queued", bind=True
 )(_note)
+
+
+def _enqueue_twice(self: Any, n: int) -> None:
+    """Queues ``queued`` of ``n`` twice from inside a run (in a worker's pool process):
+    notes ``enqueued:<first id>:<second id>``."""
+    first, again = queued.apply_async((n,)).id, queued.apply_async((n,)).id
+    global _client
+    if _client is None:
+        _client = redis.Redis.from_url(app.conf.broker_url)
+    _client.rpush(RUNS, f"enqueued:{first}:{again}")
+
+
+enqueues_twice = single_execution(
+    app=app, name="fold.enqueues_twice", backend="broker-db", ignore_result=True, bind=True
+)(_enqueue_twice)

@@ -33,7 +33,7 @@ from distlocks.contrib.celery import single_execution
 from distlocks.locks import current_holder
 from tests.celery_fold_app import QUEUE, app
 from tests.celery_fold_settings import BROKER_DB
-from tests.celery_fold_tasks import RUNS, keeps_result, queued, queued_or_running
+from tests.celery_fold_tasks import RUNS, enqueues_twice, keeps_result, queued, queued_or_running
 from tests.celery_workers import celery_workers
 from tests.waiting import wait_for
 
@@ -323,3 +323,23 @@ def test_published_messages_run_once_each_on_a_worker(
             and backend.inspect(name + ":queued") is None,
             limit=30, what=f"{name} and its marker free",
         )  # fmt: skip
+
+
+def test_a_run_on_a_worker_queues_a_task_and_its_duplicate_once(
+    broker: redis.Redis, fold_workers: list[int]
+) -> None:
+    """A task run in a worker's pool process (forked from the worker) calls
+    ``apply_async()`` of another task twice with one key: one message, run once, and
+    both calls were given its id."""
+    n = _n()
+    enqueues_twice.apply_async((n,))
+
+    def runs() -> list[str]:
+        return [run.decode() for run in broker.lrange(RUNS, 0, -1)]
+
+    wait_for(lambda: any(r.startswith("enqueued:") for r in runs()), limit=60, what="the run")
+    _, first, again = next(r for r in runs() if r.startswith("enqueued:")).split(":")
+    assert first == again
+    wait_for(lambda: first in runs(), limit=60, what="the queued task's run")
+    wait_for(lambda: broker.llen(QUEUE) == 0, limit=30, what="an empty queue")
+    assert runs().count(first) == 1
