@@ -28,11 +28,11 @@ from hypothesis import strategies as st
 from kombu import Exchange, Queue
 
 from distlocks import get_backend
-from distlocks.contrib.celery import single_execution
+from distlocks.contrib.celery import Deduplicated, single_execution
 from distlocks.exceptions import LockError
 from tests.celery_fold_app import QUEUE, app
 from tests.celery_fold_settings import BROKER_DB
-from tests.celery_fold_tasks import queued, queued_or_running
+from tests.celery_fold_tasks import keeps_result, queued, queued_or_running
 from tests.test_celery_fold import _marker, _n, _run_next, broker, channel, sends
 from tests.waiting import wait_for
 
@@ -560,3 +560,33 @@ def test_a_forked_child_folds_on_its_own_connections(broker: redis.Redis) -> Non
     assert queued.apply_async((n,)).id == parent_first.id
     assert queued.apply_async((n + 1,)).id == first
     assert broker.llen(QUEUE) == 2
+
+
+def test_a_duplicate_that_carries_a_link_fails_its_own_id_and_its_result_is_read(
+    broker: redis.Redis,
+) -> None:
+    """A duplicate call with ``link=`` is answered from inside the folded publish: its
+    own id is failed with Deduplicated (the callback's chain expects it to end), and a
+    caller waiting on it reads that failure, though its subscription was dropped."""
+    n = _n()
+    first = keeps_result.apply_async((n,))
+    again = keeps_result.apply_async((n,), link=queued.si(n + 1))
+    assert again.id != first.id
+    with pytest.raises(Deduplicated):
+        again.get(timeout=30)
+    assert broker.llen(QUEUE) == 1
+
+
+def test_delay_on_commit_queues_once_after_the_commit(
+    broker: redis.Redis, django_capture_on_commit_callbacks: Any
+) -> None:
+    """``delay_on_commit()`` twice in one transaction: both calls are made at the
+    commit, folded, and one message is queued."""
+    n = _n()
+    with django_capture_on_commit_callbacks(execute=True) as callbacks:
+        queued.delay_on_commit(n)
+        queued.delay_on_commit(n)
+        assert broker.llen(QUEUE) == 0
+    assert len(callbacks) == 2
+    assert broker.llen(QUEUE) == 1
+    assert _marker(queued, n) is not None
