@@ -590,3 +590,23 @@ def test_delay_on_commit_queues_once_after_the_commit(
     assert len(callbacks) == 2
     assert broker.llen(QUEUE) == 1
     assert _marker(queued, n) is not None
+
+
+def test_connections_killed_while_idle_are_made_again_and_the_task_queued_once(
+    broker: redis.Redis,
+) -> None:
+    """The server drops every client connection between two calls (a restart, an idle
+    timeout): the next call reconnects and queues its message once, and its duplicate
+    nothing."""
+    n = _n()
+    queued.apply_async((n + 1,))
+    broker.delete(QUEUE)
+    killer = redis.Redis.from_url(django_settings.CELERY_BROKER_URL)
+    try:
+        killer.client_kill_filter(_type="normal", skipme=True)
+    finally:
+        killer.close()
+    sent = queued.apply_async((n,))
+    assert queued.apply_async((n,)).id == sent.id
+    assert broker.llen(QUEUE) == 1
+    assert _marker(queued, n).extra["celery_task_id"] == sent.id
