@@ -11,9 +11,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -610,3 +612,54 @@ def test_connections_killed_while_idle_are_made_again_and_the_task_queued_once(
     assert queued.apply_async((n,)).id == sent.id
     assert broker.llen(QUEUE) == 1
     assert _marker(queued, n).extra["celery_task_id"] == sent.id
+
+
+@pytest.fixture
+def with_password(settings: Any, broker: redis.Redis) -> Iterator[tuple[Celery, str]]:
+    """A Celery app and a lock backend on the broker's database, both logged in as a
+    user with a password (an ACL user made for the test)."""
+    secret = "fold-" + uuid.uuid4().hex
+    user = "fold-user-" + uuid.uuid4().hex[:8]
+    broker.acl_setuser(user, enabled=True, passwords=["+" + secret], keys="*", commands=["+@all"])
+    url = redis.connection.parse_url(django_settings.CELERY_BROKER_URL)
+    host, port, db = url.get("host", "localhost"), url.get("port", 6379), url.get("db", 0)
+    location = f"redis://{user}:{secret}@{host}:{port}/{db}"
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "with-password": {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": location},
+    }
+    secured = Celery("distlocks-tests-fold-password", broker=location)
+    secured.conf.task_default_queue = QUEUE
+    try:
+        yield secured, secret
+    finally:
+        secured.close()
+        broker.acl_deluser(user)
+
+
+def test_no_credential_in_what_a_refused_folded_publish_logs_or_raises(
+    with_password: tuple[Celery, str], broker: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker's URL holds a password: a push the server refuses (the queue's key of
+    another type) is logged and raised without it."""
+    secured, secret = with_password
+    task = single_execution(
+        app=secured, name="fold.secured", backend="with-password", unique_while="queued",
+        ignore_result=True,
+    )(_same)  # fmt: skip
+    n = _n()
+    task.apply_async((n + 1,))
+    broker.delete(QUEUE)
+    broker.set(QUEUE, "not a list")
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(Exception) as raised:
+        task.apply_async((n,))
+    assert "WRONGTYPE" in str(raised.value)
+    assert "refused" in caplog.text  # the fold's own note, then the plain path's error
+    texts = [caplog.text, str(raised.value), repr(raised.value)]
+    cause = raised.value.__cause__ or raised.value.__context__
+    while cause is not None:
+        texts += [str(cause), repr(cause)]
+        cause = cause.__cause__ or cause.__context__
+    assert not any(secret in text for text in texts)
+    assert get_backend("with-password").inspect(task.lock_name((n,)) + ":queued") is None
