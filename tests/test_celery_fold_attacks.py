@@ -663,3 +663,51 @@ def test_no_credential_in_what_a_refused_folded_publish_logs_or_raises(
         cause = cause.__cause__ or cause.__context__
     assert not any(secret in text for text in texts)
     assert get_backend("with-password").inspect(task.lock_name((n,)) + ":queued") is None
+
+
+def test_a_producer_pool_of_one_serves_many_threads_each_key_queued_once(
+    other_app: Celery, broker: redis.Redis
+) -> None:
+    """``broker_pool_limit = 1``: eight threads share one pooled producer, the fold
+    holding it for its script; every call ends, and each of the two keys is queued
+    once with every caller of it given its id."""
+    other_app.conf.broker_pool_limit = 1
+    task = single_execution(
+        app=other_app, name="fold.pooled", backend="broker-db", unique_while="queued",
+        ignore_result=True,
+    )(_same)  # fmt: skip
+    n = _n()
+    results: list[tuple[int, str]] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def call(k: int) -> None:
+        try:
+            start.wait(timeout=30)
+            results.append((k, task.apply_async((n + k,)).id))
+            results.append((k, task.delay(n + k).id))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(i % 2,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors and len(results) == 16
+    ids = {k: {task_id for key, task_id in results if key == k} for k in (0, 1)}
+    assert all(len(found) == 1 for found in ids.values())
+    assert broker.llen("fold-other:" + QUEUE + "-other") == 2
+
+
+def test_a_signature_is_folded_and_deduplicated_as_a_call(broker: redis.Redis) -> None:
+    """``sig.apply_async()`` and ``sig.delay()`` of an unfrozen signature are calls
+    with a new id: folded, the second answered with the first's id; a frozen one has
+    its id already and takes the plain path, with the same answer."""
+    n = _n()
+    first = queued.s(n).apply_async()
+    assert queued.s(n).delay().id == first.id
+    frozen = queued.s(n)
+    frozen.freeze()
+    assert frozen.apply_async().id == first.id
+    assert broker.llen(QUEUE) == 1
