@@ -665,17 +665,15 @@ def test_no_credential_in_what_a_refused_folded_publish_logs_or_raises(
     assert get_backend("with-password").inspect(task.lock_name((n,)) + ":queued") is None
 
 
-def test_a_producer_pool_of_one_serves_many_threads_each_key_queued_once(
-    other_app: Celery, broker: redis.Redis
+def test_a_producer_pool_with_one_left_serves_many_threads_each_key_queued_once(
+    broker: redis.Redis,
 ) -> None:
-    """``broker_pool_limit = 1``: eight threads share one pooled producer, the fold
-    holding it for its script; every call ends, and each of the two keys is queued
-    once with every caller of it given its id."""
-    other_app.conf.broker_pool_limit = 1
-    task = single_execution(
-        app=other_app, name="fold.pooled", backend="broker-db", unique_while="queued",
-        ignore_result=True,
-    )(_same)  # fmt: skip
+    """All the app's pooled producers but one are in use: eight threads share that
+    one, the fold holding it for its script; every call ends, and each of the two
+    keys is queued once with every caller of it given its id. (The pool's limit is
+    not lowered instead: kombu's limit is global, and shrinks pools in use.)"""
+    pool = app.producer_pool
+    held = [pool.acquire(block=True, timeout=30) for _ in range(pool.limit - 1)]
     n = _n()
     results: list[tuple[int, str]] = []
     errors: list[BaseException] = []
@@ -684,20 +682,24 @@ def test_a_producer_pool_of_one_serves_many_threads_each_key_queued_once(
     def call(k: int) -> None:
         try:
             start.wait(timeout=30)
-            results.append((k, task.apply_async((n + k,)).id))
-            results.append((k, task.delay(n + k).id))
+            results.append((k, queued.apply_async((n + k,)).id))
+            results.append((k, queued.delay(n + k).id))
         except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=call, args=(i % 2,)) for i in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        for producer in held:
+            producer.release()
     assert not errors and len(results) == 16
     ids = {k: {task_id for key, task_id in results if key == k} for k in (0, 1)}
     assert all(len(found) == 1 for found in ids.values())
-    assert broker.llen("fold-other:" + QUEUE + "-other") == 2
+    assert broker.llen(QUEUE) == 2
 
 
 def test_a_signature_is_folded_and_deduplicated_as_a_call(broker: redis.Redis) -> None:
