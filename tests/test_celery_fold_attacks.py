@@ -79,29 +79,37 @@ def test_a_sent_event_through_the_same_producer_is_sent_and_the_task_queued_once
     assert _run_next(channel, queued) == n
 
 
-@pytest.mark.parametrize("part", ["fence", "index"])
-def test_a_script_that_fails_after_its_push_publishes_nothing(
+@pytest.mark.parametrize("part", ["marker", "run lock", "fence", "index"])
+def test_a_script_that_fails_publishes_nothing_and_writes_no_marker(
     broker: redis.Redis, part: str
 ) -> None:
-    """A key the marker's acquire writes after the push holds another type (its
-    fencing counter, or the listing index): the call fails, and the message it pushed
-    must not stay queued, or a caller that tries again would queue the task twice."""
+    """A key the script reads or writes holds another type: the marker's hash or the
+    run lock's (read before the push), its fencing counter or the listing index
+    (written after it). The call fails, and no message stays queued, or a caller
+    that tries again would queue the task twice; nor does a marker of this call."""
     n = _n()
     backend = get_backend("broker-db")
-    marker = queued.lock_name((n,)) + ":queued"
-    key = backend.all_keys(marker).fence if part == "fence" else backend.index_key
+    task = queued_or_running if part == "run lock" else queued
+    marker = task.lock_name((n,)) + ":queued"
+    key = {
+        "marker": backend.all_keys(marker).lock,
+        "run lock": backend.all_keys(task.lock_name((n,))).lock,
+        "fence": backend.all_keys(marker).fence,
+        "index": backend.index_key,
+    }[part]
     saved = broker.dump(key)
     broker.delete(key)
-    broker.rpush(key, "not a counter")
+    broker.rpush(key, "of another type")
     try:
         with pytest.raises(LockError, match="WRONGTYPE"):
-            queued.apply_async((n,))
+            task.apply_async((n,))
         assert broker.llen(QUEUE) == 0
+        if part != "marker":
+            assert broker.type(backend.all_keys(marker).lock) == b"none"
     finally:
         broker.delete(key)
         if saved is not None:
             broker.restore(key, 0, saved)
-    assert backend.inspect(marker) is None
 
 
 @contextlib.contextmanager
