@@ -49,10 +49,15 @@ keeps_result = single_execution(
 )(_note)
 
 
+#: A queue no worker reads: what :func:`_enqueue_twice` queues stays there.
+IDLE_QUEUE = "distlocks-tests-fold-idle"
+
+
 def _enqueue_twice(self: Any, n: int) -> None:
-    """Queues ``queued`` of ``n`` twice from inside a run (in a worker's pool process):
-    notes ``enqueued:<first id>:<second id>``."""
-    first, again = queued.apply_async((n,)).id, queued.apply_async((n,)).id
+    """Queues ``queued`` of ``n`` twice from inside a run (in a worker's pool process),
+    on :data:`IDLE_QUEUE`: notes ``enqueued:<first id>:<second id>``."""
+    first = queued.apply_async((n,), queue=IDLE_QUEUE).id
+    again = queued.apply_async((n,), queue=IDLE_QUEUE).id
     global _client
     if _client is None:
         _client = redis.Redis.from_url(app.conf.broker_url)
