@@ -248,6 +248,7 @@ class _Proxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.drops = 0
+        self.on_drop: Any = None  # called as a reply is dropped, before the client knows
         self.lock = threading.Lock()
         self.closing = False
         threading.Thread(target=self._accept, daemon=True).start()
@@ -280,6 +281,8 @@ class _Proxy:
                         drop = self.drops > 0
                         self.drops -= drop
                     if drop:  # the server ran it; its answer is lost
+                        if self.on_drop is not None:
+                            self.on_drop()
                         break
                 client.sendall(data)
         _close(client, server)
@@ -297,10 +300,10 @@ def _close(*sockets: socket.socket) -> None:
 
 
 @pytest.fixture
-def proxied(settings: Any, broker: redis.Redis) -> Iterator[tuple[_Proxy, Any]]:
+def proxied(settings: Any, broker: redis.Redis) -> Iterator[tuple[_Proxy, dict[str, Any]]]:
     """A Celery app and a lock backend that both reach the broker's database through
     one :class:`_Proxy` (the same host, port and database: the fold is used), and a
-    task of that app with its marker there."""
+    task of that app with its marker there, by ``unique_while`` mode."""
     url = redis.connection.parse_url(django_settings.CELERY_BROKER_URL)
     proxy = _Proxy(url.get("host", "localhost"), int(url.get("port", 6379)))
     location = f"redis://127.0.0.1:{proxy.port}/{url.get('db', 0)}"
@@ -311,12 +314,15 @@ def proxied(settings: Any, broker: redis.Redis) -> Iterator[tuple[_Proxy, Any]]:
     proxied_app = Celery("distlocks-tests-fold-proxied", broker=location)
     proxied_app.conf.task_default_queue = QUEUE
     proxied_app.conf.broker_connection_retry_on_startup = True
-    task = single_execution(
-        app=proxied_app, name="fold.proxied", backend="proxied", unique_while="queued",
-        ignore_result=True,
-    )(_same)  # fmt: skip
+    tasks = {
+        mode: single_execution(
+            app=proxied_app, name=f"fold.proxied.{mode}", backend="proxied",
+            unique_while=mode, ignore_result=True,
+        )(_same)
+        for mode in ("queued", "queued_or_running")
+    }  # fmt: skip
     try:
-        yield proxy, task
+        yield proxy, tasks
     finally:
         proxied_app.close()
         proxy.close()
@@ -324,12 +330,13 @@ def proxied(settings: Any, broker: redis.Redis) -> Iterator[tuple[_Proxy, Any]]:
 
 @pytest.mark.parametrize("lost", [1, 2], ids=["once", "twice"])
 def test_a_script_whose_replies_are_lost_queues_its_message_once(
-    proxied: tuple[_Proxy, Any], broker: redis.Redis, lost: int
+    proxied: tuple[_Proxy, dict[str, Any]], broker: redis.Redis, lost: int
 ) -> None:
     """The server runs the script and the reply is lost, once (the call is sent again
     on a new connection) or twice (the client gives up): however the caller is
     answered, one message is queued, and the marker covers it."""
-    proxy, task = proxied
+    proxy, tasks = proxied
+    task = tasks["queued"]
     n = _n()
     task.apply_async((n + 1,))
     broker.delete(QUEUE)
@@ -721,3 +728,34 @@ def test_a_signature_is_folded_and_deduplicated_as_a_call(broker: redis.Redis) -
     frozen.freeze()
     assert frozen.apply_async().id == first.id
     assert broker.llen(QUEUE) == 1
+
+
+@pytest.mark.parametrize("task_of", ["queued", "queued_or_running"])
+def test_a_call_sent_again_once_its_task_started_does_not_queue_it_again(
+    proxied: tuple[_Proxy, dict[str, Any]], broker: redis.Redis, task_of: str
+) -> None:
+    """The reply is lost, and before the call is sent again the task starts on a
+    worker, which lets its marker go ("queued") or takes it over (a run lock held by
+    the task, "queued_or_running"): the call sent again must see its own first run
+    (its tombstone), not queue the message a second time nor answer with its own
+    task's id as another's."""
+    proxy, tasks = proxied
+    task = tasks[task_of]
+    n = _n()
+    task.apply_async((n + 1,))
+    broker.delete(QUEUE)
+    backend = get_backend("proxied")
+    marker = task.lock_name((n,)) + ":queued"
+
+    def task_started() -> None:
+        # What a worker does as the run starts: the marker goes (or is taken over).
+        info = broker.hgetall(backend.all_keys(marker).lock)
+        broker.delete(backend.all_keys(marker).lock)
+        if task_of == "queued_or_running":
+            broker.hset(backend.all_keys(task.lock_name((n,))).lock, mapping=info)
+
+    proxy.on_drop = task_started
+    proxy.drops = 1
+    sent = task.apply_async((n,))
+    assert broker.llen(QUEUE) == 1
+    assert json.loads(broker.lindex(QUEUE, 0))["headers"]["id"] == sent.id

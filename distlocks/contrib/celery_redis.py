@@ -94,9 +94,10 @@ class _Script:
 
 ENQUEUE = _Script(_CHECK + ACQUIRE)
 
-# The enqueue check with the publish folded in. KEYS: as ENQUEUE's, then one key per
-# broker command; ARGV: as ENQUEUE's, then ARGV[11] = the number n of broker commands,
-# then each command's name and value (ARGV[10 + 2i], ARGV[11 + 2i] for its key KEYS[..]).
+# The enqueue check with the publish folded in. KEYS: as ENQUEUE's, then the tombstone
+# below, then one key per broker command; ARGV: as ENQUEUE's, then ARGV[11] = the
+# number n of broker commands, then each command's name and value (ARGV[10 + 2i],
+# ARGV[11 + 2i] for its key KEYS[..]).
 # The commands are those kombu's Redis transport makes to publish the message (an LPUSH
 # onto the queue, then a PEXPIRE per priority queue where the queue expires). They are
 # taken off KEYS and ARGV first, so the check and ACQUIRE see theirs as ENQUEUE does.
@@ -105,11 +106,21 @@ ENQUEUE = _Script(_CHECK + ACQUIRE)
 # caller publishes the plain way. A marker already held by the very owner of this call
 # can only be this call's own first run whose reply was lost (its task id is new): the
 # message went with it, and is not pushed twice ({4}).
+#
+# That first run may also be seen by its tombstone, the key KEYS[sent] (before the
+# broker's keys; ``<marker's base>:sent:<owner>``, kept SENT_GRACE_MS), written with the
+# push: by the time the call is sent again, the task may have started on a worker,
+# which lets the marker go ("queued") or takes it over ("queued_or_running"); without
+# the tombstone the call would then push the message again, or be answered with its
+# own task's id as another's.
+SENT_GRACE_MS = 60_000
 _FOLD_HEAD = """
 local sends = {}
 for i = tonumber(ARGV[11]), 1, -1 do
   sends[i] = {ARGV[10 + 2 * i], table.remove(KEYS), ARGV[11 + 2 * i]}
 end
+local sent_key = table.remove(KEYS)
+if redis.call('EXISTS', sent_key) == 1 then return {4} end
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then return {4} end
 """
 _FOLD_PUSH = """
@@ -117,7 +128,8 @@ for i = 1, #sends do
   local sent = redis.pcall(sends[i][1], sends[i][2], sends[i][3])
   if i == 1 and type(sent) == 'table' and sent.err then return {5, sent.err} end
 end
-"""
+redis.call('SET', sent_key, '1', 'PX', SENT_GRACE_MS)
+""".replace("SENT_GRACE_MS", str(SENT_GRACE_MS))
 # A script is not undone when it fails half-way: ACQUIRE failing after the push (one of
 # the keys it writes holds another type: its fencing counter, the listing index) would
 # leave the message queued with no marker, and the caller told it failed; a caller that
@@ -134,6 +146,7 @@ local acquired, reply = pcall(function()
 end)
 if acquired then return reply end
 redis.call('LREM', sends[1][2], 1, sends[1][3])
+redis.call('DEL', sent_key)
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   redis.call('DEL', KEYS[1])
   if KEYS[5] then redis.pcall('HDEL', KEYS[5], ARGV[3]) end
@@ -272,6 +285,8 @@ def enqueue(
         if backend._pinned() is None:
             return None  # nothing sent: the plain calls
         script = FOLD
+        lock_key = backend.all_keys(marker).lock
+        keys.append(f"{lock_key.removesuffix(':lock')}:sent:{owner}")
         args.append(len(sends))
         for name, key, value in sends:
             keys.append(key)
