@@ -31,13 +31,18 @@ def tails(logs: Path) -> str:
 
 @contextlib.contextmanager
 def celery_workers(
-    app: Celery, module: str, logs: Path, workers: Sequence[tuple[str, Sequence[str]]]
+    app: Celery,
+    module: str,
+    logs: Path,
+    workers: Sequence[tuple[str, Sequence[str]]],
+    settings: str = "tests.settings",
 ) -> Iterator[list[int]]:
     """One ``celery -A <module> worker`` (``module`` defines ``app``) per ``(node name,
     extra arguments)`` of
-    ``workers``, logging to ``logs/<node name>.log``; yields their pids once every
-    one answers a ping (90 s at most), and stops them on exit."""
-    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "tests.settings", "PYTHONPATH": str(ROOT)}
+    ``workers``, logging to ``logs/<node name>.log``, with Django's ``settings``
+    module; yields their pids once every one answers a ping (90 s at most), and
+    stops them on exit."""
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": settings, "PYTHONPATH": str(ROOT)}
     procs = []
     for node, extra in workers:
         log = (logs / f"{node}.log").open("w")

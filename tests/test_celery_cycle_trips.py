@@ -8,7 +8,10 @@ request that is not eager) cannot add a round trip unseen. The counts are the fl
 the rules in docs/celery.md: the run lock is taken before the body (one round trip,
 the marker's call sent with it) and released after it with its answer read (one), and
 the enqueue check is one script; the peers' four per task (marker, publish, fetch,
-delete) have no run lock.
+delete) have no run lock. Here the broker is another database, so the publish is a
+round trip of its own (five in all); where the broker is the lock server's database,
+the marker's script pushes the message and a task makes four in all
+(tests/test_celery_fold.py counts them).
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ The helpers below the class (the key made from the arguments, the marker's
 lifetime, the retry and eta arithmetic) exist only for it and must agree between
 the two ends. Split, each end of the hand-off would be read without the other.
 What is apart, in :mod:`distlocks.contrib.celery_redis`, is how the two locks share
-round trips on a Redis server (pipelined calls, the enqueue check as one script):
-an optimisation of the calls made here, not a part of the protocol.
+round trips on a Redis server (pipelined calls, the enqueue check as one script, with
+the message's publish in it where the broker is the same database): an optimisation
+of the calls made here, not a part of the protocol.
 """
 
 from __future__ import annotations
@@ -89,12 +90,19 @@ from distlocks.validation import (
 try:
     from celery import Task, shared_task
     from celery.app.task import Context
+    from celery.backends.base import BaseBackend as _ResultBackend
     from celery.exceptions import Ignore, Retry
     from celery.local import Proxy
+    from celery.signals import before_task_publish
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "distlocks.contrib.celery needs Celery 5.4 or later: pip install 'distlocks[celery]'."
     ) from exc
+
+try:
+    from celery.backends.redis import RedisBackend as _RedisResults
+except ImportError:  # pragma: no cover - a Celery without its Redis result backend
+    _RedisResults = None
 
 try:
     from celery.contrib.django.task import DjangoTask as _TaskBase
@@ -400,6 +408,7 @@ class SingleExecutionTask(_TaskBase):
             return super().apply_async(args, kwargs, task_id=task_id, **options)
         backend = self._lock_backend(f"unique_while={single.unique_while!r}")
         retrying = self._is_own_retry(task_id)
+        fresh = task_id is None
         task_id = task_id or str(uuid.uuid4())
         marker, owner = name + QUEUED_SUFFIX, _marker_owner(task_id)
         # An eta years ahead must not make a marker the servers cannot store: past the
@@ -432,9 +441,27 @@ class SingleExecutionTask(_TaskBase):
             return published
         existing = None
         running_check = single.unique_while == "queued_or_running"
+        run_lock = name if running_check else None
+        if fresh and _together.usable(backend) and self._publish_can_fold(options):
+            # The broker on the lock server's database: the check, the marker and the
+            # publish in one script, one round trip (None: not here, nothing written).
+            folded = _together.publish_with_marker(
+                self.app, backend, marker, owner, ttl, holder, run_lock,
+                lambda producer: super(SingleExecutionTask, self).apply_async(
+                    args, kwargs, task_id=task_id, producer=producer, **options
+                ),
+            )  # fmt: skip
+            if folded is not None:
+                kind, found = folded
+                if kind == _together.SENT:
+                    return found
+                self._unsubscribe(task_id, options)  # never published: nothing to wait for
+                if not found:  # the marker is held, by no task: nothing to return
+                    raise LockNotAcquired(marker, backend.alias, 0)
+                return self._deduplicated(found, name, task_id, args, kwargs, options)
         # On Redis, the check and the marker are one script: one round trip.
         together = (
-            _together.enqueue(backend, marker, owner, ttl, holder, name if running_check else None)
+            _together.enqueue(backend, marker, owner, ttl, holder, run_lock)
             if _together.usable(backend)
             else None
         )
@@ -471,6 +498,42 @@ class SingleExecutionTask(_TaskBase):
             # Not published: nothing may keep duplicates away.
             backend.release_quietly(marker, owner)
             raise
+
+    def _publish_can_fold(self, options: Mapping[str, Any]) -> bool:
+        """Whether this call's publish may go in the marker's script: published to the
+        app's broker through its producer pool (not a caller's producer or connection,
+        not run eagerly), by a call whose result backend does nothing for it before
+        the publish, or only subscribes to its result (Redis), which
+        :meth:`_unsubscribe` undoes for a call answered with another task's id. (RPC
+        declares its reply queue, shared by every call: the plain path.)
+
+        Not while anything listens to ``before_task_publish``: Celery sends it before
+        the publish, so a duplicate answered from inside it would be heard of by
+        receivers that never hear ``after_task_publish`` (tracing opens a span in the
+        one and closes it in the other), and a call the fold gives back to the plain
+        path would be heard of twice."""
+        if "producer" in options or "connection" in options or self.app.conf.task_always_eager:
+            return False
+        if before_task_publish.has_listeners(self.name):
+            return False
+        results = self.backend
+        return (
+            bool(options.get("ignore_result", self.ignore_result))
+            or type(results).on_task_call is _ResultBackend.on_task_call
+            or (_RedisResults is not None and isinstance(results, _RedisResults))
+        )
+
+    def _unsubscribe(self, task_id: str, options: Mapping[str, Any]) -> None:
+        """Undo what Celery's publish did for ``task_id`` before its message turned out
+        to be a duplicate's, never sent: the Redis result backend's subscription to its
+        result (the call returns another task's id; nobody will wait for this one)."""
+        results = self.backend
+        if (
+            not options.get("ignore_result", self.ignore_result)
+            and _RedisResults is not None
+            and isinstance(results, _RedisResults)
+        ):
+            results.result_consumer.cancel_for(task_id)
 
     def _is_own_retry(self, task_id: str | None) -> bool:
         """Whether this publish is ``self.retry()`` of the run in progress."""

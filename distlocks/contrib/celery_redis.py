@@ -17,14 +17,21 @@ live on two nodes, nor Sentinel) this module sends them together:
   the marker is taken for the new call. The script is the backend's own acquire
   script with that check in front of it, so the marker is taken exactly as
   ``backend.acquire()`` takes a lock.
+* :func:`publish_with_marker`: where the Celery broker is the same Redis database as
+  the lock backend, the same check with the message's publish in it: the message is
+  pushed onto its queue by the script that takes the marker, and only if it takes
+  it, so an enqueue is one round trip instead of two, and a publish that fails
+  leaves no marker (nothing is written at all).
 
-Both return None where they cannot be used; the caller then makes the plain calls.
+All return None where they cannot be used; the caller then makes the plain calls.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from distlocks import signals, transactions
@@ -87,12 +94,75 @@ class _Script:
 
 ENQUEUE = _Script(_CHECK + ACQUIRE)
 
+# The enqueue check with the publish folded in. KEYS: as ENQUEUE's, then the tombstone
+# below, then one key per broker command; ARGV: as ENQUEUE's, then ARGV[11] = the
+# number n of broker commands, then each command's name and value (ARGV[10 + 2i],
+# ARGV[11 + 2i] for its key KEYS[..]).
+# The commands are those kombu's Redis transport makes to publish the message (an LPUSH
+# onto the queue, then a PEXPIRE per priority queue where the queue expires). They are
+# taken off KEYS and ARGV first, so the check and ACQUIRE see theirs as ENQUEUE does.
+# The push comes before the marker is written: a push the server refuses (the queue key
+# of another type, an ACL) fails the call with nothing written ({5, error}), and the
+# caller publishes the plain way. A marker already held by the very owner of this call
+# can only be this call's own first run whose reply was lost (its task id is new): the
+# message went with it, and is not pushed twice ({4}).
+#
+# That first run may also be seen by its tombstone, the key KEYS[sent] (before the
+# broker's keys; ``<marker's base>:sent:<owner>``, kept SENT_GRACE_MS), written with the
+# push: by the time the call is sent again, the task may have started on a worker,
+# which lets the marker go ("queued") or takes it over ("queued_or_running"); without
+# the tombstone the call would then push the message again, or be answered with its
+# own task's id as another's.
+SENT_GRACE_MS = 60_000
+_FOLD_HEAD = """
+local sends = {}
+for i = tonumber(ARGV[11]), 1, -1 do
+  sends[i] = {ARGV[10 + 2 * i], table.remove(KEYS), ARGV[11 + 2 * i]}
+end
+local sent_key = table.remove(KEYS)
+if redis.call('EXISTS', sent_key) == 1 then return {4} end
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then return {4} end
+"""
+_FOLD_PUSH = """
+for i = 1, #sends do
+  local sent = redis.pcall(sends[i][1], sends[i][2], sends[i][3])
+  if i == 1 and type(sent) == 'table' and sent.err then return {5, sent.err} end
+end
+redis.call('SET', sent_key, '1', 'PX', SENT_GRACE_MS)
+""".replace("SENT_GRACE_MS", str(SENT_GRACE_MS))
+# A script is not undone when it fails half-way: ACQUIRE failing after the push (one of
+# the keys it writes holds another type: its fencing counter, the listing index) would
+# leave the message queued with no marker, and the caller told it failed; a caller that
+# tries again queues the task twice. So ACQUIRE runs under pcall, and if it fails the
+# message pushed is taken back off its queue (LREM: each message is unique, it carries
+# its delivery tag) with what ACQUIRE wrote of the marker (no marker of this owner was
+# there before: the head returned {4} for one), and the error is the script's answer.
+_FOLD_ACQUIRE = (
+    """
+local acquired, reply = pcall(function()
+"""
+    + ACQUIRE
+    + """
+end)
+if acquired then return reply end
+redis.call('LREM', sends[1][2], 1, sends[1][3])
+redis.call('DEL', sent_key)
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  if KEYS[5] then redis.pcall('HDEL', KEYS[5], ARGV[3]) end
+end
+if type(reply) == 'table' and reply.err then reply = reply.err end
+return redis.error_reply(tostring(reply))
+"""
+)
+FOLD = _Script(_FOLD_HEAD + _CHECK + _FOLD_PUSH + _FOLD_ACQUIRE)
+
 logger = logging.getLogger("distlocks.contrib.celery")
 #: Release steps that send a release to the server.
 _SENT = (RELEASE, FREE_LOST)
 
-#: :func:`enqueue`'s answers.
-TAKEN, RUNNING, QUEUED = "taken", "running", "queued"
+#: :func:`enqueue`'s answers, and :func:`publish_with_marker`'s (SENT: published).
+TAKEN, RUNNING, QUEUED, SENT = "taken", "running", "queued", "sent"
 
 
 def usable(backend: BaseBackend) -> bool:
@@ -197,21 +267,46 @@ def enqueue(
     ttl: float,
     holder: Holder,
     run_lock: str | None,
+    sends: list[tuple[str, str, Any]] | None = None,
 ) -> tuple[str, Any] | None:
     """Take the queue ``marker`` for ``owner`` unless the task to return instead is
     found, in one server-side step: ``(RUNNING, task id)`` when ``run_lock`` (given for
     ``"queued_or_running"``) is held by a task run, ``(QUEUED, task id or "")`` when
     another call holds the marker, ``(TAKEN, AcquireResult)`` when it was taken.
-    None where the script cannot be used here."""
+    With ``sends`` (a broker's commands: name, key, value), they are run too when the
+    marker is taken, and None is the answer if the server refused the first (with
+    nothing written). None where the script cannot be used here."""
     keys, args = backend._indexed_acquire_call(marker, owner, ttl, holder, 0.0, False)
     if run_lock is not None:
         keys = [*keys, backend.all_keys(run_lock).lock]
     args = [*args, "1" if run_lock is not None else "0"]
+    script = ENQUEUE
+    if sends is not None:
+        if backend._pinned() is None:
+            return None  # nothing sent: the plain calls
+        script = FOLD
+        lock_key = backend.all_keys(marker).lock
+        keys.append(f"{lock_key.removesuffix(':lock')}:sent:{owner}")
+        args.append(len(sends))
+        for name, key, value in sends:
+            keys.append(key)
+            args += [name, value]
     try:
-        replies = send_together(backend, [(ENQUEUE, keys, args)])
+        replies = send_together(backend, [(script, keys, args)])
     except _DRIVER_ERRORS as exc:
+        if sends is not None:
+            # A timeout leaves it in doubt whether the script ran: if it did, the
+            # message is queued, and its marker must stay to keep duplicates away
+            # (a plain acquire's timeout gives the lock back in the background).
+            raise backend._error("acquire", marker, exc) from exc
         raise backend._acquire_error(marker, owner, exc) from exc
     if replies is None:
+        if sends is not None:
+            # The connection broke twice after the call was sent: the script may have
+            # run, the message with it. Not the plain calls, which would publish it
+            # again under the marker this call may hold: the caller hears of it.
+            broke = redis.ConnectionError("the connection broke twice; the script may have run")
+            raise backend._error("acquire", marker, broke)
         return None
     reply = replies[0]
     if isinstance(reply, Exception):
@@ -221,7 +316,149 @@ def enqueue(
         return RUNNING, _text(reply[1])
     if kind == 3:
         return QUEUED, _text(reply[1])
+    if kind == 4:  # this call's own first run, whose reply was lost: it did it all
+        return TAKEN, AcquireResult(True, 0, ttl)
+    if kind == 5:
+        logger.info("Publishing with queue marker %r refused: %s", marker, _text(reply[1]))
+        return None
     return TAKEN, backend._acquire_result(reply)
+
+
+class NotFolded(Exception):
+    """The publish could not go with the marker, and nothing was written: the caller
+    publishes the plain way."""
+
+
+class _Answer(Exception):
+    """The marker's answer, another task to return: ``kind`` (RUNNING or QUEUED) and
+    its id ("" when the marker is held by no task). Raised through kombu and Celery,
+    which have not sent anything, back to :func:`publish_with_marker`."""
+
+    def __init__(self, kind: str, task_id: str) -> None:
+        super().__init__(kind, task_id)
+        self.kind, self.task_id = kind, task_id
+
+
+class _Noted:
+    """Stands in for kombu's Redis publish batch (``_publish_batch``): notes the
+    commands that publishing a message makes, and sends nothing."""
+
+    __slots__ = ("commands",)
+
+    def __init__(self) -> None:
+        self.commands: list[tuple[str, tuple[Any, ...]]] = []
+
+    def add(self, name: str, *args: Any) -> None:
+        self.commands.append((name, args))
+
+
+class _Fold:
+    """Put where kombu 5.7's ``Producer`` looks for its active publish batch, for one
+    ``apply_async()``: the message that Celery publishes through the producer is
+    routed by kombu as usual, and its commands go into the marker's script."""
+
+    def __init__(
+        self,
+        backend: Any,
+        marker: str,
+        owner: str,
+        ttl: float,
+        holder: Holder,
+        run_lock: str | None,
+    ) -> None:
+        self.call = (backend, marker, owner, ttl, holder, run_lock)
+        self.done = False
+
+    def publish(self, channel: Any, message: Any, **kwargs: Any) -> Any:
+        if self.done:
+            # Another message Celery sends through the same producer once the task's
+            # is queued (the task-sent event, with task_send_sent_event): sent as
+            # kombu sends it without a batch. (A publish of the task's own message
+            # again, kombu's retry after a connection error, is not done: it folds
+            # again, and the script's head sees the marker is its own.)
+            return channel.basic_publish(message, **kwargs)
+        noted = _Noted()
+        channel.basic_publish(message, _publish_batch=noted, **kwargs)
+        sends = _sends(channel, noted.commands)
+        if sends is None:
+            raise NotFolded
+        outcome = enqueue(*self.call, sends=sends)
+        if outcome is None:
+            raise NotFolded
+        kind, found = outcome
+        if kind != TAKEN:
+            raise _Answer(kind, found)
+        self.done = True
+        return None
+
+
+def _sends(channel: Any, commands: list[tuple[str, tuple[Any, ...]]]) -> list[Any] | None:
+    """kombu's commands for one message as (name, key with the broker's key prefix,
+    value), or None where they are not the queue's push (and expiry) we know."""
+    if not commands or commands[0][0] != "lpush":
+        return None
+    prefix = getattr(channel, "global_keyprefix", "") or ""
+    sends = []
+    for i, (name, args) in enumerate(commands):
+        if (i == 0) != (name == "lpush") or name not in ("lpush", "pexpire") or len(args) != 2:
+            return None
+        key, value = args
+        if not isinstance(value, str | int) or isinstance(value, bool):
+            return None
+        sends.append((name, f"{prefix}{key}", value))
+    return sends
+
+
+def _same_database(channel: Any, backend: Any) -> bool:
+    """Whether kombu's Redis ``channel`` and the lock ``backend`` talk to the same
+    server and database (as configured: two names for one host do not count)."""
+    try:
+        theirs = channel.pool.connection_kwargs
+    except AttributeError:
+        return False
+    ours = backend.client.connection_pool.connection_kwargs
+    return all(ours.get(k) == theirs.get(k) for k in ("host", "port", "path")) and int(
+        ours.get("db") or 0
+    ) == int(theirs.get("db") or 0)
+
+
+def publish_with_marker(
+    app: Any,
+    backend: Any,
+    marker: str,
+    owner: str,
+    ttl: float,
+    holder: Holder,
+    run_lock: str | None,
+    publish: Callable[[Any], Any],
+) -> tuple[str, Any] | None:
+    """Take the queue ``marker`` and publish the message in one round trip, where
+    the broker is the lock backend's Redis database: ``publish(producer)`` is
+    Celery's ``apply_async()`` with that producer. ``(SENT, its result)`` when the
+    marker was taken and the message pushed, ``(RUNNING, task id)`` or ``(QUEUED, task
+    id or "")`` when another task holds the key (nothing was published). None where
+    it cannot be done, with nothing written (another broker or database, a kombu
+    without publish batches, a message routed other than onto one queue, a push the
+    server refused): the caller makes the plain calls."""
+    with app.producer_or_acquire() as producer:
+        local = getattr(producer, "_batch_local", None)
+        channel = producer.channel
+        if (
+            not isinstance(local, threading.local)
+            or getattr(local, "current", None) is not None  # a batch of the caller's
+            or not hasattr(channel, "create_publish_batch")  # kombu before 5.7, not Redis
+            or not _same_database(channel, backend)
+        ):
+            return None
+        local.current = _Fold(backend, marker, owner, ttl, holder, run_lock)
+        try:
+            return SENT, publish(producer)
+        except NotFolded:
+            return None
+        except _Answer as answer:
+            return answer.kind, answer.task_id
+        finally:
+            local.current = None
 
 
 def release_both(lease: Lease, marker: Lease) -> bool | None:
