@@ -142,6 +142,25 @@ def test_an_enqueue_publishes_with_its_marker_in_one_round_trip(
     assert broker.llen(QUEUE) == 2  # nothing published for the duplicate
 
 
+def test_a_kombu_release_it_was_not_tested_with_takes_the_plain_path(
+    sends: _AllSends, broker: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fold borrows a private part of kombu 5.7's producer: under any other kombu
+    release it is not tried, and the call is the plain two round trips, still one
+    message per marker."""
+    assert celery_redis._KOMBU_FOLDS  # this suite runs the kombu the fold is for
+    monkeypatch.setattr(celery_redis, "_KOMBU_FOLDS", False)
+    n = _n()
+    queued.apply_async((n + 1,))
+    sends.reset()
+    first = queued.apply_async((n,))
+    assert sends.count == 2
+    again = queued.apply_async((n,))
+    assert again.id == first.id
+    assert broker.llen(QUEUE) == 2
+    assert _marker(queued, n).extra["celery_task_id"] == first.id
+
+
 @pytest.mark.parametrize("task", [queued, queued_or_running], ids=["queued", "queued_or_running"])
 def test_a_task_from_enqueue_to_the_end_of_its_run_makes_four_round_trips(
     task: Any, sends: _AllSends, broker: redis.Redis, channel: Any

@@ -422,6 +422,19 @@ def _same_database(channel: Any, backend: Any) -> bool:
     ) == int(theirs.get("db") or 0)
 
 
+def _kombu_folds() -> bool:
+    """Whether this kombu is one whose private publish-batch slot the fold was written
+    and tested against (5.7.x): another release takes the plain path, whatever it has."""
+    try:
+        import kombu
+    except ImportError:  # pragma: no cover - Celery always brings kombu
+        return False
+    return tuple(kombu.VERSION[:2]) == (5, 7)
+
+
+_KOMBU_FOLDS = _kombu_folds()
+
+
 def publish_with_marker(
     app: Any,
     backend: Any,
@@ -444,7 +457,8 @@ def publish_with_marker(
         local = getattr(producer, "_batch_local", None)
         channel = producer.channel
         if (
-            not isinstance(local, threading.local)
+            not _KOMBU_FOLDS
+            or not isinstance(local, threading.local)
             or getattr(local, "current", None) is not None  # a batch of the caller's
             or not hasattr(channel, "create_publish_batch")  # kombu before 5.7, not Redis
             or not _same_database(channel, backend)
