@@ -1,0 +1,202 @@
+"""Attacks on the Redis backend's asyncio direct path (one timer per loop for the reads'
+socket timeout, the call slot taken inline): cancellation mid-read, reads of several
+timeouts on one loop, loops that come and go, a killed or restarted server, a crowd of
+coroutines on a small pool. Real servers, no mocks; conditions waited on, never timed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from distlocks import alock, get_backend
+from distlocks.backends.base import Holder
+from distlocks.backends.redis import RedisBackend
+from distlocks.exceptions import LockBackendUnavailable
+from distlocks.testing.servers.redis_server import RedisServer
+
+HOLDER = Holder("attack-host", 1, "main")
+
+
+def _settle(condition: Callable[[], bool], what: str, within: float = 15) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} within {within} s"
+        time.sleep(0.02)
+
+
+async def _until(condition: Callable[[], bool], what: str, within: float = 15) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"not {what} within {within} s"
+        await asyncio.sleep(0.005)
+
+
+@contextlib.contextmanager
+def _alias(settings: Any, url: str, **options: Any) -> Iterator[RedisBackend]:
+    alias = f"attack-{uuid.uuid4().hex[:8]}"
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        alias: {
+            "BACKEND": "distlocks.backends.redis.RedisBackend",
+            "LOCATION": url,
+            "OPTIONS": options,
+        },
+    }
+    backend = get_backend(alias)
+    assert isinstance(backend, RedisBackend)
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+def _quiet(side: Any) -> None:
+    """The loop's call slots all free and its read watch empty."""
+    calls = side.calls
+    assert not calls._waiters, "coroutines still queued for a slot"
+    assert calls._value == len(side.idle) or calls._value >= 1
+    assert side.watch.deadlines == {}, side.watch.deadlines
+    assert side.watch.expired == set(), side.watch.expired
+
+
+# Keeps the server busy (it reads no socket meanwhile) for ARGV[1] microseconds.
+_BUSY = """
+local t0 = redis.call('TIME')
+repeat
+  local t = redis.call('TIME')
+until (t[1] - t0[1]) * 1000000 + (t[2] - t0[2]) > tonumber(ARGV[1])
+return 1
+"""
+
+
+@contextlib.contextmanager
+def _busy_server(url: str, seconds: float) -> Iterator[None]:
+    """The server runs a script for ``seconds`` (less than its 5 s busy threshold, so
+    it reads nothing else meanwhile): requests sent now wait in its socket buffers and
+    are run, in the order they came, once it is done. Yields once it is busy."""
+    admin = redis.Redis.from_url(url)
+    thread = threading.Thread(
+        target=admin.eval, args=(_BUSY, 0, int(seconds * 1_000_000)), daemon=True
+    )
+    thread.start()
+
+    def busy() -> bool:
+        probe = redis.Redis.from_url(url, socket_timeout=0.05, socket_connect_timeout=1)
+        try:
+            probe.ping()
+            return False
+        except redis.TimeoutError:
+            return True
+        finally:
+            probe.close()
+
+    try:
+        _settle(busy, "busy")
+        yield
+    finally:
+        thread.join(30)
+        admin.close()
+
+
+@pytest.mark.parametrize("how", ["cancel", "wait_for", "taskgroup"])
+def test_an_acquire_cancelled_mid_read_leaves_no_lock_and_no_stale_reply(
+    own_redis: RedisServer, settings: Any, name: str, how: str
+) -> None:
+    """The acquire is sent to a busy server, and its task cancelled while it waits for
+    the reply; the server then runs it and takes the lock. Then: the next calls on the
+    loop (a refused acquire of a name held by someone else) get their own answers, not
+    the cancelled call's "granted"; the slot is free and the watch empty; and the lock
+    the cancelled call took is given back (nobody knows its owner to renew or release
+    it), instead of being held until its ttl."""
+    with _alias(settings, own_redis.url, socket_timeout=10, async_pool_size=2) as backend:
+        held = f"{name}:held"
+        assert backend.acquire(held, "blocker", 60, HOLDER).acquired
+
+        async def main() -> None:
+            side = backend._async_side()
+            async with alock(f"{name}:warm", backend=backend.alias, timeout=0):
+                pass  # the loop's connection made, the scripts loaded
+            acquire = alock(name, backend=backend.alias, ttl=60, timeout=0).acquire
+
+            async def reading() -> None:
+                await _until(lambda: bool(side.watch.deadlines), "reading")
+
+            with _busy_server(own_redis.url, 3):
+                if how == "cancel":
+                    task = asyncio.ensure_future(acquire())
+                    await reading()
+                    task.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                elif how == "wait_for":
+                    with pytest.raises(TimeoutError):
+                        await asyncio.wait_for(acquire(), 0.3)
+                else:
+
+                    async def fail_once_reading() -> None:
+                        await reading()
+                        raise ValueError("boom")
+
+                    with pytest.raises(ExceptionGroup):
+                        async with asyncio.TaskGroup() as group:
+                            group.create_task(acquire())
+                            group.create_task(fail_once_reading())
+                _quiet(side)
+            # The same loop, its connections reused: each call reads its own reply.
+            for _ in range(5):
+                refused = await backend.aacquire(held, uuid.uuid4().hex, 30, HOLDER)
+                assert not refused.acquired, "read the cancelled acquire's reply"
+            owner = uuid.uuid4().hex
+            assert (await backend.aacquire(f"{name}:other", owner, 30, HOLDER)).acquired
+            assert await backend.arelease(f"{name}:other", owner)
+            _quiet(side)
+
+        asyncio.run(main())
+        # The lock the cancelled acquire took once the server went on is given back.
+        _settle(lambda: backend.inspect(name) is None, "given back")
+
+
+def test_reads_of_a_shorter_timeout_are_timed_by_their_own(name: str) -> None:
+    """Two reads on one loop's watch, the first with a long timeout: the second, with
+    a short one, still times out after its own (the watch's one timer is set for the
+    earliest deadline of all, not only the first read's)."""
+    from distlocks.backends.redis.calls import _aread, _asend
+
+    backend = get_backend("redis")
+    assert isinstance(backend, RedisBackend)
+
+    async def main() -> None:
+        side = backend._async_side()
+        slow = side.client.connection_pool.make_connection()
+        quick = side.client.connection_pool.make_connection()
+        await slow.connect()
+        await quick.connect()
+        slow.socket_timeout, quick.socket_timeout = 60.0, 0.2
+        try:
+            await _asend(slow, ("BLPOP", f"{name}:never", 20))
+            await _asend(quick, ("BLPOP", f"{name}:never2", 20))
+            long_read = asyncio.ensure_future(_aread(side, slow))
+            await _until(lambda: id(slow) in side.watch.deadlines, "the long read under way")
+            started = time.monotonic()
+            with pytest.raises(redis.TimeoutError):
+                await _aread(side, quick)
+            # Far less than the BLPOP's 20 s or the long read's 60 s.
+            assert time.monotonic() - started < 10
+            long_read.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await long_read
+        finally:
+            await slow.disconnect(nowait=True)
+            await quick.disconnect(nowait=True)
+
+    asyncio.run(main())
