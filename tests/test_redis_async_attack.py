@@ -200,3 +200,38 @@ def test_reads_of_a_shorter_timeout_are_timed_by_their_own(name: str) -> None:
             await quick.disconnect(nowait=True)
 
     asyncio.run(main())
+
+
+def test_a_send_cancelled_while_draining_does_not_leave_its_reply_to_the_next_call(
+    own_redis: RedisServer, settings: Any, name: str
+) -> None:
+    """A command too big for the socket buffers, to a busy server: the send waits for
+    the buffer to drain and is cancelled meanwhile. The connection must not be used
+    again as it is: the rest of that command would still go out, and the next call on
+    it would read that command's reply as its own."""
+    from distlocks.backends.redis.calls import _asend
+
+    with _alias(settings, own_redis.url, socket_timeout=10) as backend:
+
+        async def main() -> None:
+            side = backend._async_side()
+            conn = side.client.connection_pool.make_connection()
+            await conn.connect()
+            try:
+                with _busy_server(own_redis.url, 3):
+                    task = asyncio.ensure_future(
+                        _asend(conn, ("SET", f"{name}:big", "x" * 20_000_000))
+                    )
+                    await _until(
+                        lambda: conn._writer.transport.get_write_buffer_size() > 0,
+                        "the send waiting for the buffer to drain",
+                    )
+                    task.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await task
+                await _asend(conn, ("PING",))
+                assert await conn.read_response() in (b"PONG", "PONG")
+            finally:
+                await conn.disconnect(nowait=True)
+
+        asyncio.run(main())

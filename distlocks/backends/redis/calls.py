@@ -96,6 +96,11 @@ async def _asend(conn: Any, *commands: tuple[Any, ...]) -> None:
         except OSError as exc:
             await conn.disconnect(nowait=True)
             raise redis.ConnectionError(f"Error while writing to socket: {exc}") from exc
+        except BaseException:
+            # Cancelled with the command partly written: the rest would still go out
+            # and the connection's next call would read this command's reply as its own.
+            await conn.disconnect(nowait=True)
+            raise
 
 
 async def _aread(side: _AsyncSide, conn: Any) -> Any:
