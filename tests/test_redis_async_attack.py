@@ -235,3 +235,35 @@ def test_a_send_cancelled_while_draining_does_not_leave_its_reply_to_the_next_ca
                 await conn.disconnect(nowait=True)
 
         asyncio.run(main())
+
+
+def test_a_loop_per_call_leaves_no_connections_behind(
+    own_redis: RedisServer, settings: Any, name: str
+) -> None:
+    """asyncio.run() per call (or async_to_sync with a new loop each time): each loop's
+    client and connection go once the loop is closed, instead of staying open for as
+    long as the process lives (each client's connections hold its loop, so the loop,
+    a weak key, was never let go)."""
+    admin = redis.Redis.from_url(own_redis.url)
+    with _alias(settings, own_redis.url) as backend:
+
+        async def cycle() -> None:
+            async with alock(name, backend=backend.alias, timeout=0):
+                pass
+
+        for _ in range(12):
+            asyncio.run(cycle())
+        threads = [threading.Thread(target=asyncio.run, args=(cycle(),)) for _ in range(4)]
+        for thread in threads:  # one at a time: the same name
+            thread.start()
+            thread.join(30)
+
+        def let_go() -> bool:
+            import gc
+
+            gc.collect()
+            # The admin's connection, and at most the last loop's.
+            return len(backend._async_clients) <= 1 and len(admin.client_list()) <= 2
+
+        _settle(let_go, "the closed loops' clients let go")
+    admin.close()

@@ -371,7 +371,13 @@ class RedisClients(RedisKeys):
             scripts = {key: aclient.register_script(lua) for key, lua in SCRIPTS.items()}
             calls, waits = self._async_limits()
             found = _AsyncSide(aclient, scripts, asyncio.Semaphore(calls), asyncio.Semaphore(waits))
-            self._async_clients[loop] = found
+            with self._client_lock:
+                # Let go of the clients of loops closed since (asyncio.run() per call):
+                # their connections hold their loop, so its weak key never would, and
+                # each would keep a connection open for the life of the process.
+                for closed in [old for old in self._async_clients if old.is_closed()]:
+                    del self._async_clients[closed]
+                self._async_clients[loop] = found
         return found
 
     def _async_client(self) -> tuple[Any, dict[str, Any]]:
