@@ -12,7 +12,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -267,3 +266,98 @@ def test_a_loop_per_call_leaves_no_connections_behind(
 
         _settle(let_go, "the closed loops' clients let go")
     admin.close()
+
+
+PASSWORD = "n0t-a-real-secret-4u"
+
+
+def _protect(server: RedisServer) -> None:
+    raw = redis.Redis.from_url(server.url)
+    try:
+        raw.config_set("requirepass", PASSWORD)
+    finally:
+        raw.close()
+
+
+def test_a_killed_then_restarted_server_with_a_password(
+    own_redis: RedisServer, settings: Any, name: str
+) -> None:
+    """Killed while connections idle: the next calls fail with LockBackendUnavailable
+    within about the timeouts, the password in no message; restarted on the same port,
+    the idle connections (broken) are replaced and the calls go through again."""
+    _protect(own_redis)
+    url = f"redis://:{PASSWORD}@127.0.0.1:{own_redis.port}/0"
+    with _alias(settings, url, socket_timeout=0.5, socket_connect_timeout=0.5) as backend:
+
+        async def cycles(n: int) -> None:
+            mine = f"{name}:{uuid.uuid4().hex}"
+            for _ in range(n):
+                async with alock(mine, backend=backend.alias, timeout=0, ttl=5):
+                    pass
+
+        async def main() -> None:
+            side = backend._async_side()
+            await asyncio.gather(*(cycles(3) for _ in range(4)))  # several idle connections
+            assert len(side.idle) >= 2
+            own_redis.kill()
+            for call in (
+                lambda: backend.aacquire(name, uuid.uuid4().hex, 5, HOLDER),
+                lambda: backend.arelease(name, uuid.uuid4().hex),
+                lambda: cycles(1),
+            ):
+                started = time.monotonic()
+                with pytest.raises(LockBackendUnavailable) as excinfo:
+                    await call()
+                assert time.monotonic() - started < 5
+                chain: BaseException | None = excinfo.value
+                while chain is not None:
+                    assert PASSWORD not in str(chain), chain
+                    chain = chain.__cause__ or chain.__context__
+            _quiet(side)
+            own_redis.start(own_redis.port)
+            _protect(own_redis)
+            await asyncio.gather(*(cycles(3) for _ in range(4)))
+            _quiet(side)
+
+        asyncio.run(main())
+
+
+def test_a_crowd_on_a_small_pool_with_the_server_stalled_past_the_timeout(
+    own_redis: RedisServer, settings: Any
+) -> None:
+    """1,000 alock() at once on 4 call slots; the server stalls for longer than the
+    socket timeout meanwhile, so the calls then in flight time out. Each coroutine gets
+    a lease or LockBackendUnavailable (nothing else, nothing hangs); afterwards the
+    slots are free, the watch is empty, calls go through, and no lock is left held past
+    its ttl (a timed-out acquire's give-back may fail while the server is still stalled:
+    logged, and the lock lapses)."""
+    with _alias(settings, own_redis.url, socket_timeout=0.5, async_pool_size=6) as backend:
+        names = [f"crowd:{i}" for i in range(1000)]
+
+        async def one(lock_name: str) -> str:
+            try:
+                async with alock(lock_name, backend=backend.alias, timeout=0, ttl=3):
+                    await asyncio.sleep(0)
+            except LockBackendUnavailable:
+                return "unavailable"
+            return "held"
+
+        async def main() -> dict[str, int]:
+            side = backend._async_side()
+            async with alock("crowd:warm", backend=backend.alias, timeout=0):
+                pass
+            with _busy_server(own_redis.url, 1.5):
+                tasks = [asyncio.ensure_future(one(n)) for n in names]
+                # The first calls in flight are timed out by the watch meanwhile.
+                await _until(lambda: sum(t.done() for t in tasks) >= 4, "timed out")
+            outcomes = await asyncio.gather(*tasks)
+            _quiet(side)
+            async with alock("crowd:after", backend=backend.alias, timeout=0):
+                pass
+            _quiet(side)
+            return {o: outcomes.count(o) for o in set(outcomes)}
+
+        counts = asyncio.run(main())
+        assert set(counts) <= {"held", "unavailable"}, counts
+        assert counts.get("unavailable", 0) >= 1, counts  # the stall was felt
+        _settle(lambda: all(backend.inspect(n) is None for n in names), "every lock given back")
