@@ -361,3 +361,26 @@ def test_a_crowd_on_a_small_pool_with_the_server_stalled_past_the_timeout(
         assert set(counts) <= {"held", "unavailable"}, counts
         assert counts.get("unavailable", 0) >= 1, counts  # the stall was felt
         _settle(lambda: all(backend.inspect(n) is None for n in names), "every lock given back")
+
+
+def test_an_acquire_timed_out_by_the_watch_is_given_back(
+    own_redis: RedisServer, settings: Any, name: str
+) -> None:
+    """The server runs the acquire only after the read's timeout (its reply lost to a
+    closed connection): the caller gets LockBackendUnavailable from redis.TimeoutError,
+    and the lock the script took anyway is given back, not held until its ttl."""
+    # The server stalls for 1 s: past the acquire's timeout, and less than two, so the
+    # give-back (sent once the acquire timed out) is answered. A longer stall makes the
+    # give-back time out too: logged, and the lock lapses with its ttl.
+    with _alias(settings, own_redis.url, socket_timeout=0.6) as backend:
+
+        async def main() -> None:
+            async with alock(f"{name}:warm", backend=backend.alias, timeout=0):
+                pass
+            with _busy_server(own_redis.url, 1.0):
+                with pytest.raises(LockBackendUnavailable) as excinfo:
+                    await alock(name, backend=backend.alias, ttl=60, timeout=0).acquire()
+                assert isinstance(excinfo.value.__cause__, redis.TimeoutError)
+
+        asyncio.run(main())
+        _settle(lambda: backend.inspect(name) is None, "given back")
