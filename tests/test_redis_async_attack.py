@@ -384,3 +384,35 @@ def test_an_acquire_timed_out_by_the_watch_is_given_back(
 
         asyncio.run(main())
         _settle(lambda: backend.inspect(name) is None, "given back")
+
+
+def test_an_error_reply_read_after_the_watch_fired_still_shuts_the_connection(
+    name: str,
+) -> None:
+    """The watch aborted the connection just as an error reply came (NOSCRIPT here):
+    the error is raised, and the connection is closed, as after any reply read from an
+    aborted connection; not left open in name with its transport gone, where the next
+    call's script load would be written to nothing."""
+    from distlocks.backends.redis.calls import _aread, _asend
+
+    backend = get_backend("redis")
+    assert isinstance(backend, RedisBackend)
+
+    async def main() -> None:
+        side = backend._async_side()
+        conn = side.client.connection_pool.make_connection()
+        await conn.connect()
+        try:
+            await _asend(conn, ("EVALSHA", "0" * 40, 1, f"{name}:k"))
+            await _until(lambda: bool(conn._reader._buffer), "the reply received")
+            loop = asyncio.get_running_loop()
+            side.watch.start(loop, conn, -1.0)  # late: the watch aborts it first
+            side.watch._check(loop)
+            with pytest.raises(redis.exceptions.NoScriptError):
+                await _aread(side, conn)
+            assert not conn.is_connected
+            _quiet(side)
+        finally:
+            await conn.disconnect(nowait=True)
+
+    asyncio.run(main())
