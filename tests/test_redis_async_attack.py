@@ -416,3 +416,32 @@ def test_an_error_reply_read_after_the_watch_fired_still_shuts_the_connection(
             await conn.disconnect(nowait=True)
 
     asyncio.run(main())
+
+
+def test_a_release_cancelled_while_queued_for_a_slot_still_frees_the_lock(
+    settings: Any, own_redis: RedisServer, name: str
+) -> None:
+    """The end of an ``async with alock()`` block is cancelled (a timeout, a task
+    group) while its release waits for a call slot: the renewal has stopped already,
+    so unless the release still happens the lock stays held, by nobody, for its ttl."""
+    with _alias(settings, own_redis.url, async_pool_size=2) as backend:
+
+        async def main() -> None:
+            side = backend._async_side()
+            lease = await alock(name, backend=backend.alias, ttl=60, timeout=0).acquire()
+            taken = 0
+            while not side.calls.locked():  # every slot busy
+                await side.calls.acquire()
+                taken += 1
+            try:
+                task = asyncio.ensure_future(lease.release())
+                await _until(lambda: bool(side.calls._waiters), "the release queued")
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            finally:
+                for _ in range(taken):
+                    side.calls.release()
+
+        asyncio.run(main())
+        _settle(lambda: backend.inspect(name) is None, "freed")

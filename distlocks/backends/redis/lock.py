@@ -156,6 +156,11 @@ class RedisLocks(RedisCalls):
             return bool(await self._arun("release", keys, args))
         except _DRIVER_ERRORS as exc:
             raise self._error("release", name, exc) from exc
+        except asyncio.CancelledError:
+            # Cancelled (maybe still queued for a slot) with the lease's renewal already
+            # stopped: without this the lock would stay held, by nobody, for its ttl.
+            self._executor(False).submit(self.release_quietly, name, owner)
+            raise
 
     def _extend_call(self, name: str, owner: str, ttl: float) -> tuple[list[str], list[Any]]:
         ttl_ms = max(1, round(ttl * 1000))
