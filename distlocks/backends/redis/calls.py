@@ -96,6 +96,11 @@ async def _asend(conn: Any, *commands: tuple[Any, ...]) -> None:
         except OSError as exc:
             await conn.disconnect(nowait=True)
             raise redis.ConnectionError(f"Error while writing to socket: {exc}") from exc
+        except BaseException:
+            # Cancelled with the command partly written: the rest would still go out
+            # and the connection's next call would read this command's reply as its own.
+            await conn.disconnect(nowait=True)
+            raise
 
 
 async def _aread(side: _AsyncSide, conn: Any) -> Any:
@@ -117,7 +122,10 @@ async def _aread(side: _AsyncSide, conn: Any) -> Any:
             raise redis.TimeoutError(f"Timeout reading from {where}") from exc
         raise
     except BaseException:
-        watch.end(conn)
+        # An error reply (NOSCRIPT, a script's error) is raised after the read, with
+        # the connection left as it was: one the watch aborted must be shut here.
+        if watch.end(conn):
+            await conn.disconnect(nowait=True)
         raise
     if watch.end(conn):
         # Read in time, from what had come before the abort: the connection is done.

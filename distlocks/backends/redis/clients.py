@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect as pyinspect
+import math
 import threading
 import weakref
 from collections.abc import Mapping
@@ -110,7 +111,7 @@ class _ReadWatch:
     deadline of the reads under way (or of a read that ended since, and then finds
     nothing to do), and is set again for the next one."""
 
-    __slots__ = ("deadlines", "expired", "timer")
+    __slots__ = ("deadlines", "expired", "timer", "when")
 
     def __init__(self) -> None:
         #: id(connection) -> (deadline on the loop's clock, connection), reads under way.
@@ -118,11 +119,18 @@ class _ReadWatch:
         #: id() of connections aborted for being late, until their reader has seen it.
         self.expired: set[int] = set()
         self.timer: asyncio.TimerHandle | None = None
+        #: When the timer fires (inf when there is none).
+        self.when = math.inf
 
     def start(self, loop: asyncio.AbstractEventLoop, conn: Any, timeout: float) -> None:
         deadline = loop.time() + timeout
         self.deadlines[id(conn)] = (deadline, conn)
-        if self.timer is None:
+        if deadline < self.when:
+            # The first read, or one due before the timer (a shorter timeout than the
+            # reads under way: the connections' timeouts need not all be the same).
+            if self.timer is not None:
+                self.timer.cancel()
+            self.when = deadline
             self.timer = loop.call_at(deadline, self._check, loop)
 
     def end(self, conn: Any) -> bool:
@@ -135,7 +143,7 @@ class _ReadWatch:
         return False
 
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.timer = None
+        self.timer, self.when = None, math.inf
         now = loop.time()
         for key, (deadline, conn) in list(self.deadlines.items()):
             if deadline <= now:
@@ -147,8 +155,8 @@ class _ReadWatch:
                     # received: a reply that came just in time is still read.
                     writer.transport.abort()
         if self.deadlines:
-            first = min(deadline for deadline, _ in self.deadlines.values())
-            self.timer = loop.call_at(first, self._check, loop)
+            self.when = min(deadline for deadline, _ in self.deadlines.values())
+            self.timer = loop.call_at(self.when, self._check, loop)
 
 
 @dataclasses.dataclass
@@ -363,7 +371,13 @@ class RedisClients(RedisKeys):
             scripts = {key: aclient.register_script(lua) for key, lua in SCRIPTS.items()}
             calls, waits = self._async_limits()
             found = _AsyncSide(aclient, scripts, asyncio.Semaphore(calls), asyncio.Semaphore(waits))
-            self._async_clients[loop] = found
+            with self._client_lock:
+                # Let go of the clients of loops closed since (asyncio.run() per call):
+                # their connections hold their loop, so its weak key never would, and
+                # each would keep a connection open for the life of the process.
+                for closed in [old for old in self._async_clients if old.is_closed()]:
+                    del self._async_clients[closed]
+                self._async_clients[loop] = found
         return found
 
     def _async_client(self) -> tuple[Any, dict[str, Any]]:

@@ -120,6 +120,13 @@ class RedisLocks(RedisCalls):
             reply = await self._arun("acquire", keys, args)
         except _DRIVER_ERRORS as exc:
             raise self._acquire_error(name, owner, exc) from exc
+        except asyncio.CancelledError:
+            # Cancelled (a timeout or task group around alock()) with the script maybe
+            # sent: the server may still run it and grant a lock whose owner nobody
+            # knows, to renew or release. Give it back, in a worker so the cancellation
+            # goes on at once (a release of a lock never taken changes nothing).
+            self._executor(False).submit(self.release_quietly, name, owner)
+            raise
         return self._acquire_result(reply)
 
     def _release_call(self, name: str, owner: str) -> tuple[list[str], list[Any]]:
@@ -149,6 +156,11 @@ class RedisLocks(RedisCalls):
             return bool(await self._arun("release", keys, args))
         except _DRIVER_ERRORS as exc:
             raise self._error("release", name, exc) from exc
+        except asyncio.CancelledError:
+            # Cancelled (maybe still queued for a slot) with the lease's renewal already
+            # stopped: without this the lock would stay held, by nobody, for its ttl.
+            self._executor(False).submit(self.release_quietly, name, owner)
+            raise
 
     def _extend_call(self, name: str, owner: str, ttl: float) -> tuple[list[str], list[Any]]:
         ttl_ms = max(1, round(ttl * 1000))
