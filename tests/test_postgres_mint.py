@@ -34,7 +34,11 @@ from distlocks.backends.postgres import TABLE, PostgresBackend
 from distlocks.backends.postgres.sql import EPOCH, FENCE, RESERVE_US
 from distlocks.exceptions import LockError
 from distlocks.testing.servers import PostgresServer
-from tests.test_postgres_durable import ALIAS, durable  # noqa: F401 - the fixture
+from tests.test_postgres_durable import (  # noqa: F401 - the fixtures
+    ALIAS,
+    durable,
+    durable_template,
+)
 from tests.test_postgres_token_crash import (
     HOLDER,
     _ahead_of_the_clock,

@@ -41,7 +41,11 @@ from distlocks.backends.base import WRITE, Holder
 from distlocks.backends.postgres import TABLE, PostgresBackend
 from distlocks.backends.postgres.sql import EPOCH, FENCE, RESERVE_US
 from distlocks.testing.servers import PostgresServer
-from tests.test_postgres_durable import ALIAS, durable  # noqa: F401 - the fixture
+from tests.test_postgres_durable import (  # noqa: F401 - the fixtures
+    ALIAS,
+    durable,
+    durable_template,
+)
 
 HOLDER = Holder(host="test", pid=1, thread="main")
 AHEAD = 10**12  # tokens this far ahead of the clock: the clock floor cannot help

@@ -19,7 +19,11 @@ from distlocks.backends.base import Holder
 from distlocks.backends.postgres import TABLE, PostgresBackend
 from distlocks.exceptions import LockError
 from distlocks.testing.servers import PostgresServer
-from tests.test_postgres_durable import ALIAS, durable  # noqa: F401 - the fixture
+from tests.test_postgres_durable import (  # noqa: F401 - the fixtures
+    ALIAS,
+    durable,
+    durable_template,
+)
 from tests.test_postgres_token_crash import _crash, _restart
 
 HOLDER = Holder(host="h", pid=1, thread="t")

@@ -26,7 +26,10 @@ from distlocks.backends.base import Holder
 from distlocks.backends.postgres import TABLE
 from distlocks.backends.postgres.sql import EPOCH, FENCE
 from distlocks.testing.servers import PostgresServer
-from tests.test_postgres_durable import durable  # noqa: F401 - the fixture
+from tests.test_postgres_durable import (  # noqa: F401 - the fixtures
+    durable,
+    durable_template,
+)
 from tests.test_postgres_token_crash import _ahead_of_the_clock, _backend, _crash, _cycle, _sql
 
 HOLDER = Holder(host="test", pid=1, thread="burst")

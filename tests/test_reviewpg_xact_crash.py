@@ -20,7 +20,11 @@ from distlocks.backends.base import Holder
 from distlocks.backends.postgres import PostgresBackend
 from distlocks.backends.postgres.sql import EPOCH
 from distlocks.testing.servers import PostgresServer
-from tests.test_postgres_durable import ALIAS, durable  # noqa: F401 - the fixture
+from tests.test_postgres_durable import (  # noqa: F401 - the fixtures
+    ALIAS,
+    durable,
+    durable_template,
+)
 from tests.test_postgres_token_crash import _ahead_of_the_clock, _crash, _sql
 
 HOLDER = Holder(host="test", pid=1, thread="main")

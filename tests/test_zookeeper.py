@@ -851,6 +851,25 @@ def test_unreachable_server_is_unavailable_quickly(
     assert isinstance(caught.value.__cause__, ConnectionRefusedError)
 
 
+def test_a_host_name_that_does_not_resolve_is_unavailable_at_once(settings: Any, name: str) -> None:
+    """A name no resolver knows (a typo, or a malformed LOCATION that kazoo reads as a
+    host name) cannot be connected to any more than a refusing port: the probe fails the
+    call at once with the resolver's error, instead of letting kazoo retry the name for
+    the whole connect_timeout (a minute here, far past a prompt answer)."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "zkn": zk_config("nohost.invalid:2181,also-nohost.invalid:2181", connect_timeout=60),
+        "zkmixed": zk_config("127.0.0.1:1,nohost.invalid:2181", connect_timeout=60),
+    }
+    for alias in ("zkn", "zkmixed"):
+        with pytest.raises(LockBackendUnavailable) as caught:
+            get_backend(alias).inspect(name)
+        assert isinstance(caught.value.__cause__, OSError)
+        assert not isinstance(caught.value.__cause__, TimeoutError)
+        with pytest.raises(LockBackendUnavailable):
+            lock(name, backend=alias, ttl=5, timeout=0).acquire()
+
+
 # -- processes -------------------------------------------------------------------------------
 
 

@@ -165,20 +165,25 @@ class ZooKeeperSession(ZooKeeperConfig):
         return client
 
     def _probe(self, client: KazooClient) -> None:
-        """Fail at once when every server refuses the connection (nothing listens),
-        instead of letting kazoo retry for the whole ``connect_timeout``: a page that
-        lists the locks of every backend should not wait on one that is down."""
-        refused: OSError | None = None
+        """Fail at once when no server can be connected to (nothing listens, or the
+        name does not resolve), instead of letting kazoo retry for the whole
+        ``connect_timeout``: a page that lists the locks of every backend should not
+        wait on one that is down. Only this call fails: the next one probes again."""
+        failed: OSError | None = None
         for host, port in client.hosts:
             try:
                 with socket.create_connection((host, port), timeout=self.connect_timeout):
                     return
             except ConnectionRefusedError as exc:
-                refused = exc
+                failed = exc
+            except socket.gaierror as exc:
+                # No address for the name (a typo, or a malformed LOCATION kazoo reads
+                # as a host name): kazoo could only retry the same lookup.
+                failed = failed if isinstance(failed, ConnectionRefusedError) else exc
             except OSError:
                 return  # unreachable or slow: kazoo's own timeout decides
-        if refused is not None:
-            raise refused
+        if failed is not None:
+            raise failed
 
     def _reset_after_fork(self) -> None:
         self._pid = os.getpid()
