@@ -150,6 +150,15 @@ class Scenario:
             what or f"{count} accepted increments",
         )
 
+    def wait_granted(self, count: int, *, after: float, what: str = "") -> None:
+        """Wait for ``count`` grants begun after ``after``: what a test then counts as
+        the tokens after a fault (an accepted write begun after it may come from a grant
+        made before it, such as the held lease's own)."""
+        self._wait(
+            lambda: len([e for e in self.events("acquire") if e["t0"] > after]) >= count,
+            what or f"{count} grants",
+        )
+
     def _wait(self, predicate: Callable[[], object], what: str) -> None:
         deadline = time.monotonic() + LIMIT
         while not predicate():
