@@ -255,8 +255,10 @@ class Workload(ABC):
                 for impl in impls[shift:] + impls[:shift]:
                     progress(f"{self.name}: round {round_no + 1}/{self.rounds}, {impl.name}")
                     # A collection left over from the previous implementation's garbage
-                    # would otherwise land in this one's timings.
-                    gc.collect()
+                    # would otherwise land in this one's timings. (Not in a --quick run,
+                    # whose figures mean nothing: each collection costs tens of ms here.)
+                    if not self.options.quick:
+                        gc.collect()
                     results[impl.name].add(self.measure(impl, round_no))
         finally:
             self.teardown()
