@@ -579,14 +579,16 @@ def test_hand_offs_keep_arrival_order_and_leave_no_node(
     try:
         for step, b in steps:
             if step in ("join", "quit"):
-                before = len(on_server())
+                before = set(on_server())
                 waiter = Waiter(aliases[b], name, 20 if step == "join" else 0.3, at_grant)
                 waiter.quits = step == "quit"
                 everyone.append(waiter)
-                # Queued (or already gone again, a quitter under load).
+                # Queued (or already gone again, a quitter under load): a node that was not
+                # there before, only this step adds one. (Not a count: an earlier quitter
+                # giving up meanwhile takes one away, and the count stayed where it was.)
                 wait_for(
                     lambda waiter=waiter, before=before: (
-                        len(on_server()) > before or not waiter.thread.is_alive()
+                        bool(set(on_server()) - before) or not waiter.thread.is_alive()
                     )
                 )
             else:
