@@ -537,8 +537,13 @@ class SingleExecutionTask(_TaskBase):
 
     def _is_own_retry(self, task_id: str | None) -> bool:
         """Whether this publish is ``self.retry()`` of the run in progress."""
+        if task_id is None or self.request_stack is None:
+            # No request stack: Celery binds a task class on its first use, and a thread
+            # can find it registered before another thread has bound it. Celery's own
+            # publish needs no request then, and a task not yet bound is not running.
+            return False
         request = self.request
-        return task_id is not None and not request.called_directly and request.id == task_id
+        return not request.called_directly and request.id == task_id
 
     def _deduplicated(
         self,
