@@ -169,6 +169,14 @@ def test_a_capabilitys_setting_without_the_capability_is_refused(
         type("Undeclared", (MinimalSQLiteBackend,), {attribute: value})
 
 
+def _kinds_id(kinds: Any) -> str:
+    """A test id that is the same in every process (a set's order follows the hash seed,
+    and pytest-xdist's workers must collect the same ids)."""
+    if isinstance(kinds, (set, frozenset)):
+        return f"{type(kinds).__name__}{sorted(kinds)}"
+    return repr(kinds)
+
+
 @pytest.mark.parametrize(
     "kinds",
     [
@@ -179,7 +187,7 @@ def test_a_capabilitys_setting_without_the_capability_is_refused(
         "semaphore",  # a str, not a set of kinds
         ["semaphore"],
     ],
-    ids=repr,
+    ids=_kinds_id,
 )
 def test_permit_kinds_that_cannot_be_served_are_refused(kinds: Any) -> None:
     with pytest.raises(TypeError, match="permit_kinds"):
@@ -195,7 +203,7 @@ def test_permit_kinds_that_cannot_be_served_are_refused(kinds: Any) -> None:
         frozenset({"semaphore", "read", "write"}),
         {"semaphore"},
     ],
-    ids=repr,
+    ids=_kinds_id,
 )
 def test_permit_kinds_that_can_be_served_are_accepted(kinds: Any) -> None:
     cls = type("Fine", (Permits, MinimalSQLiteBackend), {**_PERMIT_METHODS, "permit_kinds": kinds})

@@ -192,10 +192,13 @@ def test_an_async_lease_dropped_while_held_is_released_not_renewed_for_ever(
     import gc
 
     async def main() -> bool:
-        await alock("review3:dropped", backend=ALIAS, ttl=0.6, timeout=0).acquire()
+        # A 3 s lease, not 0.6 s: the renewer's turn (a third of the ttl in) must come
+        # before the lease runs out, or the next acquire takes the lock by expiry and
+        # returns before the renewer ever looks (a busy machine delayed it past 0.6 s).
+        await alock("review3:dropped", backend=ALIAS, ttl=3, timeout=0).acquire()
         gc.collect()  # the lease is dropped: nothing refers to it but the renewer
         # Several ttls: a lease renewed for ever keeps the lock past them all.
-        again = await alock("review3:dropped", backend=ALIAS, ttl=30, timeout=10).acquire()
+        again = await alock("review3:dropped", backend=ALIAS, ttl=30, timeout=20).acquire()
         try:
             return again.held()
         finally:

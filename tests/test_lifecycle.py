@@ -87,11 +87,13 @@ def test_no_renewal_without_auto_renew(alias: str, name: str) -> None:
 
 def test_max_hold_stops_renewal_and_reports_the_loss(alias: str, name: str) -> None:
     lost = threading.Event()
+    # A 1 s lease (not 0.3 s): its first renewal must land within the ttl, which a
+    # busy machine delayed past 0.3 s on Redlock's three servers.
     lease = lock(
-        name, backend=alias, ttl=0.3, max_hold=0.6, on_lost=lambda lease: lost.set()
+        name, backend=alias, ttl=1, max_hold=1.5, on_lost=lambda lease: lost.set()
     ).acquire()
     # Nobody calls held(): the renewal thread itself must report the loss.
-    assert lost.wait(5)
+    assert lost.wait(15)
     assert lease.renewals >= 1
     assert "max_hold" in lease.lost_reason
     assert lease.release() is False

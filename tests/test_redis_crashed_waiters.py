@@ -73,7 +73,9 @@ def test_the_sets_of_a_killed_waiter_expire_with_nobody_touching_the_name(
     backend = get_backend("redis")
     assert isinstance(backend, RedisBackend)
     # A holder whose lease just runs out: no release, so no script prunes the sets.
-    assert backend.acquire(name, "holder", 3, Holder("h", 1, "t")).acquired
+    # Its ttl outlasts the waiter's start (seconds on a loaded machine): a lock that lapsed
+    # first would be taken by the waiter, which would then never register.
+    assert backend.acquire(name, "holder", 120, Holder("h", 1, "t")).acquired
     kill_once_registered(backend, redis_client, name, fair)
     keys = registered_keys(redis_client, backend, name)
     assert len(keys) == 1 + int(fair)
