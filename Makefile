@@ -66,8 +66,11 @@ mariadb:
 		|| echo "Could not install mariadb-server: the MariaDB fencing tests will be skipped."; \
 	fi
 
+# Two pytest-xdist workers, each with servers of its own (tests/settings.py), test files
+# shared out whole; PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
 test: $(STAMP) browser zookeeper mariadb
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The suite on every supported Django and Python: the quick run above (Django 5.2),
 # then Django 6.x on Python 3.12 and 3.13, each in its own venv under .venv-matrix/

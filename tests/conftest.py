@@ -31,6 +31,14 @@ PERMIT_BACKENDS = ["locmem", "redis", "pg", "zk", "etcd"]
 
 
 @pytest.fixture(scope="session")
+def django_db_modify_db_settings_xdist_suffix() -> None:
+    """The test databases keep their names under pytest-xdist (pytest-django would add
+    ``_gw0``): each worker has a PostgreSQL server and a SQLite file of its own
+    (tests/settings.py), and the processes that tests start open the databases the
+    settings name."""
+
+
+@pytest.fixture(scope="session")
 def pg_ready(django_db_setup: None) -> None:
     """The test database exists (with the registry table), and worker processes
     started by tests will use it too."""

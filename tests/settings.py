@@ -12,6 +12,35 @@ from urllib.parse import unquote, urlsplit
 
 from distlocks.testing.servers import ensure_redlock_test_servers, ensure_test_servers
 
+#: The variables this module sets when it starts a server or makes a file itself (those
+#: set beforehand name servers of the caller's, used as they are).
+_SESSION_VARIABLES = (
+    "DISTLOCKS_TEST_REDIS_URL",
+    "DISTLOCKS_TEST_DATABASE_URL",
+    "DISTLOCKS_TEST_REDLOCK_URLS",
+    "DISTLOCKS_TEST_SQLITE_PATH",
+)
+_STARTED_HERE = "DISTLOCKS_TEST_STARTED"
+_SERVERS_OF = "DISTLOCKS_TEST_SERVERS_OF"
+
+
+def _servers_of_this_worker() -> None:
+    """Under pytest-xdist (``make test`` runs two workers) each worker has servers of its
+    own, since tests stop, restart and count the keys of the session's servers. A worker
+    inherits the controller's environment: it forgets the servers the controller started
+    (not the ones the caller named) and starts its own. Processes that a worker's tests
+    start inherit its variables and so use its servers."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if os.environ.get(_SERVERS_OF, "") == worker:
+        return
+    for variable in os.environ.get(_STARTED_HERE, "").split(","):
+        os.environ.pop(variable, None)
+    os.environ.pop(_STARTED_HERE, None)
+    os.environ[_SERVERS_OF] = worker
+
+
+_servers_of_this_worker()
+_given = [variable for variable in _SESSION_VARIABLES if os.environ.get(variable)]
 REDIS_URL, DATABASE_URL = ensure_test_servers()
 # Redlock's three masters: the test Redis server and two more of its own.
 REDLOCK_URLS = [REDIS_URL, *ensure_redlock_test_servers(2)]
@@ -104,6 +133,8 @@ DATABASES["sqlite"] = {
     # No DEPENDENCIES: its tests need no other database set up first.
     "TEST": {"NAME": _sqlite_path(), "DEPENDENCIES": []},
 }
+# What this process started (see _servers_of_this_worker).
+os.environ[_STARTED_HERE] = ",".join(v for v in _SESSION_VARIABLES if v not in _given)
 
 # MariaDB (tests/test_fencing_mariadb.py): its fixture starts a server and exports
 # this URL for worker processes; set it beforehand to use an existing server (a
