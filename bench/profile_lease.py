@@ -9,15 +9,24 @@ uncontended cycle three ways, interleaved in blocks (the order rotating each blo
 * ``lock()``: ``with lock(name, backend=alias, ttl=30, timeout=0): pass`` (default
   options: renewed, release at COMMIT);
 * ``alock()``: ``async with alock(...)``, against the asyncio backend row;
-* ``floor``, ``async floor`` (Redis only): the benchmark's floors, redis-py's ``SET NX
-  PX`` and a compare-and-delete script, for the client CPU of a cycle with nothing on top.
+* ``floor``, ``async floor`` (Redis): the benchmark's floors, redis-py's ``SET NX
+  PX`` and a compare-and-delete script, for the client CPU of a cycle with nothing on top;
+* ``floor`` (PostgreSQL): the benchmark's ``pg-floor``, ``pg_try_advisory_lock`` and
+  ``pg_advisory_unlock`` through a psycopg cursor; ``statements``: the backend's own two
+  statements (the acquire try with its registry write, the guarded unlock), prepared
+  and sent with ``psycopg.pq`` on a bare connection, their parameters encoded once: the
+  backend's server work with no Python layer on top (so ``backend`` minus
+  ``statements`` is the backend's own client cost: pool, watchdog, parameters, lease
+  record).
 
 The figure that matters is the *client CPU* per cycle of the calling thread
 (``time.thread_time()``), over all blocks and in the block that took least (``least``:
-others' load only ever adds to it, so it is the steadiest on a busy machine). The
-layer column gives both, lock() minus backend. The server's work is the same in the
-backend and the lock() rows, so the difference of their CPU columns is the cost of the
-Lock/Lease layer, and it holds under load far better than wall-clock differences do.
+others' load only ever adds to it, so it is the steadiest on a busy machine), and of the
+whole process (``time.process_time()``, ``process``: the reply watchdog's and the
+renewer's threads too). The layer column gives both, lock() minus backend. The
+server's work is the same in the backend and the lock() rows, so the difference of their
+CPU columns is the cost of the Lock/Lease layer, and it holds under load far better than
+wall-clock differences do.
 The median wall clock per block is printed too. ``--profile`` adds a ``cProfile`` of
 the lock() cycle on the backend named (default: the in-process one, where nothing but
 the layer and the backend runs), functions by own time. Nothing is asserted; the
@@ -83,7 +92,50 @@ def _variants(alias: str, loop: asyncio.AbstractEventLoop) -> list[Variant]:
     ]
     if alias == "default":
         variants += _redis_floors(name, loop)
+    elif alias == "pg":
+        variants += _pg_floors(name)
     return variants
+
+
+def _pg_floors(name: str) -> list[Variant]:
+    """The benchmark's ``pg-floor`` cycle, and the backend's two statements with nothing
+    on top (``psycopg.pq``, prepared once, parameters encoded once), each on a
+    connection of its own."""
+    import psycopg
+
+    from bench.base import Env
+    from bench.postgres import PgFloor, bench_conninfo
+    from distlocks import get_backend
+    from distlocks.backends.postgres import session
+    from distlocks.locks import current_holder, new_owner
+
+    env = Env.from_environ()
+    floor = PgFloor(env)
+    conn = psycopg.connect(bench_conninfo(env), autocommit=True)
+    # As the backend's own lock connections run (OPTIONS["synchronous_commit"]).
+    conn.execute("SET synchronous_commit = off")
+    pgconn = conn.pgconn
+    for statement in (session.ACQUIRE_TRY, session.UNLOCK):
+        pgconn.prepare(statement.name, statement.query, statement.types)
+    backend: Any = get_backend("pg")
+    named = backend._named(name + ":statements")
+    try_args = backend._try_args(named, new_owner(), 30.0, current_holder())
+    acquire, unlock = session.ACQUIRE_TRY.name, session.UNLOCK.name
+
+    def floor_cycles(n: int) -> None:
+        key = name + ":floor"
+        for _ in range(n):
+            handle = floor.try_acquire(key, 30.0)
+            assert handle is not None, "the floor's lock was busy"
+            floor.release(handle)
+
+    def statement_cycles(n: int) -> None:
+        for _ in range(n):
+            token = pgconn.exec_prepared(acquire, try_args).get_value(0, 0)
+            assert token is not None, "the statements' lock was busy"
+            pgconn.exec_prepared(unlock, named.unlock_args).get_value(0, 0)
+
+    return [("pg: floor", floor_cycles), ("pg: statements", statement_cycles)]
 
 
 def _redis_floors(name: str, loop: asyncio.AbstractEventLoop) -> list[Variant]:
@@ -122,24 +174,31 @@ def _redis_floors(name: str, loop: asyncio.AbstractEventLoop) -> list[Variant]:
 
 def _timed(
     variants: list[Variant], blocks: int, size: int
-) -> dict[str, tuple[float, float, float]]:
+) -> dict[str, tuple[float, float, float, float]]:
     """title -> (median wall us per cycle over the blocks, thread CPU us per cycle over
-    all blocks, and in the block that took least). Other processes only ever add to a
-    block's CPU time (cache misses, frequency), so the least is the steadiest figure on
-    a loaded machine."""
+    all blocks, and in the block that took least, process CPU us per cycle over all
+    blocks). Other processes only ever add to a block's CPU time (cache misses,
+    frequency), so the least is the steadiest figure on a loaded machine."""
     wall: dict[str, list[float]] = {title: [] for title, _ in variants}
     cpu: dict[str, list[float]] = {title: [] for title, _ in variants}
+    process: dict[str, list[float]] = {title: [] for title, _ in variants}
     for _title, cycles in variants:  # warm-up: connections opened, scripts loaded
         cycles(50)
     for block in range(blocks):
         shift = block % len(variants)
         for title, cycles in variants[shift:] + variants[:shift]:
-            c0, w0 = time.thread_time(), time.perf_counter()
+            c0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
             cycles(size)
             wall[title].append((time.perf_counter() - w0) / size)
             cpu[title].append((time.thread_time() - c0) / size)
+            process[title].append((time.process_time() - p0) / size)
     return {
-        t: (statistics.median(wall[t]) * 1e6, statistics.mean(cpu[t]) * 1e6, min(cpu[t]) * 1e6)
+        t: (
+            statistics.median(wall[t]) * 1e6,
+            statistics.mean(cpu[t]) * 1e6,
+            min(cpu[t]) * 1e6,
+            statistics.mean(process[t]) * 1e6,
+        )
         for t in wall
     }
 
@@ -184,19 +243,22 @@ def main(argv: list[str] | None = None) -> int:
             f"interleaved, {n:,} cycles each (load before {os.getloadavg()[0]:.2f})\n"
         )
         results = _timed(variants, args.blocks, args.block_size)
-        print(f"{'what runs':28} {'wall us':>8} {'CPU us':>8} {'least':>8} {'layer CPU us':>13}")
+        print(
+            f"{'what runs':28} {'wall us':>8} {'CPU us':>8} {'least':>8} {'process':>8}"
+            f" {'layer CPU us':>13}"
+        )
         for alias in aliases:
             rows = [(t, r) for t, r in results.items() if t.startswith(f"{alias}:")]
             base = {
                 "lock()": results[f"{alias}: backend"],
                 "alock()": results[f"{alias}: async backend"],
             }
-            for title, (w, c, least) in rows:
+            for title, (w, c, least, proc) in rows:
                 kind = title.split(": ", 1)[1]
                 layer = ""
                 if kind in base:
                     layer = f"{c - base[kind][1]:6.1f} {least - base[kind][2]:6.1f}"
-                print(f"{title:28} {w:8.1f} {c:8.1f} {least:8.1f} {layer:>13}")
+                print(f"{title:28} {w:8.1f} {c:8.1f} {least:8.1f} {proc:8.1f} {layer:>13}")
         print(f"(load after {os.getloadavg()[0]:.2f}; us per cycle)")
         if args.profile:
             from bench.profile_save import _by_function, _calls_per_save

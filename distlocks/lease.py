@@ -255,7 +255,7 @@ class BaseLease:
     def _release_step(self, deferrable: bool = False) -> str:
         """What a release must do: ``RELEASE``, ``DEFER`` (only when ``deferrable``),
         ``FREE_LOST`` or ``NOTHING``."""
-        if self._inherited():
+        if self._ended["pid"] != process.pid:  # _inherited(), inlined: on every release
             # A forked child: the lock is its parent's, still held there.
             logger.debug("Not releasing lock %r: it belongs to the parent process", self.name)
             return NOTHING
@@ -452,7 +452,7 @@ class Lease(BaseLease):
         return self._release(deferrable=True)
 
     def _release(self, deferrable: bool) -> bool:
-        if self._inherited():
+        if self._ended["pid"] != process.pid:  # _inherited(), inlined: on every release
             # A forked child: the lock is its parent's, still held there. Checked before
             # the mutex, which a thread of the parent may have held at the fork.
             return False

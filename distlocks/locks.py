@@ -314,7 +314,8 @@ def acquire_lease(
     due = lease._renewal_due()
     if due is not None:
         renewer(backend.alias).add(lease, due)
-    attempt.guard(lease, due)
+    else:
+        attempt.guard(lease, due)
     try:
         # send() would return at once too; checking first skips building its arguments.
         if signals.lock_acquired.receivers:
@@ -569,7 +570,13 @@ class Lock(_LockBase):
         Raises :class:`LockNotAcquired` when the lock stays busy,
         :class:`LockBackendUnavailable` when the server cannot be reached.
         """
-        wait = self.timeout if timeout is _DEFAULT else _timeout_arg(timeout)
+        # The properties' usual values read directly (three calls fewer a cycle).
+        if timeout is not _DEFAULT:
+            wait = _timeout_arg(timeout)
+        else:
+            wait = self._timeout
+            if wait is _DEFAULT:
+                wait = self.timeout
         again = self._reentrant_lease() if self.reentrant else None
         if isinstance(again, Lease):
             # Confirm with the server (and refresh the lease) rather than trust local
@@ -581,10 +588,12 @@ class Lock(_LockBase):
                 if not again._cancel_deferred_release():
                     again._depth += 1
             return again
+        backend = backends._backends.get(self.backend_alias)
+        ttl = self._ttl
         lease = acquire_lease(
-            self.backend,
+            self.backend if backend is None else backend,
             self.name,
-            ttl=self.ttl,
+            ttl=self.ttl if ttl is None else ttl,
             timeout=wait,
             fair=self.fair,
             on_lost=self.on_lost,

@@ -146,3 +146,109 @@ def test_a_caller_waiting_for_a_full_pool_gets_the_connection_put_back(closed: b
     finally:
         waiter.join(60)
         pool.close()
+
+
+# -- the third pass (issue 29, item 2): the hot path's calls and system calls
+
+
+def test_the_pool_probes_an_idle_connection_outside_its_lock() -> None:
+    """The check that an idle connection still lives is a system call: other threads
+    must not wait for the pool's lock meanwhile."""
+    pool = Pool(pg()._connect_kwargs(), max_size=2, timeout=5.0, reply_timeout=5.0)
+    try:
+        conn = pool.get()
+        pool.put(conn)
+        real = conn._idle_probe
+        held_during_probe: list[bool] = []
+
+        class Probe:
+            def poll(self, timeout: int) -> list[Any]:
+                held_during_probe.append(pool._lock.locked())
+                return real.poll(timeout)
+
+        conn._idle_probe = Probe()  # type: ignore[assignment]
+        again = pool.get()
+        assert again is conn
+        assert held_during_probe == [False]
+        pool.put(again)
+    finally:
+        pool.close()
+
+
+def test_a_connection_found_dead_by_the_probe_frees_its_slot() -> None:
+    """The probe outside the lock still gives the slot of a dead connection back: a
+    pool of one then connects anew instead of waiting for its whole timeout."""
+    pool = Pool(pg()._connect_kwargs(), max_size=1, timeout=60.0, reply_timeout=5.0)
+    try:
+        conn = pool.get()
+        pid = conn.info.backend_pid
+        pool.put(conn)
+        with psycopg.connect(**pg()._connect_kwargs()) as killer:
+            killer.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        wait_for(lambda: bool(conn._idle_probe.poll(0)), 15, "the server's close seen")
+        fresh = pool.get()
+        assert fresh is not conn and conn.closed
+        assert fresh.info.backend_pid != pid
+        assert pool._count == 1
+        pool.put(fresh)
+    finally:
+        pool.close()
+
+
+def test_the_usual_acquire_encodes_nothing_through_the_generic_encoder(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Name, holder and ttl are encoded once and cached; the owner id (a new one each
+    acquire) is plain text: the generic encoder is left for the rare values."""
+    from distlocks.backends.postgres import wire
+
+    with lock(name, backend="pg", ttl=30, timeout=0):  # caches filled
+        pass
+    calls: list[Any] = []
+    real = wire.encode
+
+    def counted(value: Any, encoding: str) -> bytes | None:
+        calls.append(value)
+        return real(value, encoding)
+
+    monkeypatch.setattr(wire, "encode", counted)
+    for _ in range(3):
+        with lock(name, backend="pg", ttl=30, timeout=0):
+            pass
+    assert calls == []
+
+
+def test_an_owner_with_a_nul_is_still_refused_as_psycopg_refuses_it(name: str) -> None:
+    from distlocks.exceptions import LockError
+    from distlocks.locks import current_holder
+
+    with pytest.raises(LockError, match="NUL"):
+        pg().acquire(name, "owner\x00id", 30.0, current_holder())
+    assert pg().held_connection_count() == 0
+
+
+@pytest.mark.parametrize("state", ["asleep", "ticking"])
+def test_a_request_unanswered_past_its_deadline_is_cut_whatever_the_watchdog_does(
+    state: str,
+) -> None:
+    """A request's deadline is seen by the reply watchdog's thread whether it was
+    asleep (woken by the request) or ticking (found at its next tick)."""
+    from distlocks.backends.postgres.pool import NoAnswer, watchdog
+    from distlocks.backends.postgres.wire import Statement
+
+    sleep = Statement("distlocks_test_sleep", "SELECT pg_sleep(%(ttl)s)::text", lambda v: v)
+    pinned = _Watched()
+    conn = pg().pool.get()
+    try:
+        conn.reply_timeout = 0.5
+        if state == "asleep":
+            wait_for(lambda: watchdog._asleep and not watchdog._watched, 15, "watchdog asleep")
+        else:
+            watchdog.watch(pinned, float("inf"))  # type: ignore[arg-type]
+            wait_for(lambda: not watchdog._asleep, 15, "the watchdog thread ticking")
+        with pytest.raises(NoAnswer):
+            conn.value_encoded(sleep, [b"60"])
+        assert pinned.cuts == 0
+    finally:
+        watchdog.unwatch(pinned)  # type: ignore[arg-type]
+        pg()._discard(conn)

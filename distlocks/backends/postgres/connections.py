@@ -58,6 +58,8 @@ HOLDERS_CACHED = 1024
 
 def encode(value: Any) -> bytes:
     """A parameter encoded ahead, in UTF-8 (sent only on a UTF-8 connection)."""
+    if type(value) is str and "\x00" not in value:  # the owner id, on every acquire
+        return value.encode()
     encoded = wire.encode(value, "utf-8")
     assert encoded is not None
     return encoded
@@ -195,8 +197,9 @@ class PooledBackend(capabilities.Listing, capabilities.Waiting, capabilities.Per
         """A pooled connection; a caller that may wait for its lock (``wait`` > 0)
         waits for a connection within that same budget."""
         timeout = wait if wait is not None and wait > 0 else None
+        pool = self._pool
         try:
-            return self.pool.get(timeout)
+            return (self.pool if pool is None else pool).get(timeout)
         except PoolExhausted as exc:
             waited = self.pool.timeout if timeout is None else timeout
             raise LockError(

@@ -320,28 +320,38 @@ class Pool:
         """An idle connection, a new one, or one given back within ``timeout`` seconds
         (default: ``OPTIONS['pool_timeout']``); :class:`PoolExhausted` after that."""
         deadline = None
-        with self._lock:
-            while True:
-                while self._idle:
+        while True:
+            with self._lock:
+                if self._idle:
                     conn = self._idle.pop()
-                    if not ended_while_idle(conn):
-                        return conn
-                    self._count -= 1
-                    conn.close()
-                if self._count < self.max_size:
+                elif self._count < self.max_size:
                     self._count += 1
                     break
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + (self.timeout if timeout is None else timeout)
-                left = deadline - now
-                if left <= 0:
-                    raise PoolExhausted
-                self._waiting += 1
-                try:
-                    self._cond.wait(left)
-                finally:
-                    self._waiting -= 1
+                else:
+                    now = time.monotonic()
+                    if deadline is None:
+                        deadline = now + (self.timeout if timeout is None else timeout)
+                    left = deadline - now
+                    if left <= 0:
+                        raise PoolExhausted
+                    self._waiting += 1
+                    try:
+                        self._cond.wait(left)
+                    finally:
+                        self._waiting -= 1
+                    continue
+            # ended_while_idle(), inlined, and outside the pool's lock: its probe is a
+            # system call, and other threads check out and give back meanwhile.
+            try:
+                if conn.pgconn.status != _BAD and not conn._idle_probe.poll(0):
+                    return conn
+            except (OSError, ValueError, psycopg.Error):
+                pass
+            conn.close()
+            with self._lock:
+                self._count -= 1
+                if self._waiting:
+                    self._cond.notify()
         try:
             conn = Connection.connect(**self.kwargs)
             conn.reply_timeout = self.reply_timeout

@@ -39,6 +39,13 @@ _KEY, _NAME, _OWNER, _HOST, _PID, _THREAD, _TTL, _EXTRA = map(
 )
 
 
+#: A try that was not granted (immutable: one for all).
+NOT_ACQUIRED = AcquireResult(False, 0, None)
+#: The ttls' text as sent (a caller uses one or a few), bounded.
+TTLS_CACHED = 64
+_TTLS: dict[float, bytes] = {}
+
+
 class Named(NamedTuple):
     """A lock name's advisory key and guard key, with the fast path's encodings of
     what its statements send (computed once per name: the SHA-256 keys, their text,
@@ -85,13 +92,23 @@ class SessionLocks(PooledBackend):
     def _try_args(self, named: Named, owner: str, ttl: float, holder: Holder) -> list[bytes | None]:
         """The acquire try's parameters, encoded (UTF-8), in ``$n`` order: the name's
         from its template, the holder's from its cache, the rest encoded now."""
-        _, host, pid, thread = self._holder_columns(holder)
+        # The caches' hits read here (the helpers fill them): calls cost more than that.
+        cached = self._holders.get(id(holder))
+        if cached is None or cached[0] is not holder:
+            cached = self._holder_columns(holder)
+        _, host, pid, thread = cached
         args = named.try_args.copy()
-        args[_OWNER] = encode(owner)
+        plain = type(owner) is str and "\x00" not in owner
+        args[_OWNER] = owner.encode() if plain else encode(owner)
         args[_HOST] = host
         args[_PID] = pid
         args[_THREAD] = thread
-        args[_TTL] = encode(ttl)
+        ttl_text = _TTLS.get(ttl) if type(ttl) is float else None
+        if ttl_text is None:
+            ttl_text = encode(ttl)
+            if type(ttl) is float and len(_TTLS) < TTLS_CACHED:
+                _TTLS[ttl] = ttl_text
+        args[_TTL] = ttl_text
         args[_EXTRA] = encode(json.dumps(dict(holder.extra))) if holder.extra else b"{}"
         return args
 
@@ -109,7 +126,9 @@ class SessionLocks(PooledBackend):
             self._forget_session(owner)
         deadline = time.monotonic() + wait if wait > 0 else 0.0
         try:
-            named = self._named(name)
+            named = self._names.get(name)
+            if named is None:
+                named = self._named(name)
             args = self._try_args(named, owner, ttl, holder)
         except psycopg.Error as exc:  # a name or holder psycopg's dumpers refuse (a NUL)
             raise self._driver_error("acquire", name, exc) from exc
@@ -118,7 +137,10 @@ class SessionLocks(PooledBackend):
         ours = True  # conn is checked out (to put back or discard)
         try:
             try:
-                token = self._lock_statement(conn, request, deadline, wait)
+                if wait <= 0 and conn.utf8:  # a try, encoded ahead: the usual acquire
+                    token = conn.value_encoded(ACQUIRE_TRY, args)
+                else:
+                    token = self._lock_statement(conn, request, deadline, wait)
             except psycopg.OperationalError as exc:
                 if isinstance(exc, NoAnswer):
                     raise
@@ -139,7 +161,7 @@ class SessionLocks(PooledBackend):
             raise
         if token is None:
             self.pool.put(conn)
-            return AcquireResult(False, 0, None)
+            return NOT_ACQUIRED
         held = Held(conn, named.key, token, guard=named.guard, named=named)
         with self._held_lock:
             self._held[owner] = held
@@ -190,7 +212,8 @@ class SessionLocks(PooledBackend):
             # lock if it did not, rather than lost to the pool with the lock on it.
             self._discard(held.conn)
             raise
-        self.pool.put(held.conn)
+        pool = self._pool
+        (self.pool if pool is None else pool).put(held.conn)
         return unlocked
 
     def _extend_session(self, owner: str) -> bool:
