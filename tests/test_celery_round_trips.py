@@ -85,10 +85,13 @@ def test_a_queued_run_lets_its_marker_go_with_the_run_lock_in_one_round_trip(
     sent = queued.apply_async((n,), queue=IDLE_QUEUE)
     marker = queued.lock_name((n,)) + ":queued"
     assert backend.inspect(marker).extra["celery_task_id"] == sent.id
-    sends.count = 0
+    sends.reset()
     # What the worker does with the message: the same id, not eager.
     assert queued.apply((n,), task_id=sent.id).get() == n
     assert sends.count == 2
+    # The two calls of the first round trip go in one write: the server reads both
+    # at once and answers both in one wake-up.
+    assert sends.writes == 2
     assert backend.inspect(marker) is None
     assert backend.inspect(queued.lock_name((n,))) is None
 
@@ -106,14 +109,15 @@ def test_a_queued_or_running_run_keeps_its_marker_and_takes_both_in_one_round_tr
     try:
         queued_or_running.apply((n + 1,), task_id=warm.id)
         inside.clear()
-        sends.count = 0
+        sends.reset()
         assert queued_or_running.apply((n,), task_id=sent.id).get() == n
-        trips = sends.count
+        trips, writes = sends.count, sends.writes
     finally:
         app.conf.task_store_eager_result = False
     # The acquire of both, then the release of both (four round trips before), and
     # the body's own two inspections; the result backend is not the lock server's.
     assert trips == 2 + 2
+    assert writes == trips  # each pair of calls in one write
     ((run, marker),) = inside
     assert run is not None and run.extra["celery_task_id"] == sent.id
     assert marker is not None and marker.extra["celery_task_id"] == sent.id

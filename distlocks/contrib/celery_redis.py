@@ -193,8 +193,10 @@ def send_together(backend: Any, calls: list[tuple[Any, list[str], list[Any]]]) -
         got: list[Any] = []
         try:
             if _hiredis_pack is not None and type(conn._command_packer) is _HiredisPacker:
-                # As the backend's own calls do: our arguments are str and int.
-                conn.send_packed_command([_hiredis_pack(command) for command in commands])
+                # As the backend's own calls do: our arguments are str and int. Joined:
+                # redis-py writes each piece of a list on its own, and the server may
+                # then wake for the first, answer it, and wake again for the second.
+                conn.send_packed_command([b"".join(map(_hiredis_pack, commands))])
             else:
                 conn.send_packed_command(conn.pack_commands(commands))
             for _ in commands:
