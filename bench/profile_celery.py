@@ -16,7 +16,11 @@ analysis in docs/benchmarks.md. On the same kind of throwaway Redis as
    (packing, round trip, the scripts' server work) and the rest (Python, the
    broker), the rest also as its excess over a plain task's;
 3. counts the Python function calls of one run of each kind (``cProfile``) and
-   lists distlocks' functions by cumulative time.
+   lists distlocks' functions by cumulative time;
+4. splits a ``celery-cycle`` of each kind into its requests to Redis (a pipeline is
+   one; scripts by name): per task, the wall time from the send to the last reply
+   (medians, interleaved blocks), and the server's time for each command (its
+   ``SLOWLOG``, every command logged: what the server spent, the round trip aside).
 
 Nothing is asserted; the figures are printed.
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -108,6 +113,149 @@ def _round_trips(call: Callable[[], None], count: int) -> float:
     finally:
         AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
     return sent[0] / count
+
+
+#: A request's commands: each a RESP array (``*<n>``), the first after a CRLF or at
+#: the start; a script's SHA-1 follows ``EVALSHA`` as a 40-byte bulk string.
+_COMMAND = re.compile(rb"(?:^|\r\n)\*\d+\r\n\$\d+\r\n([A-Za-z]+)\r\n(?:\$40\r\n([0-9a-f]{40}))?")
+
+
+def _script_names() -> dict[str, str]:
+    """SHA-1 -> name of the scripts a Celery task's calls run."""
+    import hashlib
+
+    from distlocks.backends.redis.scripts import SCRIPTS
+    from distlocks.contrib import celery_redis
+
+    names = {hashlib.sha1(text.encode()).hexdigest(): name for name, text in SCRIPTS.items()}
+    names[celery_redis.ENQUEUE.sha] = "enqueue"
+    names[celery_redis.FOLD.sha] = "fold"
+    return names
+
+
+class _Requests:
+    """Wall time of this thread's requests to Redis, from the send to the last reply,
+    by what they carry ("EVALSHA acquire+EVALSHA release" for a pipeline of two)."""
+
+    def __init__(self, names: dict[str, str]) -> None:
+        import threading
+
+        self.names = names
+        self.label: str | None = None  # the implementation measured; None: not recorded
+        self.walls: dict[str, dict[str, list[int]]] = {}
+        self._pending: dict[int, tuple[str, int, int]] = {}
+        self._thread = threading.get_ident()
+
+    def __enter__(self) -> _Requests:
+        import threading
+        import time
+
+        from redis.connection import AbstractConnection
+
+        self._originals = (AbstractConnection.send_packed_command, AbstractConnection.read_response)
+        send, read = self._originals
+
+        def sent(conn: Any, command: Any, check_health: bool = True) -> None:
+            if threading.get_ident() == self._thread and self.label is not None:
+                data = command if isinstance(command, bytes) else b"".join(command)
+                found = _COMMAND.findall(data)
+                what = "+".join(
+                    f"{name.decode().upper()} {self.names.get(sha.decode(), sha.decode()[:8])}"
+                    if sha else name.decode().upper()
+                    for name, sha in found
+                )  # fmt: skip
+                self._pending[id(conn)] = (what or "?", len(found) or 1, time.perf_counter_ns())
+            send(conn, command, check_health)
+
+        def replied(conn: Any, *args: Any, **kwargs: Any) -> Any:
+            reply = read(conn, *args, **kwargs)
+            pending = self._pending.get(id(conn))
+            if pending is not None and threading.get_ident() == self._thread:
+                what, left, began = pending
+                if left > 1:
+                    self._pending[id(conn)] = (what, left - 1, began)
+                else:
+                    del self._pending[id(conn)]
+                    if self.label is not None:
+                        by_what = self.walls.setdefault(self.label, {})
+                        by_what.setdefault(what, []).append(time.perf_counter_ns() - began)
+            return reply
+
+        AbstractConnection.send_packed_command = sent  # type: ignore[method-assign]
+        AbstractConnection.read_response = replied  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from redis.connection import AbstractConnection
+
+        send, read = self._originals
+        AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
+        AbstractConnection.read_response = read  # type: ignore[method-assign]
+
+
+def _server_times(client: Any, names: dict[str, str], into: dict[str, list[int]]) -> None:
+    """The server's time (us) of each command in its SLOWLOG, by command (scripts by
+    name), added to ``into``; the log is emptied."""
+    for entry in client.slowlog_get(1_000_000):
+        words = [w.decode() if isinstance(w, bytes) else str(w) for w in entry["command"].split()]
+        if not words or words[0].upper() in ("SLOWLOG", "INFO", "CONFIG", "CLIENT", "HELLO"):
+            continue
+        what = words[0].upper()
+        if what == "EVALSHA" and len(words) > 1:
+            what += " " + names.get(words[1], words[1][:8])
+        into.setdefault(what, []).append(int(entry["duration"]))
+    client.slowlog_reset()
+
+
+def _requests_of_cycles(
+    impls: list[Any], client: Any, counter: Iterator[int], blocks: int, per_block: int
+) -> None:
+    """Print, per implementation, the requests of one ``celery-cycle``: how many per
+    task, their median wall time, and the server's median time for each command."""
+    import statistics
+
+    from bench.celery_overhead import _purge
+
+    names = _script_names()
+    cycles = [(impl, _cycle(impl, counter)) for impl in impls]
+    for _impl, cycle in cycles:  # warm-up: connected, scripts loaded
+        for _ in range(20):
+            cycle()
+    server: dict[str, dict[str, list[int]]] = {impl.name: {} for impl in impls}
+    slow = client.config_get("slowlog-log-slower-than")["slowlog-log-slower-than"]
+    length = client.config_get("slowlog-max-len")["slowlog-max-len"]
+    client.config_set("slowlog-log-slower-than", 0)
+    client.config_set("slowlog-max-len", 100_000)
+    try:
+        with _Requests(names) as requests:
+            for block in range(blocks):
+                shift = block % len(cycles)
+                for impl, cycle in cycles[shift:] + cycles[:shift]:
+                    client.slowlog_reset()
+                    requests.label = impl.name
+                    for _ in range(per_block):
+                        cycle()
+                    requests.label = None
+                    _server_times(client, names, server[impl.name])
+    finally:
+        client.config_set("slowlog-log-slower-than", slow)
+        client.config_set("slowlog-max-len", length)
+        for impl in impls:
+            _purge(impl.app)
+            impl.delete_markers()
+    tasks = blocks * per_block
+    for impl in impls:
+        print(f"{impl.name}")
+        walls = requests.walls.get(impl.name, {})
+        total = 0.0
+        for what, times in sorted(walls.items(), key=lambda item: -len(item[1])):
+            median = statistics.median(times) / 1000
+            total += median * len(times) / tasks
+            print(f"    {len(times) / tasks:5.2f} x {what:46} {median:8.1f} us wall")
+        print(f"    {'':5}   {'requests of a task, in all':46} {total:8.1f} us wall")
+        for what, times in sorted(server[impl.name].items(), key=lambda item: -len(item[1])):
+            count = len(times) / tasks
+            print(f"    {count:5.2f} x {what:46} {statistics.median(times):8.1f} us on the server")
 
 
 def _cycle(impl: Any, counter: Iterator[int]) -> Callable[[], None]:
@@ -343,6 +491,11 @@ def main(argv: list[str] | None = None) -> int:
                 print("  distlocks functions by cumulative time (calls, own us, cumulative us):")
                 for key, (calls, own, cumulative) in ours[: args.top]:
                     print(f"    {calls:5.1f} {own:7.1f} {cumulative:8.1f}  {key}")
+
+        print(f"\n== The requests of a celery-cycle, by command ({sizes})\n")
+        print("(wall: from the send to the last reply, a pipeline being one request; on the")
+        print("server: its SLOWLOG, every command logged; a script's time has its commands in it)")
+        _requests_of_cycles(impls, client, counter, args.blocks, args.per_block)
     finally:
         for impl in impls:
             impl.close()

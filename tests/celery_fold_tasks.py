@@ -28,22 +28,20 @@ def _note(self: Any, n: int) -> int:
     return n
 
 
-queued = single_execution(
-    app=app,
-    name="fold.queued",
-    backend="broker-db",
-    unique_while="queued",
-    ignore_result=True,
-    bind=True,
-)(_note)
-queued_or_running = single_execution(
-    app=app,
-    name="fold.queued_or_running",
-    backend="broker-db",
-    unique_while="queued_or_running",
-    ignore_result=True,
-    bind=True,
-)(_note)
+def _fold_task(unique_while: str) -> Any:
+    """A task of :func:`_note` on the broker's database, named after its mode."""
+    return single_execution(
+        app=app,
+        name=f"fold.{unique_while}",
+        backend="broker-db",
+        unique_while=unique_while,
+        ignore_result=True,
+        bind=True,
+    )(_note)
+
+
+queued = _fold_task("queued")
+queued_or_running = _fold_task("queued_or_running")
 keeps_result = single_execution(
     app=app, name="fold.keeps_result", backend="broker-db", unique_while="queued", bind=True
 )(_note)

@@ -28,7 +28,8 @@ from django.conf import settings
 from distlocks import get_backend
 from distlocks.contrib.celery import single_execution
 from tests.celery_app import app
-from tests.test_celery_round_trips import _Sends, sends  # noqa: F401 - the fixture
+from tests.celery_sends import Sends
+from tests.test_celery_round_trips import sends  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.django_db
 
@@ -76,7 +77,7 @@ def _cycle(task: Any, channel: Any, n: int) -> str:
 def test_a_task_from_enqueue_to_the_end_of_its_run(
     task: Any,
     trips: int,
-    sends: _Sends,  # noqa: F811 - the fixture imported above
+    sends: Sends,  # noqa: F811 - the fixture imported above
     channel: Any,
 ) -> None:
     backend = get_backend("default")

@@ -13,7 +13,6 @@ result, takes the plain path. The messages run on real workers in the last test.
 from __future__ import annotations
 
 import itertools
-import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -41,6 +40,7 @@ from tests.celery_fold_tasks import (
     queued,
     queued_or_running,
 )
+from tests.celery_sends import Sends, count_sends
 from tests.celery_workers import celery_workers
 from tests.waiting import wait_for
 
@@ -58,37 +58,10 @@ elsewhere = single_execution(
 )(_same)
 
 
-class _AllSends:
-    """Requests this thread sends to Redis (any database): a pipeline is one."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.by_db: dict[int, int] = {}
-        self.thread = threading.get_ident()
-
-    def reset(self) -> None:
-        self.count = 0
-        self.by_db = {}
-
-    def __call__(self, conn: Any) -> None:
-        if threading.get_ident() == self.thread:
-            self.count += 1
-            self.by_db[conn.db] = self.by_db.get(conn.db, 0) + 1
-
-
 @pytest.fixture
-def sends(monkeypatch: pytest.MonkeyPatch) -> _AllSends:
-    counter = _AllSends()
-    original = redis.connection.AbstractConnection.send_packed_command
-
-    def send_packed_command(conn: Any, command: Any, check_health: bool = True) -> None:
-        counter(conn)
-        original(conn, command, check_health)
-
-    monkeypatch.setattr(
-        redis.connection.AbstractConnection, "send_packed_command", send_packed_command
-    )
-    return counter
+def sends(monkeypatch: pytest.MonkeyPatch) -> Sends:
+    """Requests this thread sends to Redis, to any database."""
+    return count_sends(monkeypatch, Sends())
 
 
 @pytest.fixture
@@ -126,7 +99,7 @@ def _run_next(channel: Any, task: Any) -> Any:
 
 @pytest.mark.parametrize("task", [queued, queued_or_running], ids=["queued", "queued_or_running"])
 def test_an_enqueue_publishes_with_its_marker_in_one_round_trip(
-    task: Any, sends: _AllSends, broker: redis.Redis
+    task: Any, sends: Sends, broker: redis.Redis
 ) -> None:
     n = _n()
     task.apply_async((n + 1,))  # connected, scripts loaded: what is counted is a call
@@ -143,7 +116,7 @@ def test_an_enqueue_publishes_with_its_marker_in_one_round_trip(
 
 
 def test_a_kombu_release_it_was_not_tested_with_takes_the_plain_path(
-    sends: _AllSends, broker: redis.Redis, monkeypatch: pytest.MonkeyPatch
+    sends: Sends, broker: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fold borrows a private part of kombu 5.7's producer: under any other kombu
     release it is not tried, and the call is the plain two round trips, still one
@@ -163,7 +136,7 @@ def test_a_kombu_release_it_was_not_tested_with_takes_the_plain_path(
 
 @pytest.mark.parametrize("task", [queued, queued_or_running], ids=["queued", "queued_or_running"])
 def test_a_task_from_enqueue_to_the_end_of_its_run_makes_four_round_trips(
-    task: Any, sends: _AllSends, broker: redis.Redis, channel: Any
+    task: Any, sends: Sends, broker: redis.Redis, channel: Any
 ) -> None:
     """Publish (with the marker), fetch, run lock (with the marker's call), release:
     what ``celery-cycle`` in bench/ measures; the message pushed by the script is the
@@ -219,7 +192,7 @@ def test_a_call_sent_again_after_its_reply_was_lost_publishes_once(broker: redis
 
 
 def test_a_broker_on_another_database_takes_the_plain_path(
-    sends: _AllSends, broker: redis.Redis
+    sends: Sends, broker: redis.Redis
 ) -> None:
     """Locks on the default backend (database 0), broker on database 1: the marker's
     script and the publish are two round trips, and the message is on the broker."""
@@ -234,7 +207,7 @@ def test_a_broker_on_another_database_takes_the_plain_path(
 
 
 def test_a_call_that_keeps_its_result_is_folded_and_a_duplicate_leaves_no_subscription(
-    sends: _AllSends, broker: redis.Redis
+    sends: Sends, broker: redis.Redis
 ) -> None:
     """The suite's Redis result backend subscribes a call that keeps its result before
     the publish: a duplicate, answered from inside the publish with another task's id,
@@ -291,7 +264,7 @@ def _call(key: int, how: Any) -> Any:
 )
 @given(steps=_STEPS)
 def test_the_queue_holds_one_message_per_marker_in_any_order_of_calls_and_runs(
-    steps: list[tuple[str, int, Any]], sends: _AllSends, broker: redis.Redis, channel: Any
+    steps: list[tuple[str, int, Any]], sends: Sends, broker: redis.Redis, channel: Any
 ) -> None:
     """Against a model: a key is queued from its first call until its message runs;
     a call on a queued key gets its id and publishes nothing, any other call

@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import threading
 import uuid
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from distlocks.exceptions import LockError
 from tests.celery_fold_app import QUEUE, app
 from tests.celery_fold_settings import BROKER_DB
 from tests.celery_fold_tasks import keeps_result, queued, queued_or_running
+from tests.lost_reply_proxy import LostReplyProxy
 from tests.test_celery_fold import _marker, _n, _run_next, broker, channel, sends
 from tests.waiting import wait_for
 
@@ -238,75 +238,13 @@ return 1
 """
 
 
-class _Proxy:
-    """A TCP proxy in front of the real Redis server that can lose replies: armed with
-    ``k``, it closes the next k client connections that send an EVALSHA once the
-    server has answered it, before the client gets the answer."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.upstream = (host, port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.drops = 0
-        self.on_drop: Any = None  # called as a reply is dropped, before the client knows
-        self.lock = threading.Lock()
-        self.closing = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.closing:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(self.upstream)
-            state = {"script": False}
-            threading.Thread(target=self._up, args=(client, server, state), daemon=True).start()
-            threading.Thread(target=self._down, args=(server, client, state), daemon=True).start()
-
-    def _up(self, client: socket.socket, server: socket.socket, state: dict[str, bool]) -> None:
-        with contextlib.suppress(OSError):
-            while data := client.recv(65536):
-                if b"EVALSHA" in data.upper():
-                    state["script"] = True
-                server.sendall(data)
-        _close(client, server)
-
-    def _down(self, server: socket.socket, client: socket.socket, state: dict[str, bool]) -> None:
-        with contextlib.suppress(OSError):
-            while data := server.recv(65536):
-                if state["script"]:
-                    state["script"] = False
-                    with self.lock:
-                        drop = self.drops > 0
-                        self.drops -= drop
-                    if drop:  # the server ran it; its answer is lost
-                        if self.on_drop is not None:
-                            self.on_drop()
-                        break
-                client.sendall(data)
-        _close(client, server)
-
-    def close(self) -> None:
-        self.closing = True
-        self.listener.close()
-
-
-def _close(*sockets: socket.socket) -> None:
-    for sock in sockets:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_RDWR)
-        sock.close()
-
-
 @pytest.fixture
-def proxied(settings: Any, broker: redis.Redis) -> Iterator[tuple[_Proxy, dict[str, Any]]]:
+def proxied(settings: Any, broker: redis.Redis) -> Iterator[tuple[LostReplyProxy, dict[str, Any]]]:
     """A Celery app and a lock backend that both reach the broker's database through
-    one :class:`_Proxy` (the same host, port and database: the fold is used), and a
-    task of that app with its marker there, by ``unique_while`` mode."""
-    url = redis.connection.parse_url(django_settings.CELERY_BROKER_URL)
-    proxy = _Proxy(url.get("host", "localhost"), int(url.get("port", 6379)))
-    location = f"redis://127.0.0.1:{proxy.port}/{url.get('db', 0)}"
+    one :class:`LostReplyProxy` (the same host, port and database: the fold is used),
+    and a task of that app with its marker there, by ``unique_while`` mode."""
+    proxy = LostReplyProxy.to(django_settings.CELERY_BROKER_URL)
+    location = proxy.url()
     settings.DISTLOCKS_BACKENDS = {
         **settings.DISTLOCKS_BACKENDS,
         "proxied": {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": location},
@@ -330,7 +268,7 @@ def proxied(settings: Any, broker: redis.Redis) -> Iterator[tuple[_Proxy, dict[s
 
 @pytest.mark.parametrize("lost", [1, 2], ids=["once", "twice"])
 def test_a_script_whose_replies_are_lost_queues_its_message_once(
-    proxied: tuple[_Proxy, dict[str, Any]], broker: redis.Redis, lost: int
+    proxied: tuple[LostReplyProxy, dict[str, Any]], broker: redis.Redis, lost: int
 ) -> None:
     """The server runs the script and the reply is lost, once (the call is sent again
     on a new connection) or twice (the client gives up): however the caller is
@@ -340,11 +278,18 @@ def test_a_script_whose_replies_are_lost_queues_its_message_once(
     n = _n()
     task.apply_async((n + 1,))
     broker.delete(QUEUE)
-    proxy.drops = lost
+
+    def lose(replies: int) -> None:
+        # The next script's reply is lost; from its loss, the one after it too.
+        if replies > 0:
+            proxy.lose_reply_to(b"EVALSHA", before_reset=lambda: lose(replies - 1))
+
+    lose(lost)
     try:
         sent = task.apply_async((n,)).id
     except LockError:
         sent = None
+    assert proxy.lost == lost  # the replies were lost indeed
     assert broker.llen(QUEUE) == 1
     info = get_backend("proxied").inspect(task.lock_name((n,)) + ":queued")
     assert info is not None
@@ -732,7 +677,7 @@ def test_a_signature_is_folded_and_deduplicated_as_a_call(broker: redis.Redis) -
 
 @pytest.mark.parametrize("task_of", ["queued", "queued_or_running"])
 def test_a_call_sent_again_once_its_task_started_does_not_queue_it_again(
-    proxied: tuple[_Proxy, dict[str, Any]], broker: redis.Redis, task_of: str
+    proxied: tuple[LostReplyProxy, dict[str, Any]], broker: redis.Redis, task_of: str
 ) -> None:
     """The reply is lost, and before the call is sent again the task starts on a
     worker, which lets its marker go ("queued") or takes it over (a run lock held by
@@ -754,8 +699,8 @@ def test_a_call_sent_again_once_its_task_started_does_not_queue_it_again(
         if task_of == "queued_or_running":
             broker.hset(backend.all_keys(task.lock_name((n,))).lock, mapping=info)
 
-    proxy.on_drop = task_started
-    proxy.drops = 1
+    proxy.lose_reply_to(b"EVALSHA", before_reset=task_started)
     sent = task.apply_async((n,))
+    assert proxy.lost == 1
     assert broker.llen(QUEUE) == 1
     assert json.loads(broker.lindex(QUEUE, 0))["headers"]["id"] == sent.id

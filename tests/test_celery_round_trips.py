@@ -10,7 +10,6 @@ round trip by skipping a step fails here.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from typing import Any
 
@@ -26,6 +25,7 @@ from distlocks.contrib.celery import single_execution
 from distlocks.exceptions import LockLost, LockNotAcquired
 from distlocks.locks import current_holder
 from tests.celery_app import app
+from tests.celery_sends import Sends, count_sends
 from tests.redis_clients import kill_own_connections
 
 pytestmark = pytest.mark.django_db
@@ -34,33 +34,12 @@ pytestmark = pytest.mark.django_db
 IDLE_QUEUE = "distlocks-tests-round-trips"
 
 
-class _Sends:
-    """Requests sent to the lock server's database by this thread."""
-
-    def __init__(self, db: int) -> None:
-        self.db = db
-        self.count = 0
-        self.thread = threading.get_ident()
-
-    def __call__(self, conn: Any) -> None:
-        if threading.get_ident() == self.thread and conn.db == self.db:
-            self.count += 1
-
-
 @pytest.fixture
-def sends(monkeypatch: pytest.MonkeyPatch) -> _Sends:
+def sends(monkeypatch: pytest.MonkeyPatch) -> Sends:
+    """Requests this thread sends to the lock server's database."""
     backend = get_backend("default")
-    counter = _Sends(int(backend.client.connection_pool.connection_kwargs.get("db", 0)))
-    original = redis.connection.AbstractConnection.send_packed_command
-
-    def send_packed_command(conn: Any, command: Any, check_health: bool = True) -> None:
-        counter(conn)
-        original(conn, command, check_health)
-
-    monkeypatch.setattr(
-        redis.connection.AbstractConnection, "send_packed_command", send_packed_command
-    )
-    return counter
+    db = int(backend.client.connection_pool.connection_kwargs.get("db", 0))
+    return count_sends(monkeypatch, Sends(db))
 
 
 def _trivial(n: int) -> int:
@@ -85,7 +64,7 @@ def _n() -> int:
     return uuid.uuid4().int % 10**12
 
 
-def test_a_run_takes_the_run_lock_and_gives_it_back_in_two_round_trips(sends: _Sends) -> None:
+def test_a_run_takes_the_run_lock_and_gives_it_back_in_two_round_trips(sends: Sends) -> None:
     n = _n()
     plain_run.apply((n + 1,))  # connected, scripts loaded: what is counted is the run
     sends.count = 0
@@ -95,7 +74,7 @@ def test_a_run_takes_the_run_lock_and_gives_it_back_in_two_round_trips(sends: _S
 
 
 def test_a_queued_run_lets_its_marker_go_with_the_run_lock_in_one_round_trip(
-    sends: _Sends, broker: redis.Redis
+    sends: Sends, broker: redis.Redis
 ) -> None:
     """unique_while="queued": taking the run lock and letting the marker go are one
     round trip (two before), in that order; the run then releases its lock."""
@@ -106,16 +85,19 @@ def test_a_queued_run_lets_its_marker_go_with_the_run_lock_in_one_round_trip(
     sent = queued.apply_async((n,), queue=IDLE_QUEUE)
     marker = queued.lock_name((n,)) + ":queued"
     assert backend.inspect(marker).extra["celery_task_id"] == sent.id
-    sends.count = 0
+    sends.reset()
     # What the worker does with the message: the same id, not eager.
     assert queued.apply((n,), task_id=sent.id).get() == n
     assert sends.count == 2
+    # The two calls of the first round trip go in one write: the server reads both
+    # at once and answers both in one wake-up.
+    assert sends.writes == 2
     assert backend.inspect(marker) is None
     assert backend.inspect(queued.lock_name((n,))) is None
 
 
 def test_a_queued_or_running_run_keeps_its_marker_and_takes_both_in_one_round_trip(
-    sends: _Sends, broker: redis.Redis
+    sends: Sends, broker: redis.Redis
 ) -> None:
     """unique_while="queued_or_running": the marker taken over and the run lock taken
     are one round trip (two before); both are held while the body runs, by this task."""
@@ -127,14 +109,15 @@ def test_a_queued_or_running_run_keeps_its_marker_and_takes_both_in_one_round_tr
     try:
         queued_or_running.apply((n + 1,), task_id=warm.id)
         inside.clear()
-        sends.count = 0
+        sends.reset()
         assert queued_or_running.apply((n,), task_id=sent.id).get() == n
-        trips = sends.count
+        trips, writes = sends.count, sends.writes
     finally:
         app.conf.task_store_eager_result = False
     # The acquire of both, then the release of both (four round trips before), and
     # the body's own two inspections; the result backend is not the lock server's.
     assert trips == 2 + 2
+    assert writes == trips  # each pair of calls in one write
     ((run, marker),) = inside
     assert run is not None and run.extra["celery_task_id"] == sent.id
     assert marker is not None and marker.extra["celery_task_id"] == sent.id
@@ -171,7 +154,7 @@ def test_a_run_lock_lost_while_running_fails_the_task_and_still_frees_the_marker
 
 @pytest.mark.parametrize("task", [queued, queued_or_running], ids=["queued", "queued_or_running"])
 def test_an_enqueue_and_a_duplicate_take_one_round_trip_each(
-    task: Any, sends: _Sends, broker: redis.Redis
+    task: Any, sends: Sends, broker: redis.Redis
 ) -> None:
     """The check for a running copy, the marker, and the answer to a duplicate (the
     holder's task id) are one script: one round trip per call (two or three before)."""

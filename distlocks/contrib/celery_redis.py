@@ -32,6 +32,7 @@ import hashlib
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from distlocks import signals, transactions
@@ -192,8 +193,10 @@ def send_together(backend: Any, calls: list[tuple[Any, list[str], list[Any]]]) -
         got: list[Any] = []
         try:
             if _hiredis_pack is not None and type(conn._command_packer) is _HiredisPacker:
-                # As the backend's own calls do: our arguments are str and int.
-                conn.send_packed_command([_hiredis_pack(command) for command in commands])
+                # As the backend's own calls do: our arguments are str and int. Joined:
+                # redis-py writes each piece of a list on its own, and the server may
+                # then wake for the first, answer it, and wake again for the second.
+                conn.send_packed_command([b"".join(map(_hiredis_pack, commands))])
             else:
                 conn.send_packed_command(conn.pack_commands(commands))
             for _ in commands:
@@ -357,16 +360,9 @@ class _Fold:
     ``apply_async()``: the message that Celery publishes through the producer is
     routed by kombu as usual, and its commands go into the marker's script."""
 
-    def __init__(
-        self,
-        backend: Any,
-        marker: str,
-        owner: str,
-        ttl: float,
-        holder: Holder,
-        run_lock: str | None,
-    ) -> None:
-        self.call = (backend, marker, owner, ttl, holder, run_lock)
+    def __init__(self, enqueue_call: Callable[..., tuple[str, Any] | None]) -> None:
+        #: :func:`enqueue` with all but the broker's commands given (a partial).
+        self.enqueue = enqueue_call
         self.done = False
 
     def publish(self, channel: Any, message: Any, **kwargs: Any) -> Any:
@@ -382,7 +378,7 @@ class _Fold:
         sends = _sends(channel, noted.commands)
         if sends is None:
             raise NotFolded
-        outcome = enqueue(*self.call, sends=sends)
+        outcome = self.enqueue(sends=sends)
         if outcome is None:
             raise NotFolded
         kind, found = outcome
@@ -464,7 +460,7 @@ def publish_with_marker(
             or not _same_database(channel, backend)
         ):
             return None
-        local.current = _Fold(backend, marker, owner, ttl, holder, run_lock)
+        local.current = _Fold(partial(enqueue, backend, marker, owner, ttl, holder, run_lock))
         try:
             return SENT, publish(producer)
         except NotFolded:
