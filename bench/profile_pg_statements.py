@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import itertools
 import os
 import statistics
@@ -152,9 +153,22 @@ def _lock_cycle(statement: str, name: str) -> Cycle:
     lease) with ``statement`` as the acquire: the layers above the statement, the same
     for both, so the difference is the statement's."""
     from distlocks import lock
+    from distlocks.backends.postgres import session
+    from distlocks.backends.postgres.wire import Statement, to_int
+
+    # The session recipe sends session.ACQUIRE_TRY, a statement prepared per connection
+    # under its name: each variant is one of its own, under a name of its own, and must
+    # take its parameters in the same order (the recipe fills them by position).
+    label = hashlib.sha1(statement.encode()).hexdigest()[:12]
+    prepared = Statement(f"distlocks_bench_{label}", statement, to_int)
+    if prepared.params != session.ACQUIRE_TRY.params:
+        raise SystemExit(
+            f"the variant's parameters {prepared.params} are not the backend's "
+            f"{session.ACQUIRE_TRY.params}: a lock() row cannot run it"
+        )
 
     def cycle() -> None:
-        sql.ACQUIRE_TRY = statement  # read by the session recipe at each acquire
+        session.ACQUIRE_TRY = prepared  # read by the session recipe at each acquire
         with lock(name, backend="pg", ttl=30.0):
             pass
 
