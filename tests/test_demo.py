@@ -45,6 +45,8 @@ EXPIRING = ["default", "locmem"]
 PAUSE_TTL = 0.3
 #: Upper bound for one subprocess; generous, as it migrates a fresh database.
 SUBPROCESS_TIMEOUT = 180
+#: The beats' period (DEMO_REPORT_PERIOD) in the test of the runner that waits for the job.
+REPORT_PERIOD = 4.0
 
 
 def demo_env(**extra: str) -> dict[str, str]:
@@ -97,24 +99,71 @@ def test_settings_take_the_servers_from_the_environment() -> None:
 
 SETTINGS_PROBE = (
     "import json; from demo_project import settings as s; "
-    "print(json.dumps([s.SECRET_KEY, s.DEBUG, s.ALLOWED_HOSTS]))"
+    "print(json.dumps([s.SECRET_KEY, s.DEBUG, s.ALLOWED_HOSTS, s.DEMO_REPORT_PERIOD]))"
 )
 
 
 def test_settings_defaults_are_for_local_development() -> None:
     result = run_python("-c", SETTINGS_PROBE)
     assert result.returncode == 0, result.stderr
-    secret_key, debug, allowed_hosts = json.loads(result.stdout)
+    secret_key, debug, allowed_hosts, period = json.loads(result.stdout)
     assert secret_key.startswith("django-insecure-")
     assert debug is True
     assert allowed_hosts == ["127.0.0.1", "localhost", "[::1]"]
+    assert period == 10.0
 
 
 def test_settings_read_the_demo_variables() -> None:
-    env = demo_env(DEMO_SECRET_KEY="s3cret", DEMO_DEBUG="0", DEMO_ALLOWED_HOSTS="a.test, b.test")
+    env = demo_env(
+        DEMO_SECRET_KEY="s3cret",
+        DEMO_DEBUG="0",
+        DEMO_ALLOWED_HOSTS="a.test, b.test",
+        DEMO_REPORT_PERIOD="",
+    )
     result = run_python("-c", SETTINGS_PROBE, env=env)
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == ["s3cret", False, ["a.test", "b.test"]]
+    assert json.loads(result.stdout) == ["s3cret", False, ["a.test", "b.test"], 10.0]
+
+
+#: Settings read with bad periods (each refused at import), then with " 2.5 ".
+PERIOD_PROBE = """
+import importlib, json, os, sys
+refused = {}
+for value in BAD_PERIODS:
+    os.environ["DEMO_REPORT_PERIOD"] = value
+    try:
+        importlib.import_module("demo_project.settings")
+    except ValueError as exc:
+        refused[value] = str(exc)
+    else:
+        sys.exit(f"{value!r} was taken")
+os.environ["DEMO_REPORT_PERIOD"] = " 2.5 "
+import django
+django.setup()
+from django.conf import settings as s
+from demo_project.shop import tasks
+from distlocks.contrib.celery import SingleExecution
+job = SingleExecution.coerce(tasks.refresh_sales_report.single_execution)
+schedule = s.CELERY_BEAT_SCHEDULE["refresh-sales-report"]["schedule"]
+print(json.dumps([refused, s.DEMO_REPORT_PERIOD, schedule, job.lock_at_least_for]))
+"""
+BAD_PERIODS = ["0", "-1", "soon", "nan", "inf"]
+
+
+def test_the_report_period_comes_from_the_environment() -> None:
+    """The runner's test shortens the beats' period (DEMO_REPORT_PERIOD, 10 s by
+    default); the job keeps its lock for 80% of whatever period it is, and a period
+    that is not a positive number of seconds is refused with a message."""
+    probe = f"BAD_PERIODS = {BAD_PERIODS!r}\n{PERIOD_PROBE}"
+    result = run_python("-c", probe)
+    assert result.returncode == 0, result.stderr
+    refused, period, schedule, at_least = json.loads(result.stdout)
+    assert refused == {
+        value: f"DEMO_REPORT_PERIOD must be a number of seconds above 0, not {value!r}."
+        for value in BAD_PERIODS
+    }
+    assert period == schedule == 2.5
+    assert at_least == 2.0
 
 
 def test_check_passes_on_demo_settings() -> None:
@@ -876,7 +925,9 @@ def _get(url: str) -> tuple[int, str]:
 @pytest.mark.slow
 def test_run_starts_servers_serves_the_site_and_cleans_up() -> None:
     port = _free_port()
-    env = demo_env(DEMO_PORT=str(port))
+    # The beats' period, shortened from 10 s: the job keeps its lock for 80% of it
+    # (3.2 s), far more than the two beats, started together, are apart.
+    env = demo_env(DEMO_PORT=str(port), DEMO_REPORT_PERIOD=str(REPORT_PERIOD))
     # No server URLs: the runner starts (and must stop) its own, like `make demo`.
     del env[REDIS_URL_ENV], env[DATABASE_URL_ENV]
     base = f"http://127.0.0.1:{port}/"
@@ -925,7 +976,7 @@ def test_run_starts_servers_serves_the_site_and_cleans_up() -> None:
             assert name in demo.text
         pool = list(_children(worker))
         assert len(pool) == 2, pool
-        # Both beats send the job every 10 s (the first a period after they start);
+        # Both beats send the job every period (the first a period after they start);
         # it runs once per period, and the other trigger is skipped.
         counts = _job_summary(
             base, lambda c: c["runs"] >= 1 and c["skipped"] >= 1, limit=SUBPROCESS_TIMEOUT
