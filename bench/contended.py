@@ -23,7 +23,7 @@ from bench.base import (
     Workload,
     workload,
 )
-from bench.workers import TASKS, WorkerPool
+from bench.workers import QUICK_PROCESSES, TASKS, WorkerPool, close_pool, open_pool
 
 #: How long each acquisition holds the lock.
 HOLD = 0.001
@@ -167,13 +167,16 @@ class ContendedProcesses(_Contended):
     def __init__(self, options: RunOptions) -> None:
         super().__init__(options)
         self.pool: WorkerPool | None = None
+        if options.quick:
+            # The pool of throughput-processes' size: a --quick run spawns one, for both.
+            self.workers = QUICK_PROCESSES
 
     def setup(self, impls: list[Implementation]) -> None:
-        self.pool = WorkerPool(self.workers)
+        self.pool = open_pool(self.workers, self.options.quick)
 
     def teardown(self) -> None:
         if self.pool is not None:
-            self.pool.close()
+            close_pool(self.pool, self.options.quick)
             self.pool = None
 
     def _run(self, impl: Implementation, duration: float, round_no: int) -> Measurement:
