@@ -9,12 +9,9 @@ from __future__ import annotations
 import contextlib
 import http.cookiejar
 import os
-import queue
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -26,6 +23,7 @@ import pytest
 import redis
 
 from distlocks.testing.servers import DATABASE_URL_ENV, REDIS_URL_ENV
+from tests.interrupting import start_reading
 from tests.test_demo import ROOT, SUBPROCESS_TIMEOUT, _summary, demo_env
 from tests.waiting import wait_gone
 
@@ -43,29 +41,15 @@ class DemoProcess:
     """``python -m demo_project.run`` with its output collected line by line."""
 
     def __init__(self, env: dict[str, str], *, new_session: bool = False) -> None:
-        self.lines: queue.Queue[str | None] = queue.Queue()
         self.output: list[str] = []
         #: runserver processes seen; a test that fails midway must not leave them running.
         self.site_pids: list[int] = []
         #: Process groups of the Celery processes seen (a worker and its pool), likewise.
         self.groups: list[int] = []
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "demo_project.run"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            # A group of its own, as `make demo` run by a process manager has.
-            start_new_session=new_session,
+        # new_session: a group of its own, as `make demo` run by a process manager has.
+        self.process, self.lines = start_reading(
+            [sys.executable, "-m", "demo_project.run"], ROOT, env, new_session=new_session
         )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(line)
-        self.lines.put(None)
 
     def wait_for(self, text: str, timeout: float = SUBPROCESS_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
