@@ -23,7 +23,7 @@ from bench.base import (
     Workload,
     workload,
 )
-from bench.workers import TASKS, WorkerPool
+from bench.workers import QUICK_PROCESSES, TASKS, WorkerPool, close_pool, open_pool
 
 #: How long each acquisition holds the lock.
 HOLD = 0.001
@@ -67,6 +67,8 @@ class _Contended(Workload):
     def __init__(self, options: RunOptions) -> None:
         super().__init__(options)
         self.duration = 0.15 if options.quick else 3.0
+        # Long enough to open every connection; a --quick run's figures mean nothing.
+        self.warm_up_duration = 0.02 if options.quick else 0.2
         self.rounds = 1 if options.quick else 3
         self.details: dict[str, dict[str, Any]] = {}
 
@@ -80,7 +82,7 @@ class _Contended(Workload):
         }
 
     def warm_up(self, impl: Implementation) -> None:
-        self._run(impl, min(self.duration, 0.2), -1)
+        self._run(impl, min(self.duration, self.warm_up_duration), -1)
 
     def measure(self, impl: Implementation, round_no: int) -> Measurement:
         return self._run(impl, self.duration, round_no)
@@ -165,13 +167,16 @@ class ContendedProcesses(_Contended):
     def __init__(self, options: RunOptions) -> None:
         super().__init__(options)
         self.pool: WorkerPool | None = None
+        if options.quick:
+            # The pool of throughput-processes' size: a --quick run spawns one, for both.
+            self.workers = QUICK_PROCESSES
 
     def setup(self, impls: list[Implementation]) -> None:
-        self.pool = WorkerPool(self.workers)
+        self.pool = open_pool(self.workers, self.options.quick)
 
     def teardown(self) -> None:
         if self.pool is not None:
-            self.pool.close()
+            close_pool(self.pool, self.options.quick)
             self.pool = None
 
     def _run(self, impl: Implementation, duration: float, round_no: int) -> Measurement:

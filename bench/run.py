@@ -232,6 +232,9 @@ def _measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]
             samples = workload.run(running, progress if args.verbose else _quiet)
             sections[workload.name] = workload_result(workload, samples)
     finally:
+        from bench.workers import close_quick_pools
+
+        close_quick_pools()
         for impl in impls:
             impl.close()
         _clean_redis(env, impls)

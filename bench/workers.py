@@ -26,10 +26,15 @@ from bench.base import IMPLEMENTATIONS, BenchError, Env, Implementation
 
 #: How long the runner waits for one task's answer before giving up on the pool.
 TASK_TIMEOUT = 120.0
+#: Worker processes of every multi-process workload in a --quick run: one pool, spawned
+#: once, serves them all (see :func:`open_pool`).
+QUICK_PROCESSES = 2
 
 
 def cycles_until(impl: Implementation, names: list[str], stop_at: float, ttl: float) -> list[int]:
-    """Acquire + release ``names`` in turn until the monotonic clock passes ``stop_at``.
+    """Acquire + release ``names`` in turn until the monotonic clock passes ``stop_at``,
+    at least once (a worker woken after the window closed, on a loaded machine during a
+    --quick run's 50 ms window, still reports a cycle rather than an empty row).
 
     Returns the duration of every cycle in nanoseconds.
     """
@@ -40,13 +45,14 @@ def cycles_until(impl: Implementation, names: list[str], stop_at: float, ttl: fl
     append = latencies.append
     count = len(names)
     i = 0
-    while monotonic() < stop_at:
+    while True:
         name = names[i % count]
         started = clock()
         cycle(name, ttl)
         append(clock() - started)
         i += 1
-    return latencies
+        if monotonic() >= stop_at:
+            return latencies
 
 
 def _task_cycles(impl: Implementation, task: dict[str, Any]) -> dict[str, Any]:
@@ -142,3 +148,36 @@ class WorkerPool:
                 process.join(5)
             conn.close()
         self._workers = []
+
+
+#: A --quick run's pools, by size, kept from one workload to the next (see open_pool()).
+_QUICK_POOLS: dict[int, WorkerPool] = {}
+
+
+def open_pool(size: int, quick: bool) -> WorkerPool:
+    """A pool for a workload's setup, to be given back with :func:`close_pool`.
+
+    A full run spawns a pool for each workload, so nothing of one workload's processes
+    (connections, heap) carries into the next one's figures. A --quick run, whose
+    figures mean nothing, spawns one pool of each size and reuses it: spawning a
+    process and setting Django up in it costs about a second.
+    """
+    if not quick:
+        return WorkerPool(size)
+    if size not in _QUICK_POOLS:
+        _QUICK_POOLS[size] = WorkerPool(size)
+    return _QUICK_POOLS[size]
+
+
+def close_pool(pool: WorkerPool, quick: bool) -> None:
+    """End a pool from :func:`open_pool` (a --quick run's stays for the next workload)."""
+    if not quick:
+        pool.close()
+
+
+def close_quick_pools() -> None:
+    """End the pools a --quick run kept; the run calls this once it is over."""
+    pools = list(_QUICK_POOLS.values())
+    _QUICK_POOLS.clear()
+    for pool in pools:
+        pool.close()

@@ -21,7 +21,7 @@ from bench.base import (
     Workload,
     workload,
 )
-from bench.workers import WorkerPool, cycles_until
+from bench.workers import QUICK_PROCESSES, WorkerPool, close_pool, cycles_until, open_pool
 
 #: Lease length of every lock taken; long enough that nothing expires mid-measurement.
 TTL = 30.0
@@ -89,7 +89,7 @@ class _Throughput(Workload):
 
     def __init__(self, options: RunOptions) -> None:
         super().__init__(options)
-        self.workers = 2 if options.quick else 4
+        self.workers = QUICK_PROCESSES if options.quick else 4
         self.duration = 0.05 if options.quick else 0.5
         self.rounds = 1 if options.quick else 5
 
@@ -177,11 +177,11 @@ class ThroughputProcesses(_Throughput):
         self.pool: WorkerPool | None = None
 
     def setup(self, impls: list[Implementation]) -> None:
-        self.pool = WorkerPool(self.workers)
+        self.pool = open_pool(self.workers, self.options.quick)
 
     def teardown(self) -> None:
         if self.pool is not None:
-            self.pool.close()
+            close_pool(self.pool, self.options.quick)
             self.pool = None
 
     def _run(self, impl: Implementation, duration: float) -> Measurement:

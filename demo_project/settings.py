@@ -16,6 +16,9 @@ these at servers of your own::
     DEMO_NODE                    the name a Celery beat puts on the tasks it sends
                                  (the host name by default; the runner names its two
                                  beats "node-a" and "node-b")
+    DEMO_REPORT_PERIOD           seconds between two sends of the periodic job by
+                                 each beat, 10 by default (the test of the runner
+                                 shortens it)
 
 or wrap the command: ``python -m distlocks.testing.servers -- python manage.py runserver``.
 This is a development site: never deploy it.
@@ -23,6 +26,7 @@ This is a development site: never deploy it.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from pathlib import Path
@@ -44,6 +48,20 @@ def env_flag(name: str, default: bool) -> bool:
     if value is None or not value.strip():
         return default
     return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def env_seconds(name: str, default: float) -> float:
+    """Read a number of seconds above 0 from an environment variable."""
+    value = os.environ.get(name, "")
+    if not value.strip():
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{name} must be a number of seconds above 0, not {value!r}.")
+    return seconds
 
 
 def database_from_url(url: str, name: str) -> dict[str, Any]:
@@ -166,7 +184,7 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 #: The name this process's beat puts on the tasks it sends.
 DEMO_NODE = os.environ.get("DEMO_NODE") or socket.gethostname()
 #: How often every beat sends the periodic job (seconds).
-DEMO_REPORT_PERIOD = 10.0
+DEMO_REPORT_PERIOD = env_seconds("DEMO_REPORT_PERIOD", 10.0)
 CELERY_BEAT_SCHEDULE = {
     "refresh-sales-report": {
         "task": "shop.refresh_sales_report",

@@ -22,6 +22,7 @@ from distlocks.backends.base import Holder
 from distlocks.backends.redis import RedisBackend
 from distlocks.exceptions import LockBackendUnavailable
 from distlocks.testing.servers.redis_server import RedisServer
+from tests.test_redis_async_path import own_connection
 
 HOLDER = Holder("attack-host", 1, "main")
 
@@ -395,14 +396,8 @@ def test_an_error_reply_read_after_the_watch_fired_still_shuts_the_connection(
     call's script load would be written to nothing."""
     from distlocks.backends.redis.calls import _aread, _asend
 
-    backend = get_backend("redis")
-    assert isinstance(backend, RedisBackend)
-
     async def main() -> None:
-        side = backend._async_side()
-        conn = side.client.connection_pool.make_connection()
-        await conn.connect()
-        try:
+        async with own_connection("redis") as (side, conn):
             await _asend(conn, ("EVALSHA", "0" * 40, 1, f"{name}:k"))
             await _until(lambda: bool(conn._reader._buffer), "the reply received")
             loop = asyncio.get_running_loop()
@@ -412,8 +407,6 @@ def test_an_error_reply_read_after_the_watch_fired_still_shuts_the_connection(
                 await _aread(side, conn)
             assert not conn.is_connected
             _quiet(side)
-        finally:
-            await conn.disconnect(nowait=True)
 
     asyncio.run(main())
 

@@ -15,7 +15,7 @@ import math
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -231,20 +231,30 @@ def test_a_paused_server_times_out_an_async_call(own_redis: Any, settings: Any, 
         admin.close()
 
 
+@contextlib.asynccontextmanager
+async def own_connection(alias: str) -> AsyncIterator[tuple[Any, Any]]:
+    """The async side of ``alias``'s Redis backend, and a connection made from its pool
+    for the test alone (the backend's own calls never get it), closed at the end.
+    Entered inside the event loop that the side belongs to."""
+    backend = get_backend(alias)
+    assert isinstance(backend, RedisBackend)
+    side = backend._async_side()
+    conn = side.client.connection_pool.make_connection()
+    await conn.connect()
+    try:
+        yield side, conn
+    finally:
+        await conn.disconnect(nowait=True)
+
+
 def test_a_reply_that_came_before_the_watch_fired_is_still_read(name: str) -> None:
     """The watch ends a late read by aborting its connection; a reply already received
     by then is read (the reader sees the end of the stream only after it), and the
     connection is closed rather than used again."""
     from distlocks.backends.redis.calls import _aread, _asend
 
-    backend = get_backend(ALIAS)
-    assert isinstance(backend, RedisBackend)
-
     async def main() -> None:
-        side = backend._async_side()
-        conn = side.client.connection_pool.make_connection()
-        await conn.connect()
-        try:
+        async with own_connection(ALIAS) as (side, conn):
             await _asend(conn, ("PING",))
             loop = asyncio.get_running_loop()
             deadline = time.monotonic() + 10
@@ -258,21 +268,15 @@ def test_a_reply_that_came_before_the_watch_fired_is_still_read(name: str) -> No
             # What _aread does once its read returns: the reply, then the connection shut.
             assert await conn.read_response(timeout=math.inf) in (b"PONG", "PONG")
             assert side.watch.end(conn)
-        finally:
-            await conn.disconnect(nowait=True)
 
         # And a late read with nothing received is a timeout, as the client's own.
-        conn = side.client.connection_pool.make_connection()
-        await conn.connect()
-        conn.socket_timeout = 0.2
-        try:
+        async with own_connection(ALIAS) as (side, conn):
+            conn.socket_timeout = 0.2
             await _asend(conn, ("BLPOP", f"{name}:never", 5))
             started = time.monotonic()
             with pytest.raises(redis.TimeoutError):
                 await _aread(side, conn)
             assert time.monotonic() - started < 3
             assert not conn.is_connected
-        finally:
-            await conn.disconnect(nowait=True)
 
     asyncio.run(main())

@@ -6,19 +6,16 @@ Ctrl-C: the servers are gone."""
 from __future__ import annotations
 
 import os
-import queue
-import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
 from distlocks.testing.sandbox import READY
+from tests.interrupting import ctrl_c, start_until
 
 pytestmark = pytest.mark.slow
 
@@ -39,40 +36,6 @@ def _clean_env() -> dict[str, str]:
     }
 
 
-def _reader(stream: object, lines: queue.Queue[str | None]) -> None:
-    for line in stream:  # type: ignore[attr-defined]
-        lines.put(line)
-    lines.put(None)
-
-
-def _start(command: list[str], cwd: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
-    """Start the sandbox as ``command`` and read its output up to the ready line
-    (within 180 s): the process and what it printed."""
-    sandbox = subprocess.Popen(
-        command,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    lines: queue.Queue[str | None] = queue.Queue()
-    threading.Thread(target=_reader, args=(sandbox.stdout, lines), daemon=True).start()
-    seen: list[str] = []
-    try:
-        deadline = time.monotonic() + 180
-        while READY not in "".join(seen):
-            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            assert line is not None, "".join(seen)
-            seen.append(line)
-    except BaseException:
-        sandbox.kill()
-        sandbox.wait(10)
-        raise
-    return sandbox, "".join(seen)
-
-
 def test_try_it_in_a_new_project(tmp_path: Path) -> None:
     env = _clean_env()
     bin_dir = Path(sys.executable).parent
@@ -83,10 +46,11 @@ def test_try_it_in_a_new_project(tmp_path: Path) -> None:
         timeout=60,
     )
     settings_file = tmp_path / "mysite" / "local_settings.py"
-    sandbox, printed = _start(
+    sandbox, printed = start_until(
         [sys.executable, "-m", "distlocks.testing.sandbox", "--settings-file", str(settings_file)],
         tmp_path,
         env,
+        READY,
     )
     try:
         assert "DISTLOCKS_BACKENDS = {" in printed and "DATABASES = {" in printed
@@ -108,8 +72,7 @@ def test_try_it_in_a_new_project(tmp_path: Path) -> None:
         redis_port = urlsplit(namespace["CELERY_BROKER_URL"]).port  # type: ignore[arg-type]
         pg_port = int(namespace["DATABASES"]["default"]["PORT"])  # type: ignore[index]
     finally:
-        sandbox.send_signal(signal.SIGINT)
-        code = sandbox.wait(60)
+        code = ctrl_c(sandbox)
     assert code == 0, printed
     for port in (redis_port, pg_port):
         with pytest.raises(ConnectionRefusedError):
@@ -130,12 +93,5 @@ def test_ctrl_c_stops_it_whatever_sigint_it_inherited(inherited: str, tmp_path: 
             "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); "
             f'os.execv(sys.executable, [sys.executable, "-m", "distlocks.testing.sandbox"])\''
         )
-    sandbox, printed = _start(["sh", "-c", command], tmp_path, _clean_env())
-    try:
-        sandbox.send_signal(signal.SIGINT)
-        code = sandbox.wait(60)
-    finally:
-        if sandbox.poll() is None:
-            sandbox.kill()
-            sandbox.wait(10)
-    assert code == 0, printed
+    sandbox, printed = start_until(["sh", "-c", command], tmp_path, _clean_env(), READY)
+    assert ctrl_c(sandbox) == 0, printed

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from distlocks.testing import servers
+from tests.interrupting import ctrl_c, start_until
 from tests.waiting import process_alive, wait_gone
 
 
@@ -30,6 +31,7 @@ import os, sys, time
 for var in ("DISTLOCKS_TEST_REDIS_URL", "DISTLOCKS_TEST_DATABASE_URL"):
     os.environ.pop(var, None)
 from distlocks.testing import servers
+from tests.interrupting import ctrl_c, start_until
 from tests.waiting import process_alive, wait_gone
 servers.ensure_test_servers()
 s = servers.started_servers()
@@ -109,22 +111,8 @@ def test_ctrl_c_stops_the_servers_even_from_a_background_job(tmp_path: Path) -> 
     as a shell's background job (SIGINT ignored, which exec keeps) it must still stop."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTLOCKS_TEST_")}
     command = f"trap '' INT; exec {sys.executable} -m distlocks.testing.servers --no-postgres"
-    child = subprocess.Popen(
-        ["sh", "-c", command], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        assert child.stdout is not None
-        for line in child.stdout:
-            if "Servers are up" in line:
-                break
-        child.send_signal(signal.SIGINT)
-        code = child.wait(30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(10)
-    assert code == 0
+    child, printed = start_until(["sh", "-c", command], tmp_path, env, "Servers are up")
+    assert ctrl_c(child, 30) == 0, printed
 
 
 class _CtrlCOnReady(io.StringIO):

@@ -28,6 +28,7 @@ from decimal import Decimal
 from typing import Any
 
 from celery.signals import task_postrun
+from django.conf import settings
 from django.db.models import Count, Sum
 from django.utils import timezone
 
@@ -42,7 +43,7 @@ REPORT_JOB = "sales-report"
 IMPORT_JOB = "bank-import"
 #: How long the periodic job keeps its lock after a run started: a little less than
 #: the beat period (DEMO_REPORT_PERIOD, 10 s), so the next period's run is not held up.
-REPORT_AT_LEAST_FOR = 8.0
+REPORT_AT_LEAST_FOR = 0.8 * settings.DEMO_REPORT_PERIOD
 #: How long an import takes (simulated), long enough to click again while it runs.
 IMPORT_SECONDS = 4.0
 #: How long a queued import keeps duplicates away if its message is never run
