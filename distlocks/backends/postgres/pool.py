@@ -347,11 +347,13 @@ class Pool:
                     return conn
             except (OSError, ValueError, psycopg.Error):
                 pass
-            conn.close()
-            with self._lock:
-                self._count -= 1
-                if self._waiting:
-                    self._cond.notify()
+            except BaseException:
+                # Interrupted (a signal's handler: Ctrl-C, a Celery soft time limit)
+                # with the connection off the idle list and in no caller's hands: its
+                # slot must not go with it, or the pool stays short of one for good.
+                self._drop(conn)
+                raise
+            self._drop(conn)
         try:
             conn = Connection.connect(**self.kwargs)
             conn.reply_timeout = self.reply_timeout
@@ -362,6 +364,17 @@ class Pool:
                 if self._waiting:
                     self._cond.notify()
             raise
+
+    def _drop(self, conn: Connection) -> None:
+        """Close a connection checked out of the idle list and give back its slot (even
+        if the close is interrupted)."""
+        try:
+            conn.close()
+        finally:
+            with self._lock:
+                self._count -= 1
+                if self._waiting:
+                    self._cond.notify()
 
     def put(self, conn: Connection) -> None:
         pgconn = conn.pgconn

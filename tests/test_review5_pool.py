@@ -1,0 +1,243 @@
+"""Review 5: the PostgreSQL pool's idle probe, now outside the pool's lock.
+
+A slot is the pool's count of connections it answers for (idle or checked out): the
+count must never exceed ``max_size``, and every connection that leaves the pool's hands
+without being checked out (found dead, interrupted) must give its slot back, or a
+small pool waits its whole timeout and fails with every connection "in use".
+Real servers throughout: idle connections are ended with ``pg_terminate_backend``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from distlocks import get_backend
+from distlocks.backends.postgres import PostgresBackend
+from distlocks.backends.postgres.pool import Connection, Pool, PoolExhausted
+from tests.waiting import wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
+
+
+def _kwargs() -> dict[str, Any]:
+    backend = get_backend("pg")
+    assert isinstance(backend, PostgresBackend)
+    return backend._connect_kwargs()
+
+
+def _terminate(pids: list[int]) -> None:
+    with psycopg.connect(**_kwargs()) as killer:
+        killer.execute(
+            "SELECT pg_terminate_backend(pid, 5000) FROM unnest(%s::int[]) AS pid", (pids,)
+        )
+
+
+def _seen_dead(conn: Connection) -> bool:
+    """The server's close has reached this idle connection's socket."""
+    return conn.closed or bool(conn._idle_probe.poll(0))
+
+
+class _Interrupted(BaseException):
+    """Stands for a KeyboardInterrupt or a Celery soft time limit raised in the thread
+    while it checks a connection out (a signal handler runs between two bytecodes)."""
+
+
+@pytest.mark.parametrize("dead", [False, True], ids=["alive", "dead"])
+def test_an_interrupt_during_the_idle_probe_gives_the_slot_back(dead: bool) -> None:
+    """The probe of an idle connection runs outside the pool's lock, after the
+    connection left the idle list: an exception raised there (a signal's handler) must
+    not take the connection's slot with it. Failed before: the pool of one was left
+    with no idle connection and a count of 1, and the next checkout waited its whole
+    timeout for a connection nobody would give back (PoolExhausted)."""
+    pool = Pool(_kwargs(), max_size=1, timeout=0.0, reply_timeout=5.0)
+    try:
+        conn = pool.get()
+        pid = conn.info.backend_pid
+        pool.put(conn)
+        if dead:
+            _terminate([pid])
+            wait_for(lambda: _seen_dead(conn), 30, "the server's close seen")
+
+        class Probe:
+            def poll(self, timeout: int) -> list[Any]:
+                raise _Interrupted
+
+        conn._idle_probe = Probe()  # type: ignore[assignment]
+        with pytest.raises(_Interrupted):
+            pool.get()
+        assert pool._count == len(pool._idle) <= 1
+        again = pool.get()  # a pool of one, checked out at once: no slot was lost
+        assert again.execute("SELECT 1").fetchone() == (1,)
+        pool.put(again)
+    finally:
+        pool.close()
+
+
+def test_an_interrupt_while_closing_a_dead_connection_gives_the_slot_back() -> None:
+    """Same, for an exception raised as a connection found dead is closed."""
+    pool = Pool(_kwargs(), max_size=1, timeout=0.0, reply_timeout=5.0)
+    try:
+        conn = pool.get()
+        pool.put(conn)
+        _terminate([conn.info.backend_pid])
+        wait_for(lambda: _seen_dead(conn), 30, "the server's close seen")
+        real_close = conn.close
+        calls: list[int] = []
+
+        def close() -> None:
+            calls.append(1)
+            real_close()
+            if len(calls) == 1:
+                raise _Interrupted
+
+        conn.close = close  # type: ignore[method-assign]
+        with pytest.raises(_Interrupted):
+            pool.get()
+        assert pool._count == len(pool._idle) == 0
+        again = pool.get()
+        assert again.execute("SELECT 1").fetchone() == (1,)
+        pool.put(again)
+    finally:
+        pool.close()
+
+
+MAX = 3
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """The pool against a model: the connections checked out. Idle connections are
+    ended by the server at any point; a checkout never gives one that the probe could
+    have seen dead, never more than MAX at once, and never fails while fewer than MAX
+    are out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = Pool(_kwargs(), max_size=MAX, timeout=0.0, reply_timeout=5.0)
+        self.out: list[Connection] = []
+
+    @rule()
+    def check_out(self) -> None:
+        if len(self.out) >= MAX:
+            with pytest.raises(PoolExhausted):
+                self.pool.get()
+            return
+        conn = self.pool.get()
+        assert conn not in self.out
+        # Alive: an idle connection the server ended is never handed out.
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+        self.out.append(conn)
+
+    @precondition(lambda self: self.out)
+    @rule(data=st.data())
+    def give_back(self, data: st.DataObject) -> None:
+        conn = self.out.pop(data.draw(st.integers(0, len(self.out) - 1)))
+        self.pool.put(conn)
+
+    @precondition(lambda self: self.out)
+    @rule(data=st.data())
+    def discard(self, data: st.DataObject) -> None:
+        """As the backend discards a connection in an unknown state: closed, then put."""
+        conn = self.out.pop(data.draw(st.integers(0, len(self.out) - 1)))
+        conn.close()
+        self.pool.put(conn)
+
+    @precondition(lambda self: self.pool._idle)
+    @rule(data=st.data())
+    def end_idle(self, data: st.DataObject) -> None:
+        """A DBA's pg_terminate_backend, a restart: idle connections end."""
+        idle = list(self.pool._idle)
+        ended = data.draw(st.lists(st.sampled_from(idle), min_size=1, unique=True))
+        _terminate([conn.info.backend_pid for conn in ended])
+        for conn in ended:
+            wait_for(lambda conn=conn: _seen_dead(conn), 30, "the server's close seen")
+
+    @invariant()
+    def slots_match(self) -> None:
+        assert self.pool._count == len(self.out) + len(self.pool._idle) <= MAX
+        assert self.pool._waiting == 0
+
+    def teardown(self) -> None:
+        for conn in self.out:
+            self.pool.put(conn)
+        self.pool.close()
+        assert self.pool._count == 0
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(
+    max_examples=25,
+    stateful_step_count=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_threads_racing_checkouts_while_idle_connections_die() -> None:
+    """Eight threads check out, use and give back a pool of three while another ends
+    idle connections: never more than three out at once, no slot lost, and the count
+    ends equal to the idle connections."""
+    pool = Pool(_kwargs(), max_size=MAX, timeout=120.0, reply_timeout=30.0)
+    out_lock = threading.Lock()
+    out = [0]
+    most = [0]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    rounds = 40
+
+    def worker() -> None:
+        try:
+            for _ in range(rounds):
+                conn = pool.get()
+                with out_lock:
+                    out[0] += 1
+                    most[0] = max(most[0], out[0])
+                try:
+                    conn.execute("SELECT 1").fetchone()
+                except psycopg.OperationalError:
+                    # Ended between the probe and the statement: as the backend does.
+                    conn.close()
+                finally:
+                    with out_lock:
+                        out[0] -= 1
+                    pool.put(conn)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def killer() -> None:
+        with psycopg.connect(**_kwargs()) as admin:
+            while not stop.is_set():
+                pids = [c.info.backend_pid for c in list(pool._idle) if not c.closed]
+                if pids:
+                    admin.execute(
+                        "SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid",
+                        (pids,),
+                    )
+                stop.wait(0.01)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    kill = threading.Thread(target=killer)
+    kill.start()
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        assert not any(thread.is_alive() for thread in threads)
+    finally:
+        stop.set()
+        kill.join(60)
+    try:
+        assert errors == []
+        assert most[0] <= MAX
+        assert pool._count == len(pool._idle) <= MAX
+        assert pool._waiting == 0
+    finally:
+        pool.close()
+    assert pool._count == 0
