@@ -241,3 +241,56 @@ def test_threads_racing_checkouts_while_idle_connections_die() -> None:
     finally:
         pool.close()
     assert pool._count == 0
+
+
+def _own_backend() -> PostgresBackend:
+    """A backend instance of the "pg" alias's settings, apart from the handler's."""
+    shared = get_backend("pg")
+    assert isinstance(shared, PostgresBackend)
+    return PostgresBackend("pg", shared.config)
+
+
+def test_a_connection_given_back_after_the_backend_closed_goes_to_no_other_pool(
+    name: str,
+) -> None:
+    """backend.close() (a settings change resets the backends) while a statement is
+    under way on a pooled connection: that connection, given back afterwards, must not
+    join the backend's next pool uncounted (its bound then exceeded by one, and its
+    count gone below zero later), nor stay open in the closed one. Failed before: the
+    new pool had one idle connection and a count of 0."""
+    backend = _own_backend()
+    try:
+        with backend._pooled("inspect", name) as conn:
+            backend.close()  # from another thread, as the statement runs
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        new = backend.pool
+        assert new._count == len(new._idle) == 0
+        assert conn.closed  # the closed pool's connection is closed, not kept
+        assert backend.inspect(name) is None  # the new pool works
+        assert new._count == len(new._idle) == 1
+    finally:
+        backend.close()
+
+
+def test_a_lease_taken_as_the_backend_closes_is_not_given_to_the_next_pool(name: str) -> None:
+    """A try that was refused, its connection given back after backend.close()."""
+    backend = _own_backend()
+    other = _own_backend()
+    from distlocks.locks import current_holder
+
+    try:
+        assert other.acquire(name, "a" * 32, 30.0, current_holder()).acquired
+        real = backend._checkout
+
+        def checkout(lock_name: str, wait: float | None = None) -> Connection:
+            conn = real(lock_name, wait)
+            backend.close()  # as another thread resets the backends
+            return conn
+
+        backend._checkout = checkout  # type: ignore[method-assign]
+        assert not backend.acquire(name, "b" * 32, 30.0, current_holder()).acquired
+        new = backend.pool
+        assert new._count == len(new._idle) == 0
+    finally:
+        other.close()
+        backend.close()

@@ -118,6 +118,8 @@ class Connection(psycopg.Connection[Any]):
     reply_timeout: float | None = None
     lock_wait: float = 0.0
     _cut = False
+    #: The pool that counts this connection (None: made outside any pool).
+    _pool: Pool | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -315,6 +317,7 @@ class Pool:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._waiting = 0
+        self._closed = False
 
     def get(self, timeout: float | None = None) -> Connection:
         """An idle connection, a new one, or one given back within ``timeout`` seconds
@@ -357,6 +360,7 @@ class Pool:
         try:
             conn = Connection.connect(**self.kwargs)
             conn.reply_timeout = self.reply_timeout
+            conn._pool = self
             return conn
         except BaseException:
             with self._lock:
@@ -377,9 +381,15 @@ class Pool:
                     self._cond.notify()
 
     def put(self, conn: Connection) -> None:
+        owner = conn._pool
+        if owner is not self and owner is not None:
+            # Checked out before its backend closed that pool and made this one (a
+            # settings change): it is counted there, and closed there.
+            owner.put(conn)
+            return
         pgconn = conn.pgconn
         with self._lock:
-            if pgconn.status == _BAD or pgconn.transaction_status != _IDLE:
+            if self._closed or pgconn.status == _BAD or pgconn.transaction_status != _IDLE:
                 self._count -= 1
                 if not conn.closed:
                     conn.close()
@@ -389,7 +399,9 @@ class Pool:
                 self._cond.notify()
 
     def close(self) -> None:
+        """Close the idle connections; those checked out are closed as they come back."""
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
             self._count -= len(idle)
         for conn in idle:
