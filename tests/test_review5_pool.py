@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -294,3 +294,32 @@ def test_a_lease_taken_as_the_backend_closes_is_not_given_to_the_next_pool(name:
     finally:
         other.close()
         backend.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ttl=st.one_of(
+        st.floats(0.01, 365 * 86400),
+        st.integers(1, 365 * 86400),
+        st.sampled_from([1, 1.0, 0.1 + 0.2, 30, 30.0, 365 * 86400, 0.01]),
+    )
+)
+def test_the_registry_records_each_ttl_as_given_whatever_was_cached_before(ttl: float) -> None:
+    """The acquire try's ttl text is cached by value (floats only): 1 and 1.0 and
+    every float that was cached earlier in the session must still record the ttl given,
+    as the server reads it back (double precision: exact for every float)."""
+    import uuid
+
+    from distlocks.locks import current_holder
+
+    backend = get_backend("pg")
+    name, owner = f"review5-ttl:{uuid.uuid4().hex}", uuid.uuid4().hex
+    assert backend.acquire(name, owner, ttl, current_holder()).acquired
+    try:
+        with backend._pooled("inspect", name) as conn:  # type: ignore[attr-defined]
+            row = conn.execute(
+                "SELECT ttl FROM distlocks_lockregistry WHERE name = %s", (name,)
+            ).fetchone()
+        assert row is not None and row[0] == float(ttl)
+    finally:
+        assert backend.release(name, owner)
