@@ -323,3 +323,53 @@ def test_the_registry_records_each_ttl_as_given_whatever_was_cached_before(ttl: 
         assert row is not None and row[0] == float(ttl)
     finally:
         assert backend.release(name, owner)
+
+
+def test_holder_extras_changed_between_acquires_are_recorded_each_time(name: str) -> None:
+    """The holder's host, pid and thread are cached by holder object; its extras are
+    not: a context that changes them (a new dict, or the same dict changed in place)
+    between two acquires on one thread records each acquire's own."""
+    from distlocks import lock
+    from distlocks.locks import holder_extra
+
+    seen: list[dict[str, str]] = []
+    same: dict[str, str] = {"step": "in-place-1"}
+    for extra in ({"step": "one"}, {"step": "two"}, same, None):
+        if extra is None:
+            same["step"] = "in-place-2"
+            extra = same
+        token = holder_extra.set(extra)
+        try:
+            with lock(name, backend="pg", ttl=30, timeout=0):
+                info = get_backend("pg").inspect(name)
+                assert info is not None
+                seen.append({"step": info.extra.get("step")})
+        finally:
+            holder_extra.reset(token)
+    assert seen == [
+        {"step": "one"},
+        {"step": "two"},
+        {"step": "in-place-1"},
+        {"step": "in-place-2"},
+    ]
+
+
+def test_one_lock_object_takes_the_default_ttl_of_each_call(name: str) -> None:
+    """Lock.acquire() now reads ``_ttl`` directly: a lock built without a ttl (a
+    decorator at import) still takes DISTLOCKS_DEFAULT_TTL as it is at each acquire
+    (override_settings), and the ttl text sent is the new one's."""
+    from django.test import override_settings
+
+    from distlocks import lock
+
+    one = lock(name, backend="pg", timeout=0)
+    recorded: list[float] = []
+    for ttl in (17, 17.0, 42.5, 17):
+        with override_settings(DISTLOCKS_DEFAULT_TTL=ttl), one as lease:
+            with get_backend("pg")._pooled("inspect", name) as conn:  # type: ignore[attr-defined]
+                row = conn.execute(
+                    "SELECT ttl FROM distlocks_lockregistry WHERE name = %s", (name,)
+                ).fetchone()
+            assert row is not None and lease.held()
+            recorded.append(row[0])
+    assert recorded == [17.0, 17.0, 42.5, 17.0]
