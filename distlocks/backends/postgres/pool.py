@@ -118,6 +118,8 @@ class Connection(psycopg.Connection[Any]):
     reply_timeout: float | None = None
     lock_wait: float = 0.0
     _cut = False
+    #: The pool that counts this connection (None: made outside any pool).
+    _pool: Pool | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -315,6 +317,7 @@ class Pool:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._waiting = 0
+        self._closed = False
 
     def get(self, timeout: float | None = None) -> Connection:
         """An idle connection, a new one, or one given back within ``timeout`` seconds
@@ -347,14 +350,17 @@ class Pool:
                     return conn
             except (OSError, ValueError, psycopg.Error):
                 pass
-            conn.close()
-            with self._lock:
-                self._count -= 1
-                if self._waiting:
-                    self._cond.notify()
+            except BaseException:
+                # Interrupted (a signal's handler: Ctrl-C, a Celery soft time limit)
+                # with the connection off the idle list and in no caller's hands: its
+                # slot must not go with it, or the pool stays short of one for good.
+                self._drop(conn)
+                raise
+            self._drop(conn)
         try:
             conn = Connection.connect(**self.kwargs)
             conn.reply_timeout = self.reply_timeout
+            conn._pool = self
             return conn
         except BaseException:
             with self._lock:
@@ -363,10 +369,27 @@ class Pool:
                     self._cond.notify()
             raise
 
+    def _drop(self, conn: Connection) -> None:
+        """Close a connection checked out of the idle list and give back its slot (even
+        if the close is interrupted)."""
+        try:
+            conn.close()
+        finally:
+            with self._lock:
+                self._count -= 1
+                if self._waiting:
+                    self._cond.notify()
+
     def put(self, conn: Connection) -> None:
+        owner = conn._pool
+        if owner is not self and owner is not None:
+            # Checked out before its backend closed that pool and made this one (a
+            # settings change): it is counted there, and closed there.
+            owner.put(conn)
+            return
         pgconn = conn.pgconn
         with self._lock:
-            if pgconn.status == _BAD or pgconn.transaction_status != _IDLE:
+            if self._closed or pgconn.status == _BAD or pgconn.transaction_status != _IDLE:
                 self._count -= 1
                 if not conn.closed:
                     conn.close()
@@ -376,7 +399,9 @@ class Pool:
                 self._cond.notify()
 
     def close(self) -> None:
+        """Close the idle connections; those checked out are closed as they come back."""
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
             self._count -= len(idle)
         for conn in idle:
