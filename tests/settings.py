@@ -8,6 +8,7 @@ URLs are exported, so the worker processes that tests start reuse the servers.
 from __future__ import annotations
 
 import os
+import sys
 from urllib.parse import unquote, urlsplit
 
 from distlocks.testing.servers import ensure_redlock_test_servers, ensure_test_servers
@@ -39,11 +40,32 @@ def _servers_of_this_worker() -> None:
     os.environ[_SERVERS_OF] = worker
 
 
+def _xdist_controller() -> bool:
+    """The controller of a pytest-xdist run (``-n 2``): it runs no test, and each worker
+    starts servers of its own, so servers started here would only idle all session."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return False
+    args = [*sys.argv[1:], *os.environ.get("PYTEST_ADDOPTS", "").split()]
+    for i, arg in enumerate(args):
+        if arg in ("-n", "--numprocesses") and i + 1 < len(args):
+            return args[i + 1] != "0"
+        if arg.startswith("--numprocesses="):
+            return arg.partition("=")[2] != "0"
+        if arg.startswith("-n") and arg[2:].isalnum():
+            return arg[2:] != "0"
+    return False
+
+
 _servers_of_this_worker()
 _given = [variable for variable in _SESSION_VARIABLES if os.environ.get(variable)]
-REDIS_URL, DATABASE_URL = ensure_test_servers()
-# Redlock's three masters: the test Redis server and two more of its own.
-REDLOCK_URLS = [REDIS_URL, *ensure_redlock_test_servers(2)]
+if _xdist_controller():
+    # Never connected to (no test runs here); not exported, so no worker inherits them.
+    REDIS_URL, DATABASE_URL = "redis://127.0.0.1:9/0", "postgresql://postgres@127.0.0.1:9/postgres"
+    REDLOCK_URLS = [REDIS_URL, "redis://127.0.0.1:9/1", "redis://127.0.0.1:9/2"]
+else:
+    REDIS_URL, DATABASE_URL = ensure_test_servers()
+    # Redlock's three masters: the test Redis server and two more of its own.
+    REDLOCK_URLS = [REDIS_URL, *ensure_redlock_test_servers(2)]
 
 
 def _database(url: str) -> dict[str, object]:
