@@ -14,6 +14,7 @@ znodes under a prefix of each implementation's own, so they never meet.
 from __future__ import annotations
 
 import logging
+import math
 import posixpath
 import socket
 import threading
@@ -21,7 +22,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from bench.base import BenchError, Env, Implementation, implementation, workload
+from bench.base import BenchError, Env, Implementation, RunOptions, implementation, workload
 from bench.implementations import BackendLevel
 from bench.postgres import DistlocksPg
 from bench.workloads import Cycle, HandOff
@@ -272,6 +273,18 @@ class ZkHandOff(HandOff):
     family = FAMILY
     name = "zk-handoff"
     title = "Contended hand-off latency, 16 waiters"
+
+    def __init__(self, options: RunOptions) -> None:
+        super().__init__(options)
+        if not options.quick:
+            # Four times the hand-offs of `handoff`, in twice the rounds: ZooKeeper's
+            # hand-offs vary more from round to round, and 300 in 6 rounds left the
+            # comparison with kazoo's Lock to chance (0.89x to 1.06x its time in three
+            # runs of the same code on one day).
+            total = options.iterations // 5 if options.iterations else 1200
+            self.rounds = 12
+            self.per_round = max(1, math.ceil(total / self.rounds))
+
     description = (
         "17 threads share one lock on a standalone ZooKeeper: one holds it, 16 wait in the "
         "library's own blocking acquire (a watch on a znode). The holder keeps it 1 ms, "
