@@ -170,6 +170,7 @@ class ContendedProcesses(_Contended):
         if options.quick:
             # The pool of throughput-processes' size: a --quick run spawns one, for both.
             self.workers = QUICK_PROCESSES
+            self.title = f"Contended throughput, {self.workers} processes on one lock, 1 ms hold"
 
     def setup(self, impls: list[Implementation]) -> None:
         self.pool = open_pool(self.workers, self.options.quick)
