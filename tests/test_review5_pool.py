@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from distlocks import get_backend
 from distlocks.backends.postgres import PostgresBackend
 from distlocks.backends.postgres.pool import Connection, Pool, PoolExhausted
-from tests.waiting import wait_for
+from tests.waiting import run_threads, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
 
@@ -225,11 +225,7 @@ def test_threads_racing_checkouts_while_idle_connections_die() -> None:
     kill = threading.Thread(target=killer)
     kill.start()
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(300)
-        assert not any(thread.is_alive() for thread in threads)
+        run_threads(threads, 300)
     finally:
         stop.set()
         kill.join(60)

@@ -24,7 +24,7 @@ from distlocks.backends.base import Holder
 from distlocks.backends.postgres import PostgresBackend, session, sql, wire
 from distlocks.backends.postgres.pool import Connection
 from distlocks.exceptions import LockBackendUnavailable, LockError
-from tests.waiting import wait_for
+from tests.waiting import run_threads, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
 
@@ -512,11 +512,7 @@ def test_force_release_races_release_and_reacquire_on_the_fast_path(name: str) -
 
     threads = [threading.Thread(target=hold), threading.Thread(target=operate)]
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-        assert not any(thread.is_alive() for thread in threads)
+        run_threads(threads, 120)
     finally:
         done.set()
         holder_side.close()

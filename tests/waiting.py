@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,3 +54,14 @@ def wait_gone(pids: list[int], limit: float = 15.0) -> list[int]:
     while (alive := [pid for pid in pids if process_alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return alive
+
+
+def run_threads(threads: list[threading.Thread], limit: float = 120.0) -> None:
+    """Start ``threads``, join each for up to ``limit`` seconds, and fail if any is
+    still running (a hang must fail the test, not stall the session)."""
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(limit)
+    alive = [thread.name for thread in threads if thread.is_alive()]
+    assert not alive, f"still running after {limit}s: {alive}"
