@@ -239,6 +239,7 @@ def test_a_request_unanswered_past_its_deadline_is_cut_whatever_the_watchdog_doe
     sleep = Statement("distlocks_test_sleep", "SELECT pg_sleep(%(ttl)s)::text", lambda v: v)
     pinned = _Watched()
     conn = pg().pool.get()
+    server_pid = conn.info.backend_pid
     try:
         conn.reply_timeout = 0.5
         if state == "asleep":
@@ -252,3 +253,9 @@ def test_a_request_unanswered_past_its_deadline_is_cut_whatever_the_watchdog_doe
     finally:
         watchdog.unwatch(pinned)  # type: ignore[arg-type]
         pg()._discard(conn)
+        # The cut closed the client's end only: the server's session sleeps on, and
+        # the test database could not be dropped at the end of the session.
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [server_pid])
