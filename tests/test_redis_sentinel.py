@@ -292,7 +292,7 @@ def test_primary_killed_before_replicating_tokens_keep_increasing(
         wait_for(
             lambda: redis_sentinel.current_master() is replica,
             30,
-            what="every Sentinel naming the replica",
+            what="the first Sentinel that answers naming the replica",
         )
 
         # Granted twice: the stale holder still believes it holds the lock...
