@@ -45,6 +45,10 @@ def _xdist_controller() -> bool:
     starts servers of its own, so servers started here would only idle all session."""
     if "PYTEST_XDIST_WORKER" in os.environ:
         return False
+    # Only pytest itself with xdist loaded: a process a test starts may take "-n" for
+    # something else (a Celery worker's node name).
+    if "xdist" not in sys.modules or "pytest" not in sys.modules:
+        return False
     args = [*sys.argv[1:], *os.environ.get("PYTEST_ADDOPTS", "").split()]
     for i, arg in enumerate(args):
         if arg in ("-n", "--numprocesses") and i + 1 < len(args):
