@@ -43,13 +43,16 @@ def celery_workers(
     module; yields their pids once every one answers a ping (90 s at most), and
     stops them on exit."""
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": settings, "PYTHONPATH": str(ROOT)}
+    # The node name as --hostname, not -n: tests/settings.py takes a process whose
+    # arguments have "-n <something>" for pytest-xdist's controller, which connects to
+    # no server (its placeholder URLs: the workers never reached the broker).
     procs = []
     for node, extra in workers:
         log = (logs / f"{node}.log").open("w")
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", module, "worker",
-                 "--pool", "prefork", "-n", f"{node}@%h", "--without-gossip",
+                 "--pool", "prefork", "--hostname", f"{node}@%h", "--without-gossip",
                  "--without-mingle", "--loglevel", "INFO", "--prefetch-multiplier", "1",
                  *extra],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
