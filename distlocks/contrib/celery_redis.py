@@ -37,6 +37,7 @@ from typing import Any
 
 from distlocks import signals, transactions
 from distlocks.backends.base import AcquireResult, BaseBackend, Holder
+from distlocks.contrib.celery_scripts import RUN_START as _RUN_START
 from distlocks.exceptions import LockError
 from distlocks.lease import FREE_LOST, RELEASE, Lease
 
@@ -157,6 +158,7 @@ return redis.error_reply(tostring(reply))
 """
 )
 FOLD = _Script(_FOLD_HEAD + _CHECK + _FOLD_PUSH + _FOLD_ACQUIRE)
+RUN_START = _Script(_RUN_START)
 
 logger = logging.getLogger("distlocks.contrib.celery")
 #: Release steps that send a release to the server.
@@ -248,6 +250,23 @@ def acquire_call(
     """The acquire script's call for ``name`` (at once, no waiting)."""
     keys, args = backend._indexed_acquire_call(name, owner, ttl, holder, 0.0, False)
     return "acquire", keys, args
+
+
+def run_start_call(
+    backend: Any, name: str, owner: str, ttl: float, holder: Holder, marker: str, marker_owner: str
+) -> tuple[_Script, list[str], list[Any]]:
+    """The call that lets the queue ``marker`` of ``marker_owner`` go and takes the run
+    lock ``name`` at once, in one script (see ``celery_scripts.RUN_START``); its reply
+    is the acquire script's, with the marker's error ('' when none) after it."""
+    keys, args = backend._indexed_acquire_call(name, owner, ttl, holder, 0.0, False)
+    k = backend.all_keys(marker)
+    keys = [*keys, k.lock, k.waiters, k.queue, k.signal, k.fence]
+    return RUN_START, keys, [*args, marker_owner, marker, k.wake_prefix]
+
+
+def run_started(reply: list[Any]) -> tuple[list[Any], str]:
+    """A run start's reply: the acquire script's, and the marker's error ('' if none)."""
+    return reply[:3], _text(reply[3])
 
 
 def release_call(backend: Any, name: str, owner: str) -> tuple[str, list[str], list[Any]]:
