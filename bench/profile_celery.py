@@ -372,6 +372,13 @@ def main(argv: list[str] | None = None) -> int:
             _purge(impl.app)
             impl.delete_markers()
             print(f"{impl.name:22} enqueue: {_format(enqueue)}")
+            cycle = _commands(client, _cycle(impl, counter), 200)
+            print(f"{impl.name:22} cycle:   {_format(cycle)}")
+            # A script's commands are counted with it: the server's work per task is
+            # about one unit per script and per command inside it.
+            scripts = cycle.get("evalsha", 0.0)
+            inside = sum(cycle.values()) - scripts
+            print(f"{'':22}          {scripts:g} scripts, {inside:g} other commands (theirs too)")
 
         from distlocks import get_backend
         from distlocks.locks import Lock, finish_lease

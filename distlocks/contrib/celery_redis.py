@@ -77,10 +77,15 @@ if ARGV[10] == '1' then
   local running = task_of(table.remove(KEYS))
   if running then return {2, running} end
 end
-local marker_owner = redis.call('HGET', KEYS[1], 'owner')
+"""
+# The rest of the check, given the marker's owner (``marker_owner``, false when free).
+_CHECK_QUEUED = """
 if marker_owner and marker_owner ~= ARGV[1] then
   return {3, task_of(KEYS[1]) or ''}
 end
+"""
+_MARKER_OWNER = """
+local marker_owner = redis.call('HGET', KEYS[1], 'owner')
 """
 
 
@@ -94,7 +99,7 @@ class _Script:
         self.sha = hashlib.sha1(text.encode()).hexdigest()
 
 
-ENQUEUE = _Script(_CHECK + ACQUIRE)
+ENQUEUE = _Script(_CHECK + _MARKER_OWNER + _CHECK_QUEUED + ACQUIRE)
 
 # The enqueue check with the publish folded in. KEYS: as ENQUEUE's, then the tombstone
 # below, then one key per broker command; ARGV: as ENQUEUE's, then ARGV[11] = the
@@ -116,15 +121,20 @@ ENQUEUE = _Script(_CHECK + ACQUIRE)
 # the tombstone the call would then push the message again, or be answered with its
 # own task's id as another's.
 SENT_GRACE_MS = 60_000
-_FOLD_HEAD = """
+_FOLD_HEAD = (
+    """
 local sends = {}
 for i = tonumber(ARGV[11]), 1, -1 do
   sends[i] = {ARGV[10 + 2 * i], table.remove(KEYS), ARGV[11 + 2 * i]}
 end
 local sent_key = table.remove(KEYS)
 if redis.call('EXISTS', sent_key) == 1 then return {4} end
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then return {4} end
 """
+    + _MARKER_OWNER
+    + """
+if marker_owner == ARGV[1] then return {4} end
+"""
+)
 _FOLD_PUSH = """
 for i = 1, #sends do
   local sent = redis.pcall(sends[i][1], sends[i][2], sends[i][3])
@@ -157,7 +167,9 @@ if type(reply) == 'table' and reply.err then reply = reply.err end
 return redis.error_reply(tostring(reply))
 """
 )
-FOLD = _Script(_FOLD_HEAD + _CHECK + _FOLD_PUSH + _FOLD_ACQUIRE)
+# The marker's owner is read once, by the head, for the check too (the script writes
+# nothing in between).
+FOLD = _Script(_FOLD_HEAD + _CHECK + _CHECK_QUEUED + _FOLD_PUSH + _FOLD_ACQUIRE)
 RUN_START = _Script(_RUN_START)
 
 logger = logging.getLogger("distlocks.contrib.celery")
