@@ -663,6 +663,7 @@ class SingleExecutionTask(_TaskBase):
         marker_name, marker_owner = name + QUEUED_SUFFIX, _marker_owner(task_id)
         began = time.monotonic()
         owner, holder = new_owner(), current_holder()
+        calls: list[tuple[Any, list[str], list[Any]]]
         if hold:
             calls = [
                 _together.acquire_call(backend, marker_name, marker_owner, ttl, holder),
