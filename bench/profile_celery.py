@@ -130,6 +130,7 @@ def _script_names() -> dict[str, str]:
     names = {hashlib.sha1(text.encode()).hexdigest(): name for name, text in SCRIPTS.items()}
     names[celery_redis.ENQUEUE.sha] = "enqueue"
     names[celery_redis.FOLD.sha] = "fold"
+    names[celery_redis.RUN_START.sha] = "run_start"
     return names
 
 
