@@ -43,9 +43,9 @@ def celery_workers(
     module; yields their pids once every one answers a ping (90 s at most), and
     stops them on exit."""
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": settings, "PYTHONPATH": str(ROOT)}
-    # The node name as --hostname, not -n: tests/settings.py takes a process whose
-    # arguments have "-n <something>" for pytest-xdist's controller, which connects to
-    # no server (its placeholder URLs: the workers never reached the broker).
+    # The node name as --hostname, not -n, which reads as pytest-xdist's option to
+    # whatever looks at a process's arguments (tests/settings.py once took a worker for
+    # the xdist controller and gave it placeholder server URLs).
     procs = []
     for node, extra in workers:
         log = (logs / f"{node}.log").open("w")
