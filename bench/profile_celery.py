@@ -130,6 +130,7 @@ def _script_names() -> dict[str, str]:
     names = {hashlib.sha1(text.encode()).hexdigest(): name for name, text in SCRIPTS.items()}
     names[celery_redis.ENQUEUE.sha] = "enqueue"
     names[celery_redis.FOLD.sha] = "fold"
+    names[celery_redis.RUN_START.sha] = "run_start"
     return names
 
 
@@ -372,6 +373,13 @@ def main(argv: list[str] | None = None) -> int:
             _purge(impl.app)
             impl.delete_markers()
             print(f"{impl.name:22} enqueue: {_format(enqueue)}")
+            cycle = _commands(client, _cycle(impl, counter), 200)
+            print(f"{impl.name:22} cycle:   {_format(cycle)}")
+            # A script's commands are counted with it: the server's work per task is
+            # about one unit per script and per command inside it.
+            scripts = cycle.get("evalsha", 0.0)
+            inside = sum(cycle.values()) - scripts
+            print(f"{'':22}          {scripts:g} scripts, {inside:g} other commands (theirs too)")
 
         from distlocks import get_backend
         from distlocks.locks import Lock, finish_lease

@@ -43,13 +43,16 @@ def celery_workers(
     module; yields their pids once every one answers a ping (90 s at most), and
     stops them on exit."""
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": settings, "PYTHONPATH": str(ROOT)}
+    # The node name as --hostname, not -n, which reads as pytest-xdist's option to
+    # whatever looks at a process's arguments (tests/settings.py once took a worker for
+    # the xdist controller and gave it placeholder server URLs).
     procs = []
     for node, extra in workers:
         log = (logs / f"{node}.log").open("w")
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", module, "worker",
-                 "--pool", "prefork", "-n", f"{node}@%h", "--without-gossip",
+                 "--pool", "prefork", "--hostname", f"{node}@%h", "--without-gossip",
                  "--without-mingle", "--loglevel", "INFO", "--prefetch-multiplier", "1",
                  *extra],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -101,17 +101,21 @@ def queued_task(n: int) -> int:
 def test_a_run_lock_taken_with_its_reply_lost_is_the_runs_own(
     proxy: LostReplyProxy, lossy: RedisBackend
 ) -> None:
-    """The first attempt at the run lock and the marker's release went in one round
-    trip; the server ran them and the replies were lost. The lock the server granted
-    is this run's: the body runs, and both keys are free afterwards (not a duplicate
-    of itself, with the lock left held by an owner nobody renews or releases)."""
+    """The first attempt at the run lock and the marker's release went in one script;
+    the server ran it and the reply was lost. The lock the server granted is this
+    run's: the body runs, and both keys are free afterwards (not a duplicate of
+    itself, with the lock left held by an owner nobody renews or releases)."""
     n = uuid.uuid4().int % 10**12
     name = queued_task.lock_name((n,))
+    sent = queued_task.apply_async((n,), queue=IDLE_QUEUE)
+    assert lossy.inspect(name + ":queued") is not None
+    script = celery_redis.RUN_START
+    script.sha = str(lossy.client.script_load(script.script))
     before = proxy.lost
-    proxy.lose_reply_to(_sha(lossy, "acquire"))
+    proxy.lose_reply_to(script.sha.encode())
     app.conf.task_store_eager_result = True
     try:
-        result = queued_task.apply((n,), task_id=str(uuid.uuid4()))
+        result = queued_task.apply((n,), task_id=sent.id)
     finally:
         app.conf.task_store_eager_result = False
     assert proxy.lost == before + 1
@@ -119,6 +123,7 @@ def test_a_run_lock_taken_with_its_reply_lost_is_the_runs_own(
     assert ran.count(n) == 1
     assert lossy.inspect(name) is None
     assert lossy.inspect(name + ":queued") is None
+    _drop_idle_queue()
 
 
 flushed: list[int] = []
@@ -202,8 +207,13 @@ def test_a_restart_without_persistence_between_enqueue_and_run(
     info = backend.inspect(f"r29-restart:{n}:queued")
     assert info is not None and info.extra["celery_task_id"] == again.id
     backend.release_quietly(f"r29-restart:{n}:queued", info.owner)
+    _drop_idle_queue()
+
+
+def _drop_idle_queue() -> None:
+    """The messages published to the queue no worker consumes."""
     broker = redis.Redis.from_url(django_settings.CELERY_BROKER_URL)
-    broker.delete(IDLE_QUEUE)  # the two messages no worker consumes
+    broker.delete(IDLE_QUEUE)
     broker.close()
 
 

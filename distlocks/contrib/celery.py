@@ -663,11 +663,18 @@ class SingleExecutionTask(_TaskBase):
         marker_name, marker_owner = name + QUEUED_SUFFIX, _marker_owner(task_id)
         began = time.monotonic()
         owner, holder = new_owner(), current_holder()
-        run = _together.acquire_call(backend, name, owner, ttl, holder)
+        calls: list[tuple[Any, list[str], list[Any]]]
         if hold:
-            calls = [_together.acquire_call(backend, marker_name, marker_owner, ttl, holder), run]
+            calls = [
+                _together.acquire_call(backend, marker_name, marker_owner, ttl, holder),
+                _together.acquire_call(backend, name, owner, ttl, holder),
+            ]
         else:
-            calls = [run, _together.release_call(backend, marker_name, marker_owner)]
+            # The marker let go and the run lock taken in one script.
+            start = _together.run_start_call(
+                backend, name, owner, ttl, holder, marker_name, marker_owner
+            )
+            calls = [start]
         try:
             replies = _together.send_together(backend, calls)
         except Exception as exc:
@@ -678,10 +685,12 @@ class SingleExecutionTask(_TaskBase):
             raise error from exc
         if replies is None:
             return None
-        run_reply = replies[1] if hold else replies[0]
-        marker_reply = replies[0] if hold else replies[1]
-        if not hold and isinstance(marker_reply, Exception):
-            logger.warning("Could not release queue marker %r: %s", marker_name, marker_reply)
+        run_reply = replies[-1]
+        marker_reply = replies[0]
+        if not hold and not isinstance(run_reply, Exception):
+            run_reply, marker_error = _together.run_started(run_reply)
+            if marker_error:
+                logger.warning("Could not release queue marker %r: %s", marker_name, marker_error)
         try:
             if hold and isinstance(marker_reply, Exception):
                 _together.acquired(backend, marker_name, marker_owner, marker_reply)  # raises

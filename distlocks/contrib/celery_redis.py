@@ -37,6 +37,7 @@ from typing import Any
 
 from distlocks import signals, transactions
 from distlocks.backends.base import AcquireResult, BaseBackend, Holder
+from distlocks.contrib.celery_scripts import RUN_START as _RUN_START
 from distlocks.exceptions import LockError
 from distlocks.lease import FREE_LOST, RELEASE, Lease
 
@@ -76,10 +77,15 @@ if ARGV[10] == '1' then
   local running = task_of(table.remove(KEYS))
   if running then return {2, running} end
 end
-local marker_owner = redis.call('HGET', KEYS[1], 'owner')
+"""
+# The rest of the check, given the marker's owner (``marker_owner``, false when free).
+_CHECK_QUEUED = """
 if marker_owner and marker_owner ~= ARGV[1] then
   return {3, task_of(KEYS[1]) or ''}
 end
+"""
+_MARKER_OWNER = """
+local marker_owner = redis.call('HGET', KEYS[1], 'owner')
 """
 
 
@@ -93,7 +99,7 @@ class _Script:
         self.sha = hashlib.sha1(text.encode()).hexdigest()
 
 
-ENQUEUE = _Script(_CHECK + ACQUIRE)
+ENQUEUE = _Script(_CHECK + _MARKER_OWNER + _CHECK_QUEUED + ACQUIRE)
 
 # The enqueue check with the publish folded in. KEYS: as ENQUEUE's, then the tombstone
 # below, then one key per broker command; ARGV: as ENQUEUE's, then ARGV[11] = the
@@ -115,15 +121,20 @@ ENQUEUE = _Script(_CHECK + ACQUIRE)
 # the tombstone the call would then push the message again, or be answered with its
 # own task's id as another's.
 SENT_GRACE_MS = 60_000
-_FOLD_HEAD = """
+_FOLD_HEAD = (
+    """
 local sends = {}
 for i = tonumber(ARGV[11]), 1, -1 do
   sends[i] = {ARGV[10 + 2 * i], table.remove(KEYS), ARGV[11 + 2 * i]}
 end
 local sent_key = table.remove(KEYS)
 if redis.call('EXISTS', sent_key) == 1 then return {4} end
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then return {4} end
 """
+    + _MARKER_OWNER
+    + """
+if marker_owner == ARGV[1] then return {4} end
+"""
+)
 _FOLD_PUSH = """
 for i = 1, #sends do
   local sent = redis.pcall(sends[i][1], sends[i][2], sends[i][3])
@@ -156,7 +167,10 @@ if type(reply) == 'table' and reply.err then reply = reply.err end
 return redis.error_reply(tostring(reply))
 """
 )
-FOLD = _Script(_FOLD_HEAD + _CHECK + _FOLD_PUSH + _FOLD_ACQUIRE)
+# The marker's owner is read once, by the head, for the check too (the script writes
+# nothing in between).
+FOLD = _Script(_FOLD_HEAD + _CHECK + _CHECK_QUEUED + _FOLD_PUSH + _FOLD_ACQUIRE)
+RUN_START = _Script(_RUN_START)
 
 logger = logging.getLogger("distlocks.contrib.celery")
 #: Release steps that send a release to the server.
@@ -248,6 +262,23 @@ def acquire_call(
     """The acquire script's call for ``name`` (at once, no waiting)."""
     keys, args = backend._indexed_acquire_call(name, owner, ttl, holder, 0.0, False)
     return "acquire", keys, args
+
+
+def run_start_call(
+    backend: Any, name: str, owner: str, ttl: float, holder: Holder, marker: str, marker_owner: str
+) -> tuple[_Script, list[str], list[Any]]:
+    """The call that lets the queue ``marker`` of ``marker_owner`` go and takes the run
+    lock ``name`` at once, in one script (see ``celery_scripts.RUN_START``); its reply
+    is the acquire script's, with the marker's error ('' when none) after it."""
+    keys, args = backend._indexed_acquire_call(name, owner, ttl, holder, 0.0, False)
+    k = backend.all_keys(marker)
+    keys = [*keys, k.lock, k.waiters, k.queue, k.signal, k.fence]
+    return RUN_START, keys, [*args, marker_owner, marker, k.wake_prefix]
+
+
+def run_started(reply: list[Any]) -> tuple[list[Any], str]:
+    """A run start's reply: the acquire script's, and the marker's error ('' if none)."""
+    return reply[:3], _text(reply[3])
 
 
 def release_call(backend: Any, name: str, owner: str) -> tuple[str, list[str], list[Any]]:
