@@ -1,0 +1,160 @@
+"""What a Django engineer meeting distlocks for the first time runs into.
+
+Each test is a mistake a newcomer made while following the docs word for word (a setting
+misspelt, an app left out of INSTALLED_APPS, a number out of range in a Celery option),
+and checks that the message they get says what to change.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from typing import Any
+
+import psycopg
+import pytest
+from django.core.checks import run_checks
+from django.test import override_settings
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from distlocks import get_backend, lock
+from distlocks.checks import check_settings
+from distlocks.conf import DEFAULTS
+from distlocks.contrib.celery import single_execution
+from distlocks.validation import validate_ttl
+
+REDIS = {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": "redis://127.0.0.1"}
+KNOWN = {*DEFAULTS, "DISTLOCKS_BACKENDS"}
+
+
+def messages(**overrides: Any) -> list[Any]:
+    overrides.setdefault("DISTLOCKS_BACKENDS", {"default": REDIS})
+    with override_settings(**overrides):
+        return list(check_settings())
+
+
+# -- settings checks ----------------------------------------------------------------
+
+
+def test_the_e001_example_is_a_valid_setting_to_paste() -> None:
+    (error,) = messages(DISTLOCKS_BACKENDS=None)
+    assert error.id == "distlocks.E001"
+    example = error.hint.split("DISTLOCKS_BACKENDS = ", 1)[1].rstrip(".")
+    value = ast.literal_eval(example)  # "}}}}" would be a SyntaxError here
+    assert value["default"]["BACKEND"] == "distlocks.backends.redis.RedisBackend"
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("DISTLOCKS_DEFAULT_TIMOUT", "DISTLOCKS_DEFAULT_TIMEOUT"),
+        ("DISTLOCKS_DEFAULT_TTLS", "DISTLOCKS_DEFAULT_TTL"),
+        ("DISTLOCKS_STUCK_AFTR", "DISTLOCKS_STUCK_AFTER"),
+        ("DISTLOCKS_BACKEND", "DISTLOCKS_BACKENDS"),
+        ("DISTLOCK_BACKENDS", "DISTLOCKS_BACKENDS"),
+        ("DISTLOCKS_RELEASE_ON_COMMITS", "DISTLOCKS_RELEASE_ON_COMMIT"),
+    ],
+)
+def test_a_misspelt_setting_is_named_with_the_one_meant(typo: str, meant: str) -> None:
+    found = [m for m in messages(**{typo: 5}) if m.id == "distlocks.W005"]
+    assert len(found) == 1
+    assert typo in found[0].hint and meant in found[0].hint
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(suffix=st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789", min_size=1, max_size=30))
+def test_every_unknown_distlocks_setting_is_warned_about_once(suffix: str) -> None:
+    setting = f"DISTLOCKS_{suffix}"
+    warned = [m for m in messages(**{setting: 1}) if m.id == "distlocks.W005"]
+    if setting in KNOWN:
+        assert warned == [] or setting not in warned[0].hint
+    else:
+        assert len(warned) == 1 and setting in warned[0].hint
+
+
+def test_the_documented_settings_give_no_warning() -> None:
+    assert [m.id for m in messages(**{name: DEFAULTS[name] for name in DEFAULTS})] == []
+
+
+def test_the_misspelt_setting_warning_runs_with_manage_py_check() -> None:
+    with override_settings(DISTLOCKS_DEFAULT_TIMOUT=5):
+        assert "distlocks.W005" in [m.id for m in run_checks(tags=["distlocks"])]
+
+
+@pytest.mark.parametrize("value", ["no", 0, 1, None, "False"])
+def test_release_on_commit_must_be_a_bool(value: object) -> None:
+    found = [m for m in messages(DISTLOCKS_RELEASE_ON_COMMIT=value) if m.id == "distlocks.E013"]
+    assert len(found) == 1 and repr(value) in found[0].hint
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_release_on_commit_true_or_false_is_fine(value: bool) -> None:
+    assert messages(DISTLOCKS_RELEASE_ON_COMMIT=value) == []
+
+
+@pytest.mark.parametrize(
+    ("entry", "says"),
+    [
+        (
+            {"backend": REDIS["BACKEND"], "location": REDIS["LOCATION"]},
+            ["'backend'", "'BACKEND'"],
+        ),
+        ("redis://127.0.0.1:6379/0", ["str", "'LOCATION': 'redis://127.0.0.1:6379/0'"]),
+        ({"LOCATION": "redis://127.0.0.1:6379/0"}, ["no 'BACKEND'", "RedisBackend"]),
+        ({"BACKEND": 5}, ["BACKEND", "int"]),
+    ],
+)
+def test_e002_says_what_is_wrong_with_the_entry(entry: object, says: list[str]) -> None:
+    (error,) = messages(DISTLOCKS_BACKENDS={"default": entry})
+    assert error.id == "distlocks.E002"
+    for text in says:
+        assert text in error.hint
+
+
+def test_e002_never_shows_a_password_of_a_bare_url() -> None:
+    (error,) = messages(DISTLOCKS_BACKENDS={"default": "redis://:hunter2@127.0.0.1/0"})
+    assert "hunter2" not in error.hint and "hunter2" not in error.msg
+
+
+# -- the PostgreSQL backend used without the app installed --------------------------
+
+
+def test_a_missing_registry_without_the_app_installed_says_to_install_it() -> None:
+    backend = get_backend("pg")
+    cause = psycopg.errors.UndefinedFunction("function distlocks_mint(...) does not exist")
+    with override_settings(INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth"]):
+        message = str(backend._driver_error("acquire", "x", cause))
+    assert "INSTALLED_APPS" in message and "migrate distlocks" in message
+
+
+def test_a_missing_registry_with_the_app_installed_says_to_migrate() -> None:
+    backend = get_backend("pg")
+    cause = psycopg.errors.UndefinedFunction("function distlocks_mint(...) does not exist")
+    message = str(backend._driver_error("acquire", "x", cause))
+    assert "migrate distlocks" in message and "INSTALLED_APPS" not in message
+
+
+# -- numbers that are not lease lengths are named as what they are ---------------------
+
+
+@pytest.mark.parametrize("value", [0, -1, 0.001])
+def test_max_hold_errors_name_max_hold_and_not_the_lease_length(value: float) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        lock("newcomer:max-hold", max_hold=value)
+    message = str(excinfo.value)
+    assert message.startswith("max_hold ") and "lease length" not in message
+    assert "0.01" in message
+
+
+@pytest.mark.parametrize("option", ["retry_countdown", "unique_ttl", "lock_at_least_for"])
+@pytest.mark.parametrize("value", [0, -5, math.nan])
+def test_celery_options_errors_name_the_option(option: str, value: float) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        single_execution(key="newcomer:{a}", **{option: value})(lambda a: a)
+    assert str(excinfo.value).startswith(f"{option} ")
+
+
+def test_validate_ttl_keeps_its_message_for_ttl() -> None:
+    with pytest.raises(ValueError, match="ttl must be > 0 seconds"):
+        validate_ttl(0)
