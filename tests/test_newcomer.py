@@ -22,6 +22,8 @@ from distlocks import get_backend, lock
 from distlocks.checks import check_settings
 from distlocks.conf import DEFAULTS
 from distlocks.contrib.celery import single_execution
+from distlocks.exceptions import LockBackendUnavailable
+from distlocks.livelocks.collection import describe_error
 from distlocks.validation import validate_ttl
 
 REDIS = {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": "redis://127.0.0.1"}
@@ -158,3 +160,19 @@ def test_celery_options_errors_name_the_option(option: str, value: float) -> Non
 def test_validate_ttl_keeps_its_message_for_ttl() -> None:
     with pytest.raises(ValueError, match="ttl must be > 0 seconds"):
         validate_ttl(0)
+
+
+# -- the admin's banner for a backend that cannot be read -------------------------------
+
+
+def test_a_drivers_multi_line_error_reads_as_one_line_on_the_page() -> None:
+    """libpq lays its messages out on several lines ("Connection refused\\n\\tIs the
+    server running..."): the banner showed them as \\x0a\\x09 escapes. Line breaks and
+    tabs become spaces; other control characters are still escaped."""
+    error = LockBackendUnavailable(
+        "pg", "port 1 failed: Connection refused\n\tIs the server running on that host?\x1b[31m"
+    )
+    shown = describe_error(error)
+    assert "Connection refused Is the server running on that host?" in shown
+    assert "\\x0a" not in shown and "\\x09" not in shown and "\n" not in shown
+    assert "\\x1b[31m" in shown
