@@ -8,6 +8,7 @@ and checks that the message they get says what to change.
 from __future__ import annotations
 
 import ast
+import asyncio
 import math
 from typing import Any
 
@@ -18,11 +19,11 @@ from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from distlocks import get_backend, lock
+from distlocks import alock, get_backend, lock
 from distlocks.checks import check_settings
 from distlocks.conf import DEFAULTS
 from distlocks.contrib.celery import single_execution
-from distlocks.exceptions import LockBackendUnavailable
+from distlocks.exceptions import LockBackendUnavailable, LockError
 from distlocks.livelocks.collection import describe_error
 from distlocks.validation import validate_ttl
 
@@ -176,3 +177,20 @@ def test_a_drivers_multi_line_error_reads_as_one_line_on_the_page() -> None:
     assert "Connection refused Is the server running on that host?" in shown
     assert "\\x0a" not in shown and "\\x09" not in shown and "\n" not in shown
     assert "\\x1b[31m" in shown
+
+
+# -- transaction mode from alock() --------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_alock_on_a_transaction_mode_alias_says_alock_cannot_use_it(pg_ready: None) -> None:
+    """The message said only "must be taken inside transaction.atomic()", which no
+    coroutine can do for the worker thread alock() runs the call in."""
+
+    async def take() -> None:
+        async with alock("newcomer:xact", backend="pgx", timeout=0):
+            pass
+
+    with pytest.raises(LockError, match=r"alock\(\)") as excinfo:
+        asyncio.run(take())
+    assert "sync_to_async" in str(excinfo.value)
