@@ -15,6 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 from django.core.checks import run_checks
+from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -194,3 +195,50 @@ def test_alock_on_a_transaction_mode_alias_says_alock_cannot_use_it(pg_ready: No
     with pytest.raises(LockError, match=r"alock\(\)") as excinfo:
         asyncio.run(take())
     assert "sync_to_async" in str(excinfo.value)
+
+
+# -- a misspelt option in a Redis LOCATION's query string --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("location", "typo", "meant"),
+    [
+        ("redis://127.0.0.1:6379/0?socket_timout=1", "socket_timout", "socket_timeout"),
+        ("redis://:pw@127.0.0.1/0?health_check_intervl=30", "health_check_intervl", None),
+        ("rediss://127.0.0.1/0?ssl_cert_req=none", "ssl_cert_req", "ssl_cert_reqs"),
+        ("unix:///tmp/redis.sock?db=0&bogus=1", "bogus", None),
+    ],
+)
+def test_an_unknown_location_query_option_is_caught_by_the_check(
+    location: str, typo: str, meant: str | None
+) -> None:
+    """redis-py hands any query key to the connection class, which raised a bare
+    TypeError at the first lock, after `manage.py check` had said nothing."""
+    found = [
+        m
+        for m in messages(DISTLOCKS_BACKENDS={"default": {**REDIS, "LOCATION": location}})
+        if m.id == "distlocks.E004"
+    ]
+    assert len(found) == 1 and typo in found[0].hint
+    assert meant is None or meant in found[0].hint
+    assert ":pw@" not in found[0].hint
+
+
+@pytest.mark.parametrize(
+    "location",
+    [
+        "redis://127.0.0.1:6379/0?socket_timeout=1&socket_connect_timeout=0.5",
+        "redis://127.0.0.1/0?health_check_interval=30&max_connections=50&client_name=web",
+        "rediss://127.0.0.1/0?ssl_cert_reqs=none&ssl_check_hostname=false",
+        "unix:///tmp/redis.sock?db=2&socket_timeout=1",
+    ],
+)
+def test_the_query_options_redis_reads_pass_the_check(location: str) -> None:
+    assert messages(DISTLOCKS_BACKENDS={"default": {**REDIS, "LOCATION": location}}) == []
+
+
+def test_an_unknown_query_option_is_improperly_configured_at_the_first_lock() -> None:
+    entry = {**REDIS, "LOCATION": "redis://127.0.0.1:6379/0?socket_timout=1"}
+    with override_settings(DISTLOCKS_BACKENDS={"default": entry}):
+        with pytest.raises(ImproperlyConfigured, match="socket_timout"):
+            lock("newcomer:query", timeout=0).acquire()
