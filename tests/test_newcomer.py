@@ -207,6 +207,8 @@ def test_alock_on_a_transaction_mode_alias_says_alock_cannot_use_it(pg_ready: No
         ("redis://:pw@127.0.0.1/0?health_check_intervl=30", "health_check_intervl", None),
         ("rediss://127.0.0.1/0?ssl_cert_req=none", "ssl_cert_req", "ssl_cert_reqs"),
         ("unix:///tmp/redis.sock?db=0&bogus=1", "bogus", None),
+        ("redis+sentinel://127.0.0.1:26379/main/0?socket_timout=1", "socket_timout", None),
+        ("redis+cluster://127.0.0.1:7000?read_from_replica=true", "read_from_replica", None),
     ],
 )
 def test_an_unknown_location_query_option_is_caught_by_the_check(
@@ -231,6 +233,9 @@ def test_an_unknown_location_query_option_is_caught_by_the_check(
         "redis://127.0.0.1/0?health_check_interval=30&max_connections=50&client_name=web",
         "rediss://127.0.0.1/0?ssl_cert_reqs=none&ssl_check_hostname=false",
         "unix:///tmp/redis.sock?db=2&socket_timeout=1",
+        "redis+sentinel://:pw@127.0.0.1:26379/main/1?socket_timeout=1&health_check_interval=5",
+        "rediss+sentinel://127.0.0.1:26379/main?ssl_cert_reqs=none",
+        "redis+cluster://127.0.0.1:7000?socket_timeout=1&read_from_replicas=true",
     ],
 )
 def test_the_query_options_redis_reads_pass_the_check(location: str) -> None:

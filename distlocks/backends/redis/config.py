@@ -14,7 +14,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from distlocks.redaction import redact, redact_url
-from redis.connection import Connection, ConnectionPool, parse_url
+from redis.cluster import RedisCluster
+from redis.connection import Connection, ConnectionPool, SSLConnection, parse_url
 
 _SCHEMES = ("redis", "rediss", "unix")
 _CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -143,6 +144,11 @@ def parse_location(location: str) -> Location:
         options = parse_url(f"redis://{credentials}localhost/0?{query}")
     except ValueError as exc:
         raise ValueError(f"LOCATION {shown!r}: {_parse_error(exc, location)}") from None
+    _refuse_unknown_query_keys(
+        {**options, "connection_class": SSLConnection if tls else Connection},
+        shown,
+        RedisCluster if cluster else None,
+    )
     for key in ("host", "port", "db", "path", "connection_class"):
         options.pop(key, None)
     if tls:
@@ -150,12 +156,15 @@ def parse_location(location: str) -> Location:
     return Location("cluster" if cluster else "sentinel", nodes, service, int(db_text), options)
 
 
-def _refuse_unknown_query_keys(parsed: Mapping[str, Any], shown: str) -> None:
+def _refuse_unknown_query_keys(
+    parsed: Mapping[str, Any], shown: str, client: type | None = None
+) -> None:
     """redis-py hands every query key to the connection class, so a misspelt one
-    (``?socket_timout=1``) would be a TypeError at the first lock: refused here."""
+    (``?socket_timout=1``) would be a TypeError at the first lock: refused here.
+    ``client``: a client class that reads some keys itself (RedisCluster)."""
     connection = parsed.get("connection_class", Connection)
     known = {"host", "port", "path", "connection_class"}
-    for cls in (ConnectionPool, *connection.__mro__):
+    for cls in (ConnectionPool, *connection.__mro__, *([client] if client else [])):
         init = cls.__dict__.get("__init__")
         if init is not None:
             known.update(inspect.signature(init).parameters)
