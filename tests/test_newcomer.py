@@ -14,10 +14,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from django.conf import settings
 from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
 from django.test import override_settings
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from distlocks import alock, get_backend, lock
@@ -66,7 +69,7 @@ def test_a_misspelt_setting_is_named_with_the_one_meant(typo: str, meant: str) -
     assert typo in found[0].hint and meant in found[0].hint
 
 
-@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@hsettings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(suffix=st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789", min_size=1, max_size=30))
 def test_every_unknown_distlocks_setting_is_warned_about_once(suffix: str) -> None:
     setting = f"DISTLOCKS_{suffix}"
@@ -247,3 +250,32 @@ def test_an_unknown_query_option_is_improperly_configured_at_the_first_lock() ->
     with override_settings(DISTLOCKS_BACKENDS={"default": entry}):
         with pytest.raises(ImproperlyConfigured, match="socket_timout"):
             lock("newcomer:query", timeout=0).acquire()
+
+
+# -- an unreachable PostgreSQL server, asked about one lock -------------------------------
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda backend: backend.inspect("newcomer:inspect"),
+        lambda backend: backend.permit_holders("semaphore", "newcomer:inspect"),
+    ],
+)
+def test_inspecting_a_lock_on_a_server_down_names_the_lock_not_sql(call: Any) -> None:
+    """The message named an SQL fragment (" AND lkey = %s AND mode = 'ExclusiveLock'")
+    where the lock's name belongs."""
+    down = {**connections.settings["default"], "PORT": 1}
+    connections.settings["newcomer-down"] = down
+    entry = {"BACKEND": "distlocks.backends.postgres.PostgresBackend", "DATABASE": "newcomer-down"}
+    try:
+        with override_settings(
+            DISTLOCKS_BACKENDS={**settings.DISTLOCKS_BACKENDS, "down": entry},
+        ):
+            with pytest.raises(LockBackendUnavailable) as excinfo:
+                call(get_backend("down"))
+    finally:
+        del connections.settings["newcomer-down"]
+    message = str(excinfo.value)
+    assert "newcomer:inspect" in message
+    assert "%s" not in message and "AND" not in message
