@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import http.server
 import math
+import threading
 from typing import Any
 
 import psycopg
@@ -279,3 +281,24 @@ def test_inspecting_a_lock_on_a_server_down_names_the_lock_not_sql(call: Any) ->
     message = str(excinfo.value)
     assert "newcomer:inspect" in message
     assert "%s" not in message and "AND" not in message
+
+
+# -- a LOCATION that names a server which is not Redis -----------------------------------
+
+
+def test_a_location_that_names_an_http_server_says_so() -> None:
+    """A Redis LOCATION pointing at a web server's port (a wrong port, etcd's, a proxy's)
+    answered with redis-py's "Protocol error, got 'H' as reply type byte", which says
+    nothing of what to change."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    entry = {**REDIS, "LOCATION": f"redis://127.0.0.1:{server.server_address[1]}/0"}
+    try:
+        with override_settings(DISTLOCKS_BACKENDS={"default": entry}):
+            with pytest.raises(LockError) as excinfo:
+                lock("newcomer:http", timeout=0).acquire()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "not a Redis server" in str(excinfo.value)
+    assert "LOCATION" in str(excinfo.value)
