@@ -69,6 +69,17 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     prefix = conf.KEY_PREFIX
     if not isinstance(prefix, str) or not prefix or set("{}") & set(prefix):
         errors.append(Error(E007, hint=f"It is {prefix!r}; e.g. 'distlocks'.", id="distlocks.E007"))
+    release_on_commit = conf.RELEASE_ON_COMMIT
+    if not isinstance(release_on_commit, bool):
+        # Read as a condition, "no" or "False" (an environment variable) would be true.
+        errors.append(
+            Error(
+                E013,
+                hint=f"It is {release_on_commit!r}, which is not a bool. Set it to True "
+                "(the default) or False.",
+                id="distlocks.E013",
+            )
+        )
     errors.extend(_check_operations())
     errors.extend(_check_unknown_settings())
     # Settings are quoted in these messages, and a LOCATION may hold a password.
@@ -131,16 +142,6 @@ def _check_operations() -> list[CheckMessage]:
     if not _is_number(stuck) or stuck <= 0:
         errors.append(
             Error(E011, hint=f"It is {stuck!r}; e.g. 3600 (one hour).", id="distlocks.E011")
-        )
-    release_on_commit = conf.RELEASE_ON_COMMIT
-    if not isinstance(release_on_commit, bool):
-        errors.append(
-            Error(
-                E013,
-                hint=f"It is {release_on_commit!r}; a str or number is not read as a "
-                "bool. Set it to True (the default) or False.",
-                id="distlocks.E013",
-            )
         )
     metrics = conf.METRICS
     if not isinstance(metrics, bool):
