@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import html
 import http.server
 import math
 import threading
@@ -302,3 +303,21 @@ def test_a_location_that_names_an_http_server_says_so() -> None:
         server.server_close()
     assert "not a Redis server" in str(excinfo.value)
     assert "LOCATION" in str(excinfo.value)
+
+
+# -- the operator's page of a lock, reached with a wrong or missing backend --------------
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("query", [{"name": "x"}, {"backend": "nope", "name": "x"}])
+def test_a_lock_page_without_a_known_backend_names_the_backends_there_are(
+    admin_client: Any, query: dict[str, str]
+) -> None:
+    """ "There is no backend ''." said neither that the request named no backend nor
+    which ones there are."""
+    response = admin_client.get("/admin/distlocks/livelock/lock/", query, follow=True)
+    assert response.status_code == 200
+    text = html.unescape(response.content.decode())
+    assert "DISTLOCKS_BACKENDS defines 'default'" in text
+    if "backend" not in query:
+        assert "names no backend" in text
