@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -10,7 +11,7 @@ from django.conf import settings
 from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks.conf import conf
+from distlocks.conf import DEFAULTS, conf
 from distlocks.handler import backend_class
 from distlocks.redaction import redact
 from distlocks.validation import MAX_TIMEOUT, MAX_TTL
@@ -34,9 +35,11 @@ E009 = "Session-mode PostgreSQL locks cannot work behind transaction pooling."
 E010 = "A FencedModel subclass must keep fencing_token as a non-null BigIntegerField."
 E011 = "DISTLOCKS_STUCK_AFTER must be a number of seconds > 0."
 E012 = "DISTLOCKS_METRICS must be True or False, and True needs prometheus_client."
+E013 = "DISTLOCKS_RELEASE_ON_COMMIT must be True or False."
 W001 = "LocMemBackend only locks within one process."
 W003 = "A FencedModel is registered in the admin with a ModelAdmin that does not fence its saves."
 W004 = "A fenced table has no fencing trigger: the database does not refuse stale writes to it."
+W005 = "A DISTLOCKS_* setting that distlocks does not read (a misspelt name?)."
 
 
 def _is_number(value: Any) -> bool:
@@ -66,13 +69,70 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
     prefix = conf.KEY_PREFIX
     if not isinstance(prefix, str) or not prefix or set("{}") & set(prefix):
         errors.append(Error(E007, hint=f"It is {prefix!r}; e.g. 'distlocks'.", id="distlocks.E007"))
+    release_on_commit = conf.RELEASE_ON_COMMIT
+    if not isinstance(release_on_commit, bool):
+        # Read as a condition, "no" or "False" (an environment variable) would be true.
+        errors.append(
+            Error(
+                E013,
+                hint=f"It is {release_on_commit!r}, which is not a bool. Set it to True "
+                "(the default) or False.",
+                id="distlocks.E013",
+            )
+        )
     errors.extend(_check_operations())
+    errors.extend(_check_unknown_settings())
     # Settings are quoted in these messages, and a LOCATION may hold a password.
     for error in errors:
         error.msg = redact(error.msg)
         if error.hint:
             error.hint = redact(error.hint)
     return errors
+
+
+def _entry_hint(alias: str, config: Any) -> str:
+    """What is wrong with an entry that has no usable 'BACKEND'."""
+    where = f"DISTLOCKS_BACKENDS[{alias!r}]"
+    if isinstance(config, str):
+        # A bare URL, as some cache and broker settings take: show the dict it belongs in.
+        return (
+            f"{where} is a str; it must be a dict, e.g. {{'BACKEND': "
+            f"'distlocks.backends.redis.RedisBackend', 'LOCATION': {config!r}}}."
+        )
+    if not isinstance(config, Mapping):
+        return f"{where} is a {type(config).__name__}; it must be a dict with a 'BACKEND' key."
+    if "BACKEND" in config:
+        return (
+            f"{where}['BACKEND'] is a {type(config['BACKEND']).__name__}; it must be the "
+            "dotted path of a backend class as a str, e.g. "
+            "'distlocks.backends.redis.RedisBackend'."
+        )
+    keys = ", ".join(repr(key) for key in config) or "no keys"
+    return (
+        f"{where} has no 'BACKEND' key (it has {keys}); keys are upper case: 'BACKEND', "
+        "then 'LOCATION' or 'DATABASE', and 'OPTIONS'. E.g. 'BACKEND': "
+        "'distlocks.backends.redis.RedisBackend'."
+    )
+
+
+def _check_unknown_settings() -> list[CheckMessage]:
+    """A misspelt setting is otherwise ignored without a word, its default used."""
+    known = [*DEFAULTS, "DISTLOCKS_BACKENDS"]
+    warnings: list[CheckMessage] = []
+    for name in dir(settings):
+        if name in known or not name.startswith(("DISTLOCKS_", "DISTLOCK_")):
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        meant = f"Did you mean {close[0]}? " if close else ""
+        warnings.append(
+            Warning(
+                W005,
+                hint=f"{name} is set, but distlocks reads no such setting. {meant}"
+                f"distlocks reads {', '.join(sorted(known))}.",
+                id="distlocks.W005",
+            )
+        )
+    return warnings
 
 
 def _check_operations() -> list[CheckMessage]:
@@ -110,16 +170,14 @@ def _check_backends() -> list[CheckMessage]:
                 E001,
                 hint=f"It is {got}. Example: DISTLOCKS_BACKENDS = {{'default': {{'BACKEND': "
                 "'distlocks.backends.redis.RedisBackend', 'LOCATION': "
-                "'redis://127.0.0.1:6379/0'}}}}.",
+                "'redis://127.0.0.1:6379/0'}}.",
                 id="distlocks.E001",
             )
         ]
     errors: list[CheckMessage] = []
     for alias, config in value.items():
         if not isinstance(config, Mapping) or not isinstance(config.get("BACKEND"), str):
-            errors.append(
-                Error(E002, hint=f"Fix DISTLOCKS_BACKENDS[{alias!r}].", id="distlocks.E002")
-            )
+            errors.append(Error(E002, hint=_entry_hint(alias, config), id="distlocks.E002"))
             continue
         try:
             cls = backend_class(alias, config)

@@ -503,7 +503,7 @@ class Lease(BaseLease):
                 f"backend {self.backend!r} frees its locks only when released or when "
                 f"the holder's connection ends. Use a Redis backend for this lock."
             )
-        seconds = validate_ttl(seconds)
+        seconds = validate_ttl(seconds, "release_after(seconds)")
         self.ensure_held()
         with self._mutex:
             self.ensure_held()

@@ -62,7 +62,7 @@ def _short(value: float) -> str:
 def validate_ttl(ttl: Any, what: str = "ttl") -> float:
     """A lease length in seconds: a finite number, 0.01 <= ttl <= :data:`MAX_TTL`."""
     value = _number(ttl, what, MAX_TTL)
-    if value <= 0:
+    if value <= 0 and what == "ttl":
         raise ValueError(f"{what} must be > 0 seconds (the lease length), not {ttl!r}.")
     if value < 0.01:
         raise ValueError(f"{what} must be at least 0.01 seconds, not {ttl!r}.")

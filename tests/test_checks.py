@@ -70,6 +70,9 @@ def test_valid_settings_give_no_message() -> None:
         ({"DISTLOCKS_STUCK_AFTER": 600}, []),
         ({"DISTLOCKS_METRICS": "yes"}, ["distlocks.E012"]),
         ({"DISTLOCKS_METRICS": True}, []),
+        ({"DISTLOCKS_RELEASE_ON_COMMIT": "no"}, ["distlocks.E013"]),
+        ({"DISTLOCKS_RELEASE_ON_COMMIT": False}, []),
+        ({"DISTLOCKS_DEFAULT_TIMOUT": 5}, ["distlocks.W005"]),
         ({"DISTLOCKS_BACKENDS": {"default": PG}}, []),
         (
             {

@@ -156,9 +156,21 @@ class LiveLockAdmin(admin.ModelAdmin):
         """``(alias, name, kind, owner)`` from the query or the form, checked; or a
         redirect to the list with a message saying what is wrong."""
         alias, name = data.get("backend", ""), data.get("name", "")
-        if alias not in livelocks.configured_aliases():
+        aliases = livelocks.configured_aliases()
+        if alias not in aliases:
+            # Say which aliases there are: a hand-edited or truncated link is the usual cause.
+            defined = ", ".join(repr(each) for each in aliases)
+            if alias:
+                text = _("There is no backend %(alias)r; DISTLOCKS_BACKENDS defines %(defined)s.")
+            else:
+                text = _(
+                    "The request names no backend (?backend=<alias>); DISTLOCKS_BACKENDS "
+                    "defines %(defined)s."
+                )
             self.message_user(
-                request, _("There is no backend %(alias)r.") % {"alias": alias}, messages.ERROR
+                request,
+                escape_control(text % {"alias": alias, "defined": defined}),
+                messages.ERROR,
             )
             return None, HttpResponseRedirect(self._list_url(_filters_of(request)))
         try:

@@ -249,15 +249,15 @@ class SingleExecution:
                 f"on_duplicate must be one of {', '.join(map(repr, ON_DUPLICATE))}, "
                 f"not {self.on_duplicate!r}."
             )
-        validate_ttl(self.retry_countdown)
+        validate_ttl(self.retry_countdown, "retry_countdown")
         if self.unique_while is not None and self.unique_while not in UNIQUE_WHILE:
             raise ValueError(
                 f"unique_while must be None, {UNIQUE_WHILE[0]!r} or {UNIQUE_WHILE[1]!r}, "
                 f"not {self.unique_while!r}."
             )
-        validate_ttl(self.unique_ttl)
+        validate_ttl(self.unique_ttl, "unique_ttl")
         if self.lock_at_least_for is not None:
-            validate_ttl(self.lock_at_least_for)
+            validate_ttl(self.lock_at_least_for, "lock_at_least_for")
         if self.claim is not None and not callable(self.claim):
             raise TypeError(
                 f"claim must be a callable taking the task's arguments as keywords and "

@@ -9,6 +9,7 @@ import concurrent.futures
 import datetime as dt
 import functools
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -157,6 +158,9 @@ def describe_error(exc: BaseException) -> str:
     """The error as operators see it: its type and message, no password, no control
     characters."""
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    # Drivers lay out their messages on several lines (libpq's "\n\tIs the server
+    # running..."): one line here, rather than \x0a\x09 escapes in the banner.
+    text = re.sub(r"[ \t]*[\r\n]+[ \t]*|\t+", " ", text)
     return escape_control(redact(text))
 
 

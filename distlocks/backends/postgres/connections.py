@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 import psycopg.errors
+from django.apps import apps
 
 from distlocks.backends import capabilities
 from distlocks.backends.base import BaseBackend, Holder
@@ -159,6 +160,9 @@ class PooledBackend(capabilities.Listing, capabilities.Waiting, capabilities.Per
                 f" a later migration adds): run `manage.py migrate distlocks --database"
                 f" {self.database}`."
             )
+            if not apps.is_installed("distlocks"):
+                # Without the app, that command answers "No installed app".
+                hint += " First add 'distlocks' to INSTALLED_APPS: its migrations create them."
         elif isinstance(cause, psycopg.errors.InsufficientPrivilege):
             hint = (
                 " The database role lacks a privilege (pg_terminate_backend needs the same"

@@ -17,9 +17,12 @@ from distlocks.backends.postgres.connections import PooledBackend
 class Listing(PooledBackend):
     """``inspect()``, ``iter_locks()`` and the rows behind the permit listings."""
 
-    def _rows(self, where: str = "", params: tuple[Any, ...] = ()) -> list[LockInfo]:
+    def _rows(
+        self, where: str = "", params: tuple[Any, ...] = (), name: str = "locks"
+    ) -> list[LockInfo]:
+        """The rows ``where`` selects; ``name`` is what an error message calls them."""
         query = sql.LOCKS + where + " ORDER BY acquired_at"
-        with self._pooled("list", where or "locks") as conn:
+        with self._pooled("list", name) as conn:
             cur = conn.execute(query, params)
             columns = [c.name for c in cur.description or ()]
             rows = [dict(zip(columns, row, strict=True)) for row in cur.fetchall()]
@@ -56,7 +59,7 @@ class Listing(PooledBackend):
         )
 
     def inspect(self, name: str) -> LockInfo | None:
-        rows = self._rows(" AND lkey = %s AND mode = 'ExclusiveLock'", (self.key(name),))
+        rows = self._rows(" AND lkey = %s AND mode = 'ExclusiveLock'", (self.key(name),), name)
         return rows[0] if rows else None
 
     def iter_locks(self) -> Iterator[LockInfo]:

@@ -137,10 +137,10 @@ class Permits(Listing):
 
     def permit_holders(self, kind: str, name: str) -> list[LockInfo]:
         self.check_permit_kind(kind)
-        return self._rows(" AND extra->>'of' = %s", (str(self._of(kind, name)),))
+        return self._rows(" AND extra->>'of' = %s", (str(self._of(kind, name)),), name)
 
     def iter_permits(self) -> Iterator[LockInfo]:
-        yield from self._rows(" AND extra->>'of' IS NOT NULL")
+        yield from self._rows(" AND extra->>'of' IS NOT NULL", name="permits")
 
     def permit_force_release(self, kind: str, name: str, owner: str | None = None) -> int:
         self.check_permit_kind(kind)

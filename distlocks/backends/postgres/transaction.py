@@ -44,7 +44,9 @@ class TransactionLocks(PooledBackend):
             raise LockError(
                 f"Lock {name!r} uses backend {self.alias!r} in transaction mode, which "
                 f"must be taken inside transaction.atomic(using={self.database!r}); the lock "
-                f"is released at COMMIT or ROLLBACK."
+                f"is released at COMMIT or ROLLBACK. alock() cannot use transaction mode (it "
+                f"runs the call in a worker thread, outside your atomic block): use a "
+                f"session-mode alias, or take the lock in synchronous code (sync_to_async)."
             )
         return conn
 

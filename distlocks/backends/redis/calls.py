@@ -183,6 +183,13 @@ class RedisCalls(RedisClients):
             return LockBackendUnavailable(self.alias, f"{action} {name!r} failed: {detail}")
         if "Cluster mode is not enabled" in detail:
             detail += " (LOCATION redis+cluster:// names a server that is not a cluster node)"
+        elif isinstance(exc, redis.exceptions.InvalidResponse):
+            # An answer in another protocol: the port of a web server, etcd, a proxy, or
+            # a TLS server asked in plain text.
+            detail += (
+                " (the server at LOCATION answers as if it is not a Redis server: check its"
+                " host and port, and use rediss:// for a server that requires TLS)"
+            )
         return LockError(
             f"Redis error while trying to {action} lock {name!r} on backend "
             f"{self.alias!r}: {detail}"

@@ -6,13 +6,16 @@ that say what to change and never show a password.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from distlocks.redaction import redact, redact_url
-from redis.connection import parse_url
+from redis.cluster import RedisCluster
+from redis.connection import Connection, ConnectionPool, SSLConnection, parse_url
 
 _SCHEMES = ("redis", "rediss", "unix")
 _CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -87,9 +90,10 @@ def parse_location(location: str) -> Location:
     scheme = location.partition("://")[0].lower() if "://" in location else ""
     if scheme in _SCHEMES:
         try:
-            parse_url(location)  # what the client does on first use, read now
+            parsed = parse_url(location)  # what the client does on first use, read now
         except ValueError as exc:
             raise ValueError(f"LOCATION {shown!r}: {_parse_error(exc, location)}") from None
+        _refuse_unknown_query_keys(parsed, shown)
         path = urlsplit(location).path if scheme != "unix" else ""
         if path.strip("/") and not path.strip("/").isdigit():
             # redis-py would quietly use database 0 instead.
@@ -140,11 +144,38 @@ def parse_location(location: str) -> Location:
         options = parse_url(f"redis://{credentials}localhost/0?{query}")
     except ValueError as exc:
         raise ValueError(f"LOCATION {shown!r}: {_parse_error(exc, location)}") from None
+    _refuse_unknown_query_keys(
+        {**options, "connection_class": SSLConnection if tls else Connection},
+        shown,
+        RedisCluster if cluster else None,
+    )
     for key in ("host", "port", "db", "path", "connection_class"):
         options.pop(key, None)
     if tls:
         options["ssl"] = True
     return Location("cluster" if cluster else "sentinel", nodes, service, int(db_text), options)
+
+
+def _refuse_unknown_query_keys(
+    parsed: Mapping[str, Any], shown: str, client: type | None = None
+) -> None:
+    """redis-py hands every query key to the connection class, so a misspelt one
+    (``?socket_timout=1``) would be a TypeError at the first lock: refused here.
+    ``client``: a client class that reads some keys itself (RedisCluster)."""
+    connection = parsed.get("connection_class", Connection)
+    known = {"host", "port", "path", "connection_class"}
+    for cls in (ConnectionPool, *connection.__mro__, *([client] if client else [])):
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            known.update(inspect.signature(init).parameters)
+    unknown = sorted(set(parsed) - known)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        meant = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"LOCATION {shown!r}: unknown query option(s) {', '.join(map(repr, unknown))}"
+            f"{meant}; {connection.__name__} reads none such. Fix or remove it."
+        )
 
 
 def _positive(options: Mapping[str, Any], key: str, problems: list[str]) -> None:

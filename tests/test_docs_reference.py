@@ -1,0 +1,110 @@
+"""The reference pages say what the code does: a newcomer copies names from them.
+
+Every setting the docs name is one distlocks reads, and each has its section; every
+check ID has its section in docs/checks.md and no section names a retired one; the
+OPTIONS tables of docs/configuration.md list the keys each backend reads, in rows of
+the table's width; the signatures the quickstart prints are the functions' own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import distlocks
+import distlocks.checks
+from distlocks.backends.postgres import PostgresBackend
+from distlocks.backends.redis import RedisBackend
+from distlocks.backends.redlock.config import W_EVEN_MASTERS
+from distlocks.conf import DEFAULTS
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+#: Environment variables of the test suite and the benchmarks, not settings.
+NOT_SETTINGS = ("DISTLOCKS_TEST_", "DISTLOCKS_BENCH_")
+#: The misspelling the pages of distlocks.W005 show on purpose.
+MISSPELT_EXAMPLE = "DISTLOCKS_DEFAULT_TIMOUT"
+SETTINGS = {*DEFAULTS, "DISTLOCKS_BACKENDS"}
+
+
+def pages() -> dict[str, str]:
+    found = {path.name: path.read_text() for path in DOCS.glob("*.md")}
+    found["README.md"] = (ROOT / "README.md").read_text()
+    return found
+
+
+def test_every_setting_the_docs_name_is_one_distlocks_reads() -> None:
+    named = {
+        (page, name)
+        for page, text in pages().items()
+        for name in re.findall(r"\bDISTLOCKS_[A-Z0-9_]*[A-Z0-9]", text)
+        if not name.startswith(NOT_SETTINGS) and name != MISSPELT_EXAMPLE
+    }
+    assert {(page, name) for page, name in named if name not in SETTINGS} == set()
+
+
+def test_every_setting_has_a_section_of_its_own() -> None:
+    headings = set(
+        re.findall(
+            r"^##+ `(DISTLOCKS_[A-Z_]+)`",
+            (DOCS / "configuration.md").read_text() + (DOCS / "operations.md").read_text(),
+            re.M,
+        )
+    )
+    assert headings >= SETTINGS
+
+
+def test_every_check_id_has_a_section_and_no_section_is_stale() -> None:
+    defined = {
+        f"distlocks.{name}"
+        for name in dir(distlocks.checks)
+        if name[:1] in "EW" and name[1:].isdigit()
+    } | {W_EVEN_MASTERS}
+    documented = set(
+        re.findall(r"^### `(distlocks\.[EW]\d{3})`", (DOCS / "checks.md").read_text(), re.M)
+    )
+    assert documented == defined
+
+
+def options_table(anchor: str) -> list[list[str]]:
+    """The rows of the table under the heading ``{ #anchor }`` of configuration.md."""
+    text = (DOCS / "configuration.md").read_text()
+    section = text.split(f"{{ #{anchor} }}", 1)[1]
+    rows = []
+    for line in section.splitlines()[1:]:
+        if line.startswith("#"):
+            break
+        if line.startswith("|") and not set(line) <= set("|- "):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("anchor", "backend"), [("redis-options", RedisBackend), ("postgres-options", PostgresBackend)]
+)
+def test_the_options_tables_list_the_keys_the_backend_reads(anchor: str, backend: type) -> None:
+    header, *rows = options_table(anchor)
+    assert all(len(row) == len(header) for row in rows), [r for r in rows if len(r) != len(header)]
+    keys = {row[0].strip("`") for row in rows}
+    assert keys == set(backend.option_keys)
+
+
+@pytest.mark.parametrize("function", ["lock", "lock_many"])
+def test_the_quickstart_signatures_are_the_real_ones(function: str) -> None:
+    text = (DOCS / "quickstart.md").read_text()
+    block = re.search(rf"```python\n({function}\((?:names|name), \*,.*?)\n```", text, re.S)
+    assert block is not None, f"no signature block for {function}() in quickstart.md"
+    arguments = block.group(1).split("(", 1)[1].rsplit(")", 1)[0].split(",")
+    documented = [a.split("=")[0].strip() for a in arguments if a.strip() not in ("*", "")]
+    real = list(inspect.signature(getattr(distlocks, function)).parameters)
+    assert documented == real
+
+
+def test_the_quickstart_argument_table_lists_every_argument_of_lock() -> None:
+    text = (DOCS / "quickstart.md").read_text()
+    table = text.split("| Argument", 1)[1].split("\n\n", 1)[0]
+    documented = re.findall(r"^\| `(\w+)`", table, re.M)
+    assert documented == list(inspect.signature(distlocks.lock).parameters)
