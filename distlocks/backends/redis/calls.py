@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import threading
 import weakref
@@ -16,11 +17,27 @@ from typing import Any
 
 import redis
 from distlocks import process
-from distlocks.backends.redis.clients import RedisClients, _AsyncSide
+from distlocks.backends.redis.clients import (
+    RedisClients,
+    Undo,
+    _AsyncSide,
+    _hiredis_pack,
+    _HiredisPacker,
+    _undo_command,
+    _write_behind,
+)
 from distlocks.exceptions import LockBackendUnavailable, LockError
+from distlocks.logs import log_expected
 from redis.exceptions import NoScriptError, RedisClusterException, SlotNotCoveredError
 
+logger = logging.getLogger("distlocks.backends.redis")
+
 _DRIVER_ERRORS = (redis.RedisError, RedisClusterException)
+
+#: How long a give-back sent behind an unanswered request waits for the two replies
+#: before its connection is closed. Closing is safe at any time (see
+#: RedisCalls._give_back_behind); waiting only spares the server a reset connection.
+GIVE_BACK_DRAIN = 30.0
 
 _UNAVAILABLE = (
     redis.ConnectionError,  # includes "no primary found" from Sentinel
@@ -48,16 +65,37 @@ def _is_unavailable(exc: Exception) -> bool:
     return any(word in str(exc) for word in _UNAVAILABLE_REPLIES)
 
 
-_hiredis_pack: Any = None
-_HiredisPacker: Any = None
-with contextlib.suppress(ImportError):  # redis-py without hiredis packs for itself
-    from hiredis import pack_command as _hiredis_pack
-
-    from redis.connection import HiredisRespSerializer as _HiredisPacker
-
-
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _drained(conn: Any) -> None:
+    """``conn`` is done with its give-back: back to the pool it was checked out of
+    (see RedisCalls._run_taking), if any; a pinned one goes back with its slot."""
+    conn._distlocks_draining = False
+    pool = getattr(conn, "_distlocks_pool", None)
+    if pool is not None:
+        conn._distlocks_pool = None
+        pool.release(conn)
+
+
+def _drain(conn: Any, replies: int, slot: Any) -> None:
+    """Read the ``replies`` still due on ``conn`` (the unanswered request's, then its
+    give-back's), then close it and give it back (``slot``: its pinned slot, if it was
+    one, dropped when this ends)."""
+    try:
+        for _ in range(replies):
+            # An error reply (the script's, NOSCRIPT) is a reply all the same.
+            with contextlib.suppress(redis.ResponseError):
+                conn.read_response(timeout=GIVE_BACK_DRAIN, disconnect_on_error=False)
+    except Exception as exc:
+        # Closing now is safe: what was written goes out before the FIN, and the
+        # server runs it in order (or drops the rest of it with the connection).
+        logger.debug("Stopped waiting for the give-back's reply: %s", exc)
+    finally:
+        conn.disconnect()
+        _drained(conn)
+        del slot
 
 
 def _unpinned(backend_ref: Any, pool: Any) -> None:
@@ -103,33 +141,57 @@ async def _asend(conn: Any, *commands: tuple[Any, ...]) -> None:
             raise
 
 
-async def _aread(side: _AsyncSide, conn: Any) -> Any:
+async def _aread(side: _AsyncSide, conn: Any, undo: Undo | None = None) -> Any:
     """``conn.read_response()``, its socket timeout kept by the loop's watch (one timer
     for every read of the loop) instead of an asyncio.timeout() per read: a reply late
     by the timeout has its connection aborted and raises redis.TimeoutError, as the
-    client's own timeout does."""
+    client's own timeout does.
+
+    With ``undo`` (the read of a request that may take something), a reply that does
+    not come in time, or a read that is cancelled, has the give-back written on the
+    same connection first: Redis serves one connection's commands in order, so the
+    give-back runs after the request, however late that runs (or neither does)."""
     timeout = conn.socket_timeout
-    if timeout is None:
+    if timeout is None and undo is None:
         return await conn.read_response()
     watch = side.watch
-    watch.start(asyncio.get_running_loop(), conn, timeout)
+    if timeout is not None:
+        watch.start(asyncio.get_running_loop(), conn, timeout, undo)
     try:
         # math.inf: no timer of the client's own (the watch keeps the timeout).
-        reply = await conn.read_response(timeout=math.inf)
+        if undo is None:
+            reply = await conn.read_response(timeout=math.inf)
+        else:
+            reply = await conn.read_response(timeout=math.inf, disconnect_on_error=False)
     except redis.ConnectionError as exc:
         if watch.end(conn):
             where = conn._host_error() if hasattr(conn, "_host_error") else "the server"
             raise redis.TimeoutError(f"Timeout reading from {where}") from exc
         raise
-    except BaseException:
+    except redis.ResponseError:
         # An error reply (NOSCRIPT, a script's error) is raised after the read, with
         # the connection left as it was: one the watch aborted must be shut here.
         if watch.end(conn):
             await conn.disconnect(nowait=True)
         raise
+    except BaseException:
+        fired = watch.end(conn)
+        if undo is not None:
+            # Cancelled (or worse) while the reply was due: give back behind the
+            # request (the watch did already if it fired), then close.
+            if not fired:
+                _write_behind(conn, undo)
+            await conn.disconnect(nowait=True)
+        elif fired:
+            await conn.disconnect(nowait=True)
+        raise
     if watch.end(conn):
         # Read in time, from what had come before the abort: the connection is done.
         await conn.disconnect(nowait=True)
+        if undo is not None:
+            # The watch wrote the give-back behind it: what this reply granted is
+            # being given back, so the caller must not count on it.
+            raise redis.TimeoutError("Timeout reading from the server (reply came late)")
     return reply
 
 
@@ -234,14 +296,21 @@ class RedisCalls(RedisClients):
         self._local.slot = slot
         return slot.conn
 
-    def _run_direct(self, conn: Any, script: str, keys: list[str], args: list[Any]) -> Any:
+    def _run_direct(
+        self, conn: Any, script: Any, keys: list[str], args: list[Any], undo: Undo | None = None
+    ) -> Any:
         """One EVALSHA on ``conn``: what ``client.evalsha`` does, without the pool
         checkout, retry wrapper and event hooks around it (a sixth of a round trip on a
         local server). Same rules: a connection broken while idle (a server restart) is
         reconnected and the call made once more; a timeout is not retried; a script
-        missing from the server's cache is loaded again."""
-        registered = self._scripts[script]
-        reconnected = reloaded = False
+        missing from the server's cache is loaded again. ``script``: the name of one of
+        the backend's scripts, or a registered script (``sha`` and ``script``).
+
+        With ``undo``, a request that may take something: if its reply does not come
+        (a timeout, an interrupt), the give-back is sent behind it on ``conn``, which
+        is then no longer the caller's (see :meth:`_give_back_behind`)."""
+        registered = self._scripts[script] if type(script) is str else script
+        reconnected = reloaded = sent = False
         while True:
             try:
                 command = ("EVALSHA", registered.sha, len(keys), *keys, *args)
@@ -251,7 +320,10 @@ class RedisCalls(RedisClients):
                     conn.send_packed_command([_hiredis_pack(command)])
                 else:
                     conn.send_command(*command)
-                return conn.read_response()
+                if undo is None:
+                    return conn.read_response()
+                sent = True
+                return conn.read_response(disconnect_on_error=False)
             except NoScriptError:
                 if reloaded:
                     raise
@@ -259,13 +331,83 @@ class RedisCalls(RedisClients):
                 conn.send_command("SCRIPT", "LOAD", registered.script)
                 registered.sha = _text(conn.read_response())
             except redis.TimeoutError:
-                conn.disconnect()
+                if undo is None:
+                    conn.disconnect()
+                else:
+                    self._give_back_behind(conn, undo, 1)
                 raise
             except redis.ConnectionError:
                 conn.disconnect()
                 if reconnected:
+                    if sent:
+                        self._give_back_elsewhere(undo)
                     raise
                 reconnected = True
+            except redis.ResponseError:
+                raise  # a reply: the connection is fine
+            except BaseException:
+                # Interrupted (KeyboardInterrupt, a signal handler's exception) with the
+                # request maybe sent: give back behind it, as after a timeout.
+                if undo is not None:
+                    self._give_back_behind(conn, undo, 1)
+                raise
+
+    def _give_back_elsewhere(self, undo: Undo | None) -> None:
+        """Give back, in the background and on a new connection, what a request may
+        have taken before its connection broke (its retry broke too): the server may
+        still run what it had received, but nothing written on the broken connection
+        can follow it any more."""
+        if undo is None:
+            return
+
+        def give_back() -> None:
+            command = _undo_command(undo)
+            try:
+                with self._errors("give back", str(command[3] if len(command) > 3 else "")):
+                    self.client.execute_command(*command)
+            except Exception as exc:
+                log_expected(logger, exc, "Could not give back after a broken connection "
+                             "on backend %r; it lapses with its ttl", self.alias)  # fmt: skip
+
+        threading.Thread(target=give_back, daemon=True, name="distlocks-give-back").start()
+
+    def _give_back_behind(self, conn: Any, undo: Undo, pending: int) -> None:
+        """Give back what the request(s) on ``conn`` whose ``pending`` replies have not
+        come may take, by sending the give-back on ``conn`` itself, behind them.
+
+        Redis serves one connection's commands in the order they came: the give-back
+        runs after the request, however late that runs (a stalled server, a slow
+        proxy, a packet being sent again), so it cannot find nothing and then be
+        overtaken by a grant to an owner who walked away, as a give-back sent on
+        another connection can. If the server drops the connection first, it runs
+        neither or the request alone: that is why a connection that broke after the
+        request was written gets its give-back on a new connection (the caller's own
+        clean-up), the best left to do, since nothing written on the old one can
+        follow the request any more.
+
+        ``conn`` is then a thread's: it reads the replies due (up to GIVE_BACK_DRAIN),
+        closes the connection and gives it back to its pool. A pinned connection is
+        unpinned from this thread first (its next call pins a new one)."""
+        slot = getattr(self._local, "slot", None)
+        if slot is not None and slot.conn is conn:
+            # Unpinned: the drain keeps the slot, which gives the connection back to
+            # its pool when it goes (as at the end of a thread).
+            self._local.slot = None
+        else:
+            slot = None
+        conn._distlocks_draining = True
+        try:
+            conn.send_packed_command(conn.pack_command(*_undo_command(undo)), check_health=False)
+        except Exception as exc:
+            # Broken meanwhile: the caller's clean-up gives back on a new connection.
+            logger.debug("Could not send the give-back behind the request: %s", exc)
+            conn.disconnect()
+            _drained(conn)
+            return
+        threading.Thread(
+            target=_drain, args=(conn, pending + 1, slot), daemon=True,
+            name="distlocks-give-back",
+        ).start()  # fmt: skip
 
     def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         if self._direct:
@@ -284,8 +426,44 @@ class RedisCalls(RedisClients):
         client.connection_pool.disconnect(inuse_connections=False)
         return self._scripts[script](keys=keys, args=args, client=client)
 
+    def _run_taking(self, script: Any, keys: list[str], args: list[Any], undo: Undo) -> Any:
+        """:meth:`_run` for a request that may take something (``script``: a name, as
+        for :meth:`_run`, or a registered script): on a connection in hand, so that a
+        reply that does not come has its give-back ``undo`` sent behind the request on
+        the same connection (:meth:`_give_back_behind`). This thread's pinned
+        connection, or one checked out of the pool (Sentinel, threads beyond the pinned
+        ones); a cluster's requests go through its client, which follows redirects."""
+        client = self.client
+        registered = self._scripts[script] if type(script) is str else script
+        if self._direct:
+            conn = self._pinned()
+            if conn is not None:
+                return self._run_direct(conn, registered, keys, args, undo)
+        if self.mode == "cluster":
+            return _evalsha(client, registered, keys, args)
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        conn._distlocks_pool = pool
+        try:
+            return self._run_direct(conn, registered, keys, args, undo)
+        except redis.ResponseError as exc:
+            if not self._demoted(exc):
+                raise
+        finally:
+            if not getattr(conn, "_distlocks_draining", False):
+                conn._distlocks_pool = None
+                pool.release(conn)
+        # As in _run: a primary demoted by a failover wrote nothing; ask again.
+        pool.disconnect(inuse_connections=False)
+        return _evalsha(client, registered, keys, args)
+
     async def _arun_direct(
-        self, side: _AsyncSide, script: str, keys: list[str], args: list[Any]
+        self,
+        side: _AsyncSide,
+        script: str,
+        keys: list[str],
+        args: list[Any],
+        undo: Undo | None = None,
     ) -> Any:
         """:meth:`_run_direct` for asyncio: one EVALSHA on an idle connection of the
         loop's client (at most ``calls`` of them are in use at once), without the
@@ -293,11 +471,12 @@ class RedisCalls(RedisClients):
         registered = side.scripts[script]
         conn = side.idle.pop() if side.idle else side.client.connection_pool.make_connection()
         try:
-            reconnected = reloaded = False
+            reconnected = reloaded = sent = False
             while True:
                 try:
                     await _asend(conn, ("EVALSHA", registered.sha, len(keys), *keys, *args))
-                    return await _aread(side, conn)
+                    sent = undo is not None
+                    return await _aread(side, conn, undo)
                 except NoScriptError:
                     if reloaded:
                         raise
@@ -310,6 +489,8 @@ class RedisCalls(RedisClients):
                 except redis.ConnectionError:
                     await conn.disconnect(nowait=True)
                     if reconnected:
+                        if sent:
+                            self._give_back_elsewhere(undo)
                         raise
                     reconnected = True
         finally:
@@ -317,7 +498,9 @@ class RedisCalls(RedisClients):
             # disconnected (it reconnects on its next use).
             side.idle.append(conn)
 
-    async def _arun(self, script: str, keys: list[str], args: list[Any]) -> Any:
+    async def _arun(
+        self, script: str, keys: list[str], args: list[Any], undo: Undo | None = None
+    ) -> Any:
         side = self._async_side()
         # One of the loop's connections for a quick call: at once when one is free, else in
         # turn behind the coroutines already waiting for one. Taken and given back here,
@@ -330,7 +513,7 @@ class RedisCalls(RedisClients):
             await slots.acquire()
         try:
             if self._direct:
-                return await self._arun_direct(side, script, keys, args)
+                return await self._arun_direct(side, script, keys, args, undo)
             client, scripts = side.client, side.scripts
             try:
                 return await scripts[script](keys=keys, args=args, client=client)
