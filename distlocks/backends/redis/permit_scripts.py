@@ -5,9 +5,14 @@ docstring.
 
 from __future__ import annotations
 
-from distlocks.backends.redis.scripts import FENCE_GRACE_MS
+from distlocks.backends.redis.scripts import (
+    FENCE_GRACE_MS,
+    INDEX_SWEEP_COUNT,
+    INDEX_SWEEP_EVERY,
+)
 
-_COMMON = """
+_COMMON = (
+    """
 local now = redis.call('TIME')
 local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
 
@@ -61,6 +66,39 @@ local function signal(list, waiters)
   redis.call('PEXPIRE', list, 10000)
 end
 
+-- The listing index's permits set (the key given) swept as the lock index is (see
+-- INDEX_SWEEP_EVERY in .scripts): about one grant in INDEX_SWEEP_EVERY (those whose
+-- server clock is a multiple of it in microseconds: as good as random, and no counter)
+-- reads the next INDEX_SWEEP_COUNT or so members (SSCAN, from the cursor kept in the
+-- string '<set>:sweep') and drops those whose info hash and holders are both gone (every
+-- permit of the name ran out unreleased: the keys expire with the last one). Run after a
+-- grant added its own member, which established the set's type; its reads are pcall()s
+-- all the same, so that nothing here fails a grant already written.
+local function permits_sweep(index)
+  if now[2] % INDEX_SWEEP_EVERY ~= 0 then return end
+  local state = index .. ':sweep'
+  local cursor = redis.pcall('GET', state)
+  if type(cursor) ~= 'string' or #cursor > 19 or not string.match(cursor, '^%d+$') then
+    cursor = '0'
+  end
+  local found = redis.pcall('SSCAN', index, cursor, 'COUNT', INDEX_SWEEP_COUNT)
+  if found.err then
+    redis.pcall('SET', state, '0')
+    return
+  end
+  local gone = {}
+  for _, info in ipairs(found[2]) do
+    -- Members other than info hashes (the index's epoch) are the listing's.
+    local suffix = string.match(info, ':(%a+):info$')
+    if (suffix == 'sem' or suffix == 'rw')
+        and redis.call('EXISTS', info, string.sub(info, 1, -6)) == 0 then
+      gone[#gone + 1] = info
+    end
+  end
+  if #gone > 0 then redis.call('SREM', index, unpack(gone)) end
+  redis.call('SET', state, found[1])
+end
+
 local function holder_json(raw, kind, token, ttl)
   local h = cjson.decode(raw)
   h.kind = kind
@@ -93,6 +131,9 @@ local function listing(holders, info, waiting)
   return out
 end
 """.replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
+    .replace("INDEX_SWEEP_EVERY", str(INDEX_SWEEP_EVERY))
+    .replace("INDEX_SWEEP_COUNT", str(INDEX_SWEEP_COUNT))
+)
 
 # -- semaphores. KEYS: holders, info, waiters, signal. ------------------------------
 
@@ -107,7 +148,10 @@ if redis.call('ZSCORE', KEYS[1], owner) then
   -- A retried request whose first reply was lost: it is ours.
   redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
   tidy(KEYS[1], KEYS[2])
-  if KEYS[5] then redis.call('SADD', KEYS[5], KEYS[2]) end
+  if KEYS[5] then
+    redis.call('SADD', KEYS[5], KEYS[2])
+    permits_sweep(KEYS[5])
+  end
   return {1, 0, ttl}
 end
 if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3]) then
@@ -115,7 +159,10 @@ if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3]) then
   redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], 'semaphore', 0, ttl))
   redis.call('ZREM', KEYS[3], owner)
   tidy(KEYS[1], KEYS[2])
-  if KEYS[5] then redis.call('SADD', KEYS[5], KEYS[2]) end
+  if KEYS[5] then
+    redis.call('SADD', KEYS[5], KEYS[2])
+    permits_sweep(KEYS[5])
+  end
   return {1, 0, ttl}
 end
 if tonumber(ARGV[5]) > 0 then register(KEYS[3], owner, tonumber(ARGV[5])) end
@@ -275,7 +322,10 @@ if redis.call('ZSCORE', KEYS[1], owner) then
   redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
   tidy(KEYS[1], KEYS[2], KEYS[3])
   keep_fence()
-  if KEYS[9] then redis.call('SADD', KEYS[9], KEYS[2]) end
+  if KEYS[9] then
+    redis.call('SADD', KEYS[9], KEYS[2])
+    permits_sweep(KEYS[9])
+  end
   local token = 0
   if writer == owner then
     token = tonumber(cjson.decode(redis.call('HGET', KEYS[2], owner)).token)
@@ -316,7 +366,10 @@ redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
 redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], kind, token, ttl))
 tidy(KEYS[1], KEYS[2], KEYS[3])
 keep_fence()
-if KEYS[9] then redis.call('SADD', KEYS[9], KEYS[2]) end
+if KEYS[9] then
+  redis.call('SADD', KEYS[9], KEYS[2])
+  permits_sweep(KEYS[9])
+end
 return {1, token, ttl}
 """
 )
