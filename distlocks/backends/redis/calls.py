@@ -243,11 +243,64 @@ class RedisCalls(RedisClients):
         detail = f"{type(exc).__name__}: {exc}"
         if _is_unavailable(exc):
             return LockBackendUnavailable(self.alias, f"{action} {name!r} failed: {detail}")
+        if "WRONGTYPE" in detail:
+            detail += self._wrong_types(name)
         if "Cluster mode is not enabled" in detail:
             detail += " (LOCATION redis+cluster:// names a server that is not a cluster node)"
         return LockError(
             f"Redis error while trying to {action} lock {name!r} on backend "
             f"{self.alias!r}: {detail}"
+        )
+
+    def _expected_types(self, name: str) -> dict[str, tuple[str, str]]:
+        """The keys of ``name`` (lock, semaphore and read-write lock) and of the listing
+        index, each with the type distlocks keeps there and what it is."""
+        k = self.all_keys(name)
+        base = k.lock.removesuffix(":lock")
+        found = {
+            k.lock: ("hash", "the lock"), k.fence: ("string", "the fencing counter"),
+            k.waiters: ("zset", "the waiters"), k.queue: ("zset", "the fair queue"),
+            k.signal: ("list", "the wake-ups"),
+            f"{base}:sem": ("zset", "the semaphore's permits"),
+            f"{base}:sem:info": ("hash", "the semaphore's holders"),
+            f"{base}:sem:waiters": ("zset", "the semaphore's waiters"),
+            f"{base}:sem:signal": ("list", "the semaphore's wake-ups"),
+            f"{base}:rw": ("zset", "the read-write lock's leases"),
+            f"{base}:rw:info": ("hash", "the read-write lock's holders"),
+            f"{base}:rw:writer": ("string", "the read-write lock's writer"),
+            f"{base}:rw:wwait": ("zset", "the read-write lock's waiting writers"),
+            f"{base}:rw:rwait": ("zset", "the read-write lock's waiting readers"),
+            f"{base}:rw:wsig": ("list", "the writers' wake-ups"),
+            f"{base}:rw:rsig": ("list", "the readers' wake-ups"),
+            f"{base}:rw:fence": ("string", "the write fencing counter"),
+        }  # fmt: skip
+        if self.listing_index:
+            found[self.index_key] = ("hash", "the listing index")
+            found[self.index_permits_key] = ("set", "the listing index's permits set")
+        return found
+
+    def _wrong_types(self, name: str) -> str:
+        """For a WRONGTYPE error about ``name``: which of its keys holds a value of
+        another type than distlocks keeps there, and what to do (a round trip, on the
+        error path only). Key names, never a credential."""
+        expected = self._expected_types(name)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in expected:
+                pipe.type(key)
+            found = [_text(kind) for kind in pipe.execute()]
+        except _DRIVER_ERRORS:
+            return " (could not read the keys' types to say which one)"
+        wrong = [
+            f"key {key!r} holds a {kind} where distlocks keeps a {want} ({what})"
+            for (key, (want, what)), kind in zip(expected.items(), found, strict=True)
+            if kind not in ("none", want)
+        ]
+        if not wrong:
+            return " (a key of this name holds a value of another type than distlocks keeps)"
+        return (
+            "; " + "; ".join(wrong) + ": something other than distlocks wrote it. Delete it "
+            "(DEL) and try again; this call changed nothing it reports."
         )
 
     def _acquire_error(self, name: str, owner: str, exc: Exception) -> LockError:
