@@ -69,20 +69,10 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _drained(conn: Any) -> None:
-    """``conn`` is done with its give-back: back to the pool it was checked out of
-    (see RedisCalls._run_taking), if any; a pinned one goes back with its slot."""
-    conn._distlocks_draining = False
-    pool = getattr(conn, "_distlocks_pool", None)
-    if pool is not None:
-        conn._distlocks_pool = None
-        pool.release(conn)
-
-
-def _drain(conn: Any, replies: int, slot: Any) -> None:
+def _drain(conn: Any, replies: int, slot: Any, pool: Any) -> None:
     """Read the ``replies`` still due on ``conn`` (the unanswered request's, then its
-    give-back's), then close it and give it back (``slot``: its pinned slot, if it was
-    one, dropped when this ends)."""
+    give-back's), then close it and give it back: to ``pool`` (if it was checked out of
+    it), or with ``slot`` (its pinned slot, if it was one, dropped when this ends)."""
     try:
         for _ in range(replies):
             # An error reply (the script's, NOSCRIPT) is a reply all the same.
@@ -94,8 +84,15 @@ def _drain(conn: Any, replies: int, slot: Any) -> None:
         logger.debug("Stopped waiting for the give-back's reply: %s", exc)
     finally:
         conn.disconnect()
-        _drained(conn)
+        if pool is not None:
+            pool.release(conn)
         del slot
+
+
+def _start_drain(conn: Any, replies: int, slot: Any, pool: Any) -> None:
+    threading.Thread(
+        target=_drain, args=(conn, replies, slot, pool), daemon=True, name="distlocks-give-back"
+    ).start()
 
 
 def _unpinned(backend_ref: Any, pool: Any) -> None:
@@ -439,28 +436,27 @@ class RedisCalls(RedisClients):
         follow the request any more.
 
         ``conn`` is then a thread's: it reads the replies due (up to GIVE_BACK_DRAIN),
-        closes the connection and gives it back to its pool. A pinned connection is
-        unpinned from this thread first (its next call pins a new one)."""
-        slot = getattr(self._local, "slot", None)
-        if slot is not None and slot.conn is conn:
-            # Unpinned: the drain keeps the slot, which gives the connection back to
-            # its pool when it goes (as at the end of a thread).
-            self._local.slot = None
-        else:
-            slot = None
-        conn._distlocks_draining = True
+        closes the connection and gives it back. A pinned connection is unpinned from
+        this thread first (its next call pins a new one); one checked out of the pool
+        (:meth:`_run_taking`) is handed to that thread by the checkout, once it is done
+        with it (``_distlocks_drain``), so it goes back to the pool only once."""
+        if getattr(conn, "_sock", True) is None:
+            return  # closed already (a write that timed out): sending would reconnect
         try:
             conn.send_packed_command(conn.pack_command(*_undo_command(undo)), check_health=False)
         except Exception as exc:
             # Broken meanwhile: the caller's clean-up gives back on a new connection.
             logger.debug("Could not send the give-back behind the request: %s", exc)
             conn.disconnect()
-            _drained(conn)
             return
-        threading.Thread(
-            target=_drain, args=(conn, pending + 1, slot), daemon=True,
-            name="distlocks-give-back",
-        ).start()  # fmt: skip
+        slot = getattr(self._local, "slot", None)
+        if slot is None or slot.conn is not conn:
+            conn._distlocks_drain = pending + 1  # a checkout: _run_taking starts it
+            return
+        # Unpinned: the drain keeps the slot, which gives the connection back to its
+        # pool when it goes (as at the end of a thread).
+        self._local.slot = None
+        _start_drain(conn, pending + 1, slot, None)
 
     def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         if self._direct:
@@ -496,15 +492,19 @@ class RedisCalls(RedisClients):
             return _evalsha(client, registered, keys, args)
         pool = client.connection_pool
         conn = pool.get_connection()
-        conn._distlocks_pool = pool
         try:
             return self._run_direct(conn, registered, keys, args, undo)
         except redis.ResponseError as exc:
             if not self._demoted(exc):
                 raise
         finally:
-            if not getattr(conn, "_distlocks_draining", False):
-                conn._distlocks_pool = None
+            replies = getattr(conn, "_distlocks_drain", 0)
+            if replies:
+                # A give-back went behind the request: its replies are read, and the
+                # connection given back, by a thread of its own.
+                conn._distlocks_drain = 0
+                _start_drain(conn, replies, None, pool)
+            else:
                 pool.release(conn)
         # As in _run: a primary demoted by a failover wrote nothing; ask again.
         pool.disconnect(inuse_connections=False)
