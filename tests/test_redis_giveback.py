@@ -274,6 +274,11 @@ def test_sync_acquire_through_the_pool(settings: Any, proxy: HoldingProxy, name:
         with pytest.raises(LockBackendUnavailable):
             lock(name, backend=backend.alias, ttl=60, timeout=0).acquire()
         _undone(proxy, name, lambda: backend.inspect(name) is None)
+        # The connection, drained, went back to the pool, once.
+        pool = backend.client.connection_pool
+        _settle(lambda: not pool._in_use_connections, "every connection back in the pool")
+        idle = [id(conn) for conn in pool._available_connections]
+        assert len(idle) == len(set(idle))
 
 
 def test_wait_and_acquire_pipeline(settings: Any, proxy: HoldingProxy, name: str) -> None:
