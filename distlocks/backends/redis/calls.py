@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import threading
 import weakref
@@ -16,11 +17,27 @@ from typing import Any
 
 import redis
 from distlocks import process
-from distlocks.backends.redis.clients import RedisClients, _AsyncSide
+from distlocks.backends.redis.clients import (
+    RedisClients,
+    Undo,
+    _AsyncSide,
+    _hiredis_pack,
+    _HiredisPacker,
+    _undo_command,
+    _write_behind,
+)
 from distlocks.exceptions import LockBackendUnavailable, LockError
+from distlocks.logs import log_expected
 from redis.exceptions import NoScriptError, RedisClusterException, SlotNotCoveredError
 
+logger = logging.getLogger("distlocks.backends.redis")
+
 _DRIVER_ERRORS = (redis.RedisError, RedisClusterException)
+
+#: How long a give-back sent behind an unanswered request waits for the two replies
+#: before its connection is closed. Closing is safe at any time (see
+#: RedisCalls._give_back_behind); waiting only spares the server a reset connection.
+GIVE_BACK_DRAIN = 30.0
 
 _UNAVAILABLE = (
     redis.ConnectionError,  # includes "no primary found" from Sentinel
@@ -48,16 +65,34 @@ def _is_unavailable(exc: Exception) -> bool:
     return any(word in str(exc) for word in _UNAVAILABLE_REPLIES)
 
 
-_hiredis_pack: Any = None
-_HiredisPacker: Any = None
-with contextlib.suppress(ImportError):  # redis-py without hiredis packs for itself
-    from hiredis import pack_command as _hiredis_pack
-
-    from redis.connection import HiredisRespSerializer as _HiredisPacker
-
-
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _drain(conn: Any, replies: int, slot: Any, pool: Any) -> None:
+    """Read the ``replies`` still due on ``conn`` (the unanswered request's, then its
+    give-back's), then close it and give it back: to ``pool`` (if it was checked out of
+    it), or with ``slot`` (its pinned slot, if it was one, dropped when this ends)."""
+    try:
+        for _ in range(replies):
+            # An error reply (the script's, NOSCRIPT) is a reply all the same.
+            with contextlib.suppress(redis.ResponseError):
+                conn.read_response(timeout=GIVE_BACK_DRAIN, disconnect_on_error=False)
+    except Exception as exc:
+        # Closing now is safe: what was written goes out before the FIN, and the
+        # server runs it in order (or drops the rest of it with the connection).
+        logger.debug("Stopped waiting for the give-back's reply: %s", exc)
+    finally:
+        conn.disconnect()
+        if pool is not None:
+            pool.release(conn)
+        del slot
+
+
+def _start_drain(conn: Any, replies: int, slot: Any, pool: Any) -> None:
+    threading.Thread(
+        target=_drain, args=(conn, replies, slot, pool), daemon=True, name="distlocks-give-back"
+    ).start()
 
 
 def _unpinned(backend_ref: Any, pool: Any) -> None:
@@ -103,33 +138,57 @@ async def _asend(conn: Any, *commands: tuple[Any, ...]) -> None:
             raise
 
 
-async def _aread(side: _AsyncSide, conn: Any) -> Any:
+async def _aread(side: _AsyncSide, conn: Any, undo: Undo | None = None) -> Any:
     """``conn.read_response()``, its socket timeout kept by the loop's watch (one timer
     for every read of the loop) instead of an asyncio.timeout() per read: a reply late
     by the timeout has its connection aborted and raises redis.TimeoutError, as the
-    client's own timeout does."""
+    client's own timeout does.
+
+    With ``undo`` (the read of a request that may take something), a reply that does
+    not come in time, or a read that is cancelled, has the give-back written on the
+    same connection first: Redis serves one connection's commands in order, so the
+    give-back runs after the request, however late that runs (or neither does)."""
     timeout = conn.socket_timeout
-    if timeout is None:
+    if timeout is None and undo is None:
         return await conn.read_response()
     watch = side.watch
-    watch.start(asyncio.get_running_loop(), conn, timeout)
+    if timeout is not None:
+        watch.start(asyncio.get_running_loop(), conn, timeout, undo)
     try:
         # math.inf: no timer of the client's own (the watch keeps the timeout).
-        reply = await conn.read_response(timeout=math.inf)
+        if undo is None:
+            reply = await conn.read_response(timeout=math.inf)
+        else:
+            reply = await conn.read_response(timeout=math.inf, disconnect_on_error=False)
     except redis.ConnectionError as exc:
         if watch.end(conn):
             where = conn._host_error() if hasattr(conn, "_host_error") else "the server"
             raise redis.TimeoutError(f"Timeout reading from {where}") from exc
         raise
-    except BaseException:
+    except redis.ResponseError:
         # An error reply (NOSCRIPT, a script's error) is raised after the read, with
         # the connection left as it was: one the watch aborted must be shut here.
         if watch.end(conn):
             await conn.disconnect(nowait=True)
         raise
+    except BaseException:
+        fired = watch.end(conn)
+        if undo is not None:
+            # Cancelled (or worse) while the reply was due: give back behind the
+            # request (the watch did already if it fired), then close.
+            if not fired:
+                _write_behind(conn, undo)
+            await conn.disconnect(nowait=True)
+        elif fired:
+            await conn.disconnect(nowait=True)
+        raise
     if watch.end(conn):
         # Read in time, from what had come before the abort: the connection is done.
         await conn.disconnect(nowait=True)
+        if undo is not None:
+            # The watch wrote the give-back behind it: what this reply granted is
+            # being given back, so the caller must not count on it.
+            raise redis.TimeoutError("Timeout reading from the server (reply came late)")
     return reply
 
 
@@ -181,6 +240,8 @@ class RedisCalls(RedisClients):
         detail = f"{type(exc).__name__}: {exc}"
         if _is_unavailable(exc):
             return LockBackendUnavailable(self.alias, f"{action} {name!r} failed: {detail}")
+        if "WRONGTYPE" in detail:
+            detail += self._wrong_types(name)
         if "Cluster mode is not enabled" in detail:
             detail += " (LOCATION redis+cluster:// names a server that is not a cluster node)"
         elif isinstance(exc, redis.exceptions.InvalidResponse):
@@ -193,6 +254,57 @@ class RedisCalls(RedisClients):
         return LockError(
             f"Redis error while trying to {action} lock {name!r} on backend "
             f"{self.alias!r}: {detail}"
+        )
+
+    def _expected_types(self, name: str) -> dict[str, tuple[str, str]]:
+        """The keys of ``name`` (lock, semaphore and read-write lock) and of the listing
+        index, each with the type distlocks keeps there and what it is."""
+        k = self.all_keys(name)
+        base = k.lock.removesuffix(":lock")
+        found = {
+            k.lock: ("hash", "the lock"), k.fence: ("string", "the fencing counter"),
+            k.waiters: ("zset", "the waiters"), k.queue: ("zset", "the fair queue"),
+            k.signal: ("list", "the wake-ups"),
+            f"{base}:sem": ("zset", "the semaphore's permits"),
+            f"{base}:sem:info": ("hash", "the semaphore's holders"),
+            f"{base}:sem:waiters": ("zset", "the semaphore's waiters"),
+            f"{base}:sem:signal": ("list", "the semaphore's wake-ups"),
+            f"{base}:rw": ("zset", "the read-write lock's leases"),
+            f"{base}:rw:info": ("hash", "the read-write lock's holders"),
+            f"{base}:rw:writer": ("string", "the read-write lock's writer"),
+            f"{base}:rw:wwait": ("zset", "the read-write lock's waiting writers"),
+            f"{base}:rw:rwait": ("zset", "the read-write lock's waiting readers"),
+            f"{base}:rw:wsig": ("list", "the writers' wake-ups"),
+            f"{base}:rw:rsig": ("list", "the readers' wake-ups"),
+            f"{base}:rw:fence": ("string", "the write fencing counter"),
+        }  # fmt: skip
+        if self.listing_index:
+            found[self.index_key] = ("hash", "the listing index")
+            found[self.index_permits_key] = ("set", "the listing index's permits set")
+        return found
+
+    def _wrong_types(self, name: str) -> str:
+        """For a WRONGTYPE error about ``name``: which of its keys holds a value of
+        another type than distlocks keeps there, and what to do (a round trip, on the
+        error path only). Key names, never a credential."""
+        expected = self._expected_types(name)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in expected:
+                pipe.type(key)
+            found = [_text(kind) for kind in pipe.execute()]
+        except _DRIVER_ERRORS:
+            return " (could not read the keys' types to say which one)"
+        wrong = [
+            f"key {key!r} holds a {kind} where distlocks keeps a {want} ({what})"
+            for (key, (want, what)), kind in zip(expected.items(), found, strict=True)
+            if kind not in ("none", want)
+        ]
+        if not wrong:
+            return " (a key of this name holds a value of another type than distlocks keeps)"
+        return (
+            "; " + "; ".join(wrong) + ": something other than distlocks wrote it. Delete it "
+            "(DEL) and try again; this call changed nothing it reports."
         )
 
     def _acquire_error(self, name: str, owner: str, exc: Exception) -> LockError:
@@ -241,14 +353,21 @@ class RedisCalls(RedisClients):
         self._local.slot = slot
         return slot.conn
 
-    def _run_direct(self, conn: Any, script: str, keys: list[str], args: list[Any]) -> Any:
+    def _run_direct(
+        self, conn: Any, script: Any, keys: list[str], args: list[Any], undo: Undo | None = None
+    ) -> Any:
         """One EVALSHA on ``conn``: what ``client.evalsha`` does, without the pool
         checkout, retry wrapper and event hooks around it (a sixth of a round trip on a
         local server). Same rules: a connection broken while idle (a server restart) is
         reconnected and the call made once more; a timeout is not retried; a script
-        missing from the server's cache is loaded again."""
-        registered = self._scripts[script]
-        reconnected = reloaded = False
+        missing from the server's cache is loaded again. ``script``: the name of one of
+        the backend's scripts, or a registered script (``sha`` and ``script``).
+
+        With ``undo``, a request that may take something: if its reply does not come
+        (a timeout, an interrupt), the give-back is sent behind it on ``conn``, which
+        is then no longer the caller's (see :meth:`_give_back_behind`)."""
+        registered = self._scripts[script] if type(script) is str else script
+        reconnected = reloaded = sent = False
         while True:
             try:
                 command = ("EVALSHA", registered.sha, len(keys), *keys, *args)
@@ -258,7 +377,10 @@ class RedisCalls(RedisClients):
                     conn.send_packed_command([_hiredis_pack(command)])
                 else:
                     conn.send_command(*command)
-                return conn.read_response()
+                if undo is None:
+                    return conn.read_response()
+                sent = True
+                return conn.read_response(disconnect_on_error=False)
             except NoScriptError:
                 if reloaded:
                     raise
@@ -266,13 +388,82 @@ class RedisCalls(RedisClients):
                 conn.send_command("SCRIPT", "LOAD", registered.script)
                 registered.sha = _text(conn.read_response())
             except redis.TimeoutError:
-                conn.disconnect()
+                if undo is None:
+                    conn.disconnect()
+                else:
+                    self._give_back_behind(conn, undo, 1)
                 raise
             except redis.ConnectionError:
                 conn.disconnect()
                 if reconnected:
+                    if sent:
+                        self._give_back_elsewhere(undo)
                     raise
                 reconnected = True
+            except redis.ResponseError:
+                raise  # a reply: the connection is fine
+            except BaseException:
+                # Interrupted (KeyboardInterrupt, a signal handler's exception) with the
+                # request maybe sent: give back behind it, as after a timeout.
+                if undo is not None:
+                    self._give_back_behind(conn, undo, 1)
+                raise
+
+    def _give_back_elsewhere(self, undo: Undo | None) -> None:
+        """Give back, in the background and on a new connection, what a request may
+        have taken before its connection broke (its retry broke too): the server may
+        still run what it had received, but nothing written on the broken connection
+        can follow it any more."""
+        if undo is None:
+            return
+
+        def give_back() -> None:
+            command = _undo_command(undo)
+            try:
+                with self._errors("give back", str(command[3] if len(command) > 3 else "")):
+                    self.client.execute_command(*command)
+            except Exception as exc:
+                log_expected(logger, exc, "Could not give back after a broken connection "
+                             "on backend %r; it lapses with its ttl", self.alias)  # fmt: skip
+
+        threading.Thread(target=give_back, daemon=True, name="distlocks-give-back").start()
+
+    def _give_back_behind(self, conn: Any, undo: Undo, pending: int) -> None:
+        """Give back what the request(s) on ``conn`` whose ``pending`` replies have not
+        come may take, by sending the give-back on ``conn`` itself, behind them.
+
+        Redis serves one connection's commands in the order they came: the give-back
+        runs after the request, however late that runs (a stalled server, a slow
+        proxy, a packet being sent again), so it cannot find nothing and then be
+        overtaken by a grant to an owner who walked away, as a give-back sent on
+        another connection can. If the server drops the connection first, it runs
+        neither or the request alone: that is why a connection that broke after the
+        request was written gets its give-back on a new connection (the caller's own
+        clean-up), the best left to do, since nothing written on the old one can
+        follow the request any more.
+
+        ``conn`` is then a thread's: it reads the replies due (up to GIVE_BACK_DRAIN),
+        closes the connection and gives it back. A pinned connection is unpinned from
+        this thread first (its next call pins a new one); one checked out of the pool
+        (:meth:`_run_taking`) is handed to that thread by the checkout, once it is done
+        with it (``_distlocks_drain``), so it goes back to the pool only once."""
+        if getattr(conn, "_sock", True) is None:
+            return  # closed already (a write that timed out): sending would reconnect
+        try:
+            conn.send_packed_command(conn.pack_command(*_undo_command(undo)), check_health=False)
+        except Exception as exc:
+            # Broken meanwhile: the caller's clean-up gives back on a new connection.
+            logger.debug("Could not send the give-back behind the request: %s", exc)
+            conn.disconnect()
+            return
+        slot = getattr(self._local, "slot", None)
+        if slot is None or slot.conn is not conn:
+            conn._distlocks_drain = pending + 1  # a checkout: _run_taking starts it
+            return
+        # Unpinned: the drain keeps the slot, which gives the connection back to its
+        # pool when it goes (as at the end of a thread).
+        self._local.slot = None
+        _start_drain(conn, pending + 1, slot, None)
 
     def _run(self, script: str, keys: list[str], args: list[Any]) -> Any:
         if self._direct:
@@ -291,8 +482,48 @@ class RedisCalls(RedisClients):
         client.connection_pool.disconnect(inuse_connections=False)
         return self._scripts[script](keys=keys, args=args, client=client)
 
+    def _run_taking(self, script: Any, keys: list[str], args: list[Any], undo: Undo) -> Any:
+        """:meth:`_run` for a request that may take something (``script``: a name, as
+        for :meth:`_run`, or a registered script): on a connection in hand, so that a
+        reply that does not come has its give-back ``undo`` sent behind the request on
+        the same connection (:meth:`_give_back_behind`). This thread's pinned
+        connection, or one checked out of the pool (Sentinel, threads beyond the pinned
+        ones); a cluster's requests go through its client, which follows redirects."""
+        client = self.client
+        registered = self._scripts[script] if type(script) is str else script
+        if self._direct:
+            conn = self._pinned()
+            if conn is not None:
+                return self._run_direct(conn, registered, keys, args, undo)
+        if self.mode == "cluster":
+            return _evalsha(client, registered, keys, args)
+        pool = client.connection_pool
+        conn = pool.get_connection()
+        try:
+            return self._run_direct(conn, registered, keys, args, undo)
+        except redis.ResponseError as exc:
+            if not self._demoted(exc):
+                raise
+        finally:
+            replies = getattr(conn, "_distlocks_drain", 0)
+            if replies:
+                # A give-back went behind the request: its replies are read, and the
+                # connection given back, by a thread of its own.
+                conn._distlocks_drain = 0
+                _start_drain(conn, replies, None, pool)
+            else:
+                pool.release(conn)
+        # As in _run: a primary demoted by a failover wrote nothing; ask again.
+        pool.disconnect(inuse_connections=False)
+        return _evalsha(client, registered, keys, args)
+
     async def _arun_direct(
-        self, side: _AsyncSide, script: str, keys: list[str], args: list[Any]
+        self,
+        side: _AsyncSide,
+        script: str,
+        keys: list[str],
+        args: list[Any],
+        undo: Undo | None = None,
     ) -> Any:
         """:meth:`_run_direct` for asyncio: one EVALSHA on an idle connection of the
         loop's client (at most ``calls`` of them are in use at once), without the
@@ -300,11 +531,12 @@ class RedisCalls(RedisClients):
         registered = side.scripts[script]
         conn = side.idle.pop() if side.idle else side.client.connection_pool.make_connection()
         try:
-            reconnected = reloaded = False
+            reconnected = reloaded = sent = False
             while True:
                 try:
                     await _asend(conn, ("EVALSHA", registered.sha, len(keys), *keys, *args))
-                    return await _aread(side, conn)
+                    sent = undo is not None
+                    return await _aread(side, conn, undo)
                 except NoScriptError:
                     if reloaded:
                         raise
@@ -317,6 +549,8 @@ class RedisCalls(RedisClients):
                 except redis.ConnectionError:
                     await conn.disconnect(nowait=True)
                     if reconnected:
+                        if sent:
+                            self._give_back_elsewhere(undo)
                         raise
                     reconnected = True
         finally:
@@ -324,7 +558,9 @@ class RedisCalls(RedisClients):
             # disconnected (it reconnects on its next use).
             side.idle.append(conn)
 
-    async def _arun(self, script: str, keys: list[str], args: list[Any]) -> Any:
+    async def _arun(
+        self, script: str, keys: list[str], args: list[Any], undo: Undo | None = None
+    ) -> Any:
         side = self._async_side()
         # One of the loop's connections for a quick call: at once when one is free, else in
         # turn behind the coroutines already waiting for one. Taken and given back here,
@@ -337,7 +573,7 @@ class RedisCalls(RedisClients):
             await slots.acquire()
         try:
             if self._direct:
-                return await self._arun_direct(side, script, keys, args)
+                return await self._arun_direct(side, script, keys, args, undo)
             client, scripts = side.client, side.scripts
             try:
                 return await scripts[script](keys=keys, args=args, client=client)

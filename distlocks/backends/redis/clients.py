@@ -6,6 +6,7 @@ client per event loop with its limits on connections.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect as pyinspect
 import math
@@ -31,6 +32,41 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.exceptions import SlotNotCoveredError
 from redis.retry import Retry
+
+_hiredis_pack: Any = None
+_HiredisPacker: Any = None
+with contextlib.suppress(ImportError):  # redis-py without hiredis packs for itself
+    from hiredis import pack_command as _hiredis_pack
+
+    from redis.connection import HiredisRespSerializer as _HiredisPacker  # noqa: F401
+
+#: What undoes a request that may take something (a lock, a permit) if it is left
+#: unanswered: a function and its arguments, called only then, which returns the Lua
+#: of the give-back with its keys and arguments. A tuple, not a closure: the request's
+#: hot path builds one per call, and nothing more.
+Undo = tuple[Any, ...]
+
+
+def _undo_command(undo: Undo) -> tuple[Any, ...]:
+    """The EVAL of the give-back ``undo`` names: the script in full, so it runs even on
+    a server whose script cache lost it."""
+    lua, keys, args = undo[0](*undo[1:])
+    return ("EVAL", lua, len(keys), *keys, *args)
+
+
+def _write_behind(conn: Any, undo: Undo) -> bool:
+    """Write the give-back ``undo`` on the asyncio connection ``conn`` behind the
+    request whose reply is still due (without waiting); False if it is closed."""
+    writer = getattr(conn, "_writer", None)
+    if writer is None or writer.transport is None or writer.transport.is_closing():
+        return False
+    command = _undo_command(undo)
+    if _hiredis_pack is not None:
+        writer.write(_hiredis_pack(command))
+    else:
+        writer.writelines(conn.pack_command(*command))
+    return True
+
 
 # Connection settings the asyncio clients accept, copied from the sync pool.
 _ASYNC_KWARGS = frozenset(pyinspect.signature(redis.asyncio.Redis.__init__).parameters) - {
@@ -114,17 +150,20 @@ class _ReadWatch:
     __slots__ = ("deadlines", "expired", "timer", "when")
 
     def __init__(self) -> None:
-        #: id(connection) -> (deadline on the loop's clock, connection), reads under way.
-        self.deadlines: dict[int, tuple[float, Any]] = {}
+        #: id(connection) -> (deadline on the loop's clock, connection, what gives back
+        #: the request if its reply is late), reads under way.
+        self.deadlines: dict[int, tuple[float, Any, Undo | None]] = {}
         #: id() of connections aborted for being late, until their reader has seen it.
         self.expired: set[int] = set()
         self.timer: asyncio.TimerHandle | None = None
         #: When the timer fires (inf when there is none).
         self.when = math.inf
 
-    def start(self, loop: asyncio.AbstractEventLoop, conn: Any, timeout: float) -> None:
+    def start(
+        self, loop: asyncio.AbstractEventLoop, conn: Any, timeout: float, undo: Undo | None = None
+    ) -> None:
         deadline = loop.time() + timeout
-        self.deadlines[id(conn)] = (deadline, conn)
+        self.deadlines[id(conn)] = (deadline, conn, undo)
         if deadline < self.when:
             # The first read, or one due before the timer (a shorter timeout than the
             # reads under way: the connections' timeouts need not all be the same).
@@ -145,17 +184,23 @@ class _ReadWatch:
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
         self.timer, self.when = None, math.inf
         now = loop.time()
-        for key, (deadline, conn) in list(self.deadlines.items()):
+        for key, (deadline, conn, undo) in list(self.deadlines.items()):
             if deadline <= now:
                 del self.deadlines[key]
                 self.expired.add(key)
                 writer = getattr(conn, "_writer", None)
-                if writer is not None:
+                if writer is None:
+                    continue
+                if undo is not None and _write_behind(conn, undo):
+                    # The give-back goes out behind the request, then the end of the
+                    # stream: close(), which sends what is written first, not abort().
+                    writer.transport.close()
+                else:
                     # The reader sees the end of the stream after what it already
                     # received: a reply that came just in time is still read.
                     writer.transport.abort()
         if self.deadlines:
-            self.when = min(deadline for deadline, _ in self.deadlines.values())
+            self.when = min(deadline for deadline, _, _ in self.deadlines.values())
             self.timer = loop.call_at(self.when, self._check, loop)
 
 

@@ -26,7 +26,9 @@ from distlocks.backends.redis.calls import (
     _asend,
     _hiredis_pack,
     _HiredisPacker,
+    _write_behind,
 )
+from distlocks.backends.redis.scripts import RELEASE
 from distlocks.exceptions import LockError
 from redis.exceptions import NoScriptError
 
@@ -98,10 +100,15 @@ class RedisLocks(RedisCalls):
     ) -> AcquireResult:
         keys, args = self._indexed_acquire_call(name, owner, ttl, holder, wait, fair)
         try:
-            reply = self._run("acquire", keys, args)
+            reply = self._run_taking("acquire", keys, args, (self._lock_undo, name, owner))
         except _DRIVER_ERRORS as exc:
             raise self._acquire_error(name, owner, exc) from exc
         return self._acquire_result(reply)
+
+    def _lock_undo(self, name: str, owner: str) -> tuple[str, list[str], list[Any]]:
+        """The give-back of an acquire of ``name`` by ``owner`` left unanswered: its
+        release (see calls.Undo)."""
+        return (RELEASE, *self._indexed_release_call(name, owner))
 
     async def aacquire(
         self,
@@ -117,7 +124,7 @@ class RedisLocks(RedisCalls):
         # A plain except, as in acquire(): a generator-based context manager per call
         # costs more than the rest of this method's Python work.
         try:
-            reply = await self._arun("acquire", keys, args)
+            reply = await self._arun("acquire", keys, args, (self._lock_undo, name, owner))
         except _DRIVER_ERRORS as exc:
             raise self._acquire_error(name, owner, exc) from exc
         except asyncio.CancelledError:
@@ -326,13 +333,21 @@ class RedisLocks(RedisCalls):
         registered = self._scripts["acquire"]
         pop = ("BLPOP", self._wait_key(name, owner, fair), f"{seconds:.3f}")
         run = ("EVALSHA", registered.sha, len(keys), *keys, *args)
+        pending = 2  # replies due: the wake-up's, the attempt's
         try:
             if _hiredis_pack is not None and type(conn._command_packer) is _HiredisPacker:
                 conn.send_packed_command([_hiredis_pack(pop), _hiredis_pack(run)])
             else:
                 conn.send_packed_command(conn.pack_commands([pop, run]))
-            conn.read_response()  # the wake-up, or nothing at the end of the wait
-            reply = conn.read_response()
+            # The wake-up, or nothing at the end of the wait (or an error reply: the
+            # attempt's reply is still due, and read all the same).
+            wake_error = None
+            try:
+                conn.read_response(disconnect_on_error=False)
+            except redis.ResponseError as exc:
+                wake_error = exc
+            pending = 1
+            reply = conn.read_response(disconnect_on_error=False)
         except NoScriptError:
             # Both replies were read; the script is loaded by the plain path.
             return self.acquire(name, owner, ttl, holder, wait=wait, fair=fair)
@@ -341,17 +356,23 @@ class RedisLocks(RedisCalls):
             # reconnects (and is safe to repeat, by owner).
             conn.disconnect()
             return None
+        except redis.TimeoutError as exc:
+            # A reply is late: the attempt may still run. Give it back behind it.
+            self._give_back_behind(conn, (self._lock_undo, name, owner), pending)
+            raise self._acquire_error(name, owner, exc) from exc
         except _DRIVER_ERRORS as exc:
             # A reply may still be unread: this connection cannot be trusted any more.
             conn.disconnect()
             raise self._acquire_error(name, owner, exc) from exc
         except BaseException:
             # Interrupted with the attempt sent: it may have taken the lock for an owner
-            # nobody will release. Give it back (off this thread), as after a timeout.
-            conn.disconnect()
-            threading.Thread(target=self.release_quietly, args=(name, owner), daemon=True).start()
+            # nobody will release. Give it back, behind it, as after a timeout.
+            self._give_back_behind(conn, (self._lock_undo, name, owner), pending)
             raise
-        return self._acquire_result(reply)
+        result = self._acquire_result(reply)
+        if wake_error is not None and not result.acquired:
+            raise self._error("wait for", name, wake_error) from wake_error
+        return result
 
     async def await_and_acquire(
         self,
@@ -388,25 +409,41 @@ class RedisLocks(RedisCalls):
                 ("BLPOP", self._wait_key(name, owner, fair), f"{left:.3f}"),
                 ("EVALSHA", registered.sha, len(keys), *keys, *args),
             )
-            await conn.read_response()  # the wake-up, or nothing at the end of the wait
-            reply = await conn.read_response()
+            # The wake-up, or nothing at the end of the wait (or an error reply: the
+            # attempt's reply is still due, and read all the same).
+            wake_error = None
+            try:
+                await conn.read_response(disconnect_on_error=False)
+            except redis.ResponseError as exc:
+                wake_error = exc
+            reply = await conn.read_response(disconnect_on_error=False)
         except NoScriptError:
             return await self.aacquire(name, owner, ttl, holder, wait=wait, fair=fair)
         except redis.ConnectionError:
             await conn.disconnect(nowait=True)
             return None  # the caller's plain acquire reconnects (safe to repeat, by owner)
+        except redis.TimeoutError as exc:
+            # A reply is late: the attempt may still run. Give it back behind it.
+            _write_behind(conn, (self._lock_undo, name, owner))
+            await conn.disconnect(nowait=True)
+            raise self._acquire_error(name, owner, exc) from exc
         except _DRIVER_ERRORS as exc:
             await conn.disconnect(nowait=True)
             raise self._acquire_error(name, owner, exc) from exc
         except BaseException:
-            # Cancelled with the attempt sent: give back what it may have taken.
+            # Cancelled with the attempt sent: give back what it may have taken, behind
+            # it on this connection, and on another in case this one is broken.
+            _write_behind(conn, (self._lock_undo, name, owner))
             await conn.disconnect(nowait=True)
             threading.Thread(target=self.release_quietly, args=(name, owner), daemon=True).start()
             raise
         finally:
             side.idle.append(conn)
             side.waits.release()
-        return self._acquire_result(reply)
+        result = self._acquire_result(reply)
+        if wake_error is not None and not result.acquired:
+            raise self._error("wait for", name, wake_error) from wake_error
+        return result
 
     async def await_release(
         self, name: str, timeout: float, *, owner: str = "", fair: bool = False

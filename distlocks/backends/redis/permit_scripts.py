@@ -5,9 +5,15 @@ docstring.
 
 from __future__ import annotations
 
-from distlocks.backends.redis.scripts import FENCE_GRACE_MS
+from distlocks.backends.redis.scripts import (
+    _COUNTER,
+    FENCE_GRACE_MS,
+    INDEX_SWEEP_COUNT,
+    INDEX_SWEEP_EVERY,
+)
 
-_COMMON = """
+_COMMON = (
+    """
 local now = redis.call('TIME')
 local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
 
@@ -61,6 +67,39 @@ local function signal(list, waiters)
   redis.call('PEXPIRE', list, 10000)
 end
 
+-- The listing index's permits set (the key given) swept as the lock index is (see
+-- INDEX_SWEEP_EVERY in .scripts): about one grant in INDEX_SWEEP_EVERY (those whose
+-- server clock is a multiple of it in microseconds: as good as random, and no counter)
+-- reads the next INDEX_SWEEP_COUNT or so members (SSCAN, from the cursor kept in the
+-- string '<set>:sweep') and drops those whose info hash and holders are both gone (every
+-- permit of the name ran out unreleased: the keys expire with the last one). Run after a
+-- grant added its own member, which established the set's type; its reads are pcall()s
+-- all the same, so that nothing here fails a grant already written.
+local function permits_sweep(index)
+  if now[2] % INDEX_SWEEP_EVERY ~= 0 then return end
+  local state = index .. ':sweep'
+  local cursor = redis.pcall('GET', state)
+  if type(cursor) ~= 'string' or #cursor > 19 or not string.match(cursor, '^%d+$') then
+    cursor = '0'
+  end
+  local found = redis.pcall('SSCAN', index, cursor, 'COUNT', INDEX_SWEEP_COUNT)
+  if found.err then
+    redis.pcall('SET', state, '0')
+    return
+  end
+  local gone = {}
+  for _, info in ipairs(found[2]) do
+    -- Members other than info hashes (the index's epoch) are the listing's.
+    local suffix = string.match(info, ':(%a+):info$')
+    if (suffix == 'sem' or suffix == 'rw')
+        and redis.call('EXISTS', info, string.sub(info, 1, -6)) == 0 then
+      gone[#gone + 1] = info
+    end
+  end
+  if #gone > 0 then redis.call('SREM', index, unpack(gone)) end
+  redis.call('SET', state, found[1])
+end
+
 local function holder_json(raw, kind, token, ttl)
   local h = cjson.decode(raw)
   h.kind = kind
@@ -93,6 +132,9 @@ local function listing(holders, info, waiting)
   return out
 end
 """.replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
+    .replace("INDEX_SWEEP_EVERY", str(INDEX_SWEEP_EVERY))
+    .replace("INDEX_SWEEP_COUNT", str(INDEX_SWEEP_COUNT))
+)
 
 # -- semaphores. KEYS: holders, info, waiters, signal. ------------------------------
 
@@ -103,19 +145,23 @@ SEM_ACQUIRE = (
     + """
 purge(KEYS[1], KEYS[2])
 local owner, ttl = ARGV[1], tonumber(ARGV[2])
+-- Each command that can fail (a key of the wrong type) runs before the permit is
+-- written (see "Half-written" in .scripts): a failure grants nothing.
 if redis.call('ZSCORE', KEYS[1], owner) then
   -- A retried request whose first reply was lost: it is ours.
+  if KEYS[5] then redis.call('SADD', KEYS[5], KEYS[2]) end
   redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
   tidy(KEYS[1], KEYS[2])
-  if KEYS[5] then redis.call('SADD', KEYS[5], KEYS[2]) end
+  if KEYS[5] then permits_sweep(KEYS[5]) end
   return {1, 0, ttl}
 end
 if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3]) then
-  redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
-  redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], 'semaphore', 0, ttl))
-  redis.call('ZREM', KEYS[3], owner)
-  tidy(KEYS[1], KEYS[2])
   if KEYS[5] then redis.call('SADD', KEYS[5], KEYS[2]) end
+  redis.call('ZREM', KEYS[3], owner)
+  redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], 'semaphore', 0, ttl))
+  redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
+  tidy(KEYS[1], KEYS[2])
+  if KEYS[5] then permits_sweep(KEYS[5]) end
   return {1, 0, ttl}
 end
 if tonumber(ARGV[5]) > 0 then register(KEYS[3], owner, tonumber(ARGV[5])) end
@@ -137,13 +183,15 @@ if not score or tonumber(score) <= now_ms then
   if released_by(KEYS[5], ARGV[2]) then return 1 end
   return 0
 end
-mark_released(KEYS[5], ARGV[2])
-redis.call('ZREM', KEYS[1], ARGV[1])
+-- What can fail first, the permit given back last (see "Half-written" in .scripts):
+-- the info hash without the owner tells whether this was the name's last permit.
 redis.call('HDEL', KEYS[2], ARGV[1])
-tidy(KEYS[1], KEYS[2])
 unlist(KEYS[6], KEYS[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
 signal(KEYS[4], redis.call('ZCARD', KEYS[3]))
+mark_released(KEYS[5], ARGV[2])
+redis.call('ZREM', KEYS[1], ARGV[1])
+tidy(KEYS[1], KEYS[2])
 return 1
 """
 )
@@ -154,8 +202,8 @@ SEM_EXTEND = (
     + """
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not score or tonumber(score) <= now_ms then return 0 end
+renewed(KEYS[2], ARGV[1], tonumber(ARGV[2]))  -- can fail: before the renewal
 redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[2]), ARGV[1])
-renewed(KEYS[2], ARGV[1], tonumber(ARGV[2]))
 tidy(KEYS[1], KEYS[2])
 return 1
 """
@@ -178,18 +226,24 @@ SEM_FORCE = (
     _COMMON
     + """
 purge(KEYS[1], KEYS[2])
+-- What can fail first, the eviction last (see "Half-written" in .scripts).
 local evicted
 if ARGV[1] == '' then
   evicted = redis.call('ZCARD', KEYS[1])
-  redis.call('DEL', KEYS[1], KEYS[2])
+  if KEYS[5] then redis.call('SREM', KEYS[5], KEYS[2]) end
 else
-  evicted = redis.call('ZREM', KEYS[1], ARGV[1])
+  evicted = redis.call('ZSCORE', KEYS[1], ARGV[1]) and 1 or 0
   redis.call('HDEL', KEYS[2], ARGV[1])
-  tidy(KEYS[1], KEYS[2])
+  unlist(KEYS[5], KEYS[2])
 end
-unlist(KEYS[5], KEYS[2])
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
 for _ = 1, evicted do signal(KEYS[4], redis.call('ZCARD', KEYS[3])) end
+if ARGV[1] == '' then
+  redis.call('DEL', KEYS[1], KEYS[2])
+else
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  tidy(KEYS[1], KEYS[2])
+end
 return evicted
 """
 )
@@ -209,16 +263,26 @@ return listing(KEYS[1], KEYS[2], redis.call('ZCARD', KEYS[3]))
 
 _RW = (
     _COMMON
+    + _COUNTER
     + """
 -- The write counter (KEYS[8]) is kept until the last lease on the name ends and the
 -- server clock has passed its value; then a counter started afresh from the clock is
 -- above every token issued before (2 ms spare for the rounding), and for the grace
 -- the plain lock's counter gets too. Called after every change of the leases' ends
 -- and of the counter.
-local function keep_fence()
+-- The write counter's value (false: there is none), checked to be a number: read before
+-- the write that decides a call's outcome, so that keep_fence(value) after it cannot fail.
+local function read_fence()
   local value = redis.call('GET', KEYS[8])
+  if value then counter(KEYS[8], value) end
+  return value
+end
+
+-- ``value``: the counter's, when the caller read it already (false: there is none).
+local function keep_fence(value)
+  if value == nil then value = redis.call('GET', KEYS[8]) end
   if not value then return end
-  local at = math.max(math.floor(tonumber(value) / 1000) + 2, now_ms + FENCE_GRACE_MS)
+  local at = math.max(math.floor(counter(KEYS[8], value) / 1000) + 2, now_ms + FENCE_GRACE_MS)
   local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
   if #last > 0 then at = math.max(at, math.ceil(tonumber(last[2]))) end
   redis.call('PEXPIRE', KEYS[8], math.max(1, at - now_ms))
@@ -227,11 +291,11 @@ end
 -- The next write token: as for a lock, one more than the last and never below the
 -- server clock in microseconds, so a lost (or expired) counter cannot make tokens
 -- go back.
-local function next_token(fence)
-  local token = math.max(tonumber(redis.call('GET', fence) or '0') + 1,
-                         now[1] * 1000000 + now[2])
+local function next_token(fence, value)
+  if value == nil then value = redis.call('GET', fence) end
+  local token = math.max(counter(fence, value or '0') + 1, now[1] * 1000000 + now[2])
   redis.call('SET', fence, string.format('%d', token))
-  keep_fence()
+  keep_fence(string.format('%d', token))
   return token
 end
 
@@ -249,11 +313,14 @@ local function purge_rw()
 end
 
 -- After a lease ended: a waiting writer goes first; readers only when none waits.
-local function wake_rw()
-  if redis.call('EXISTS', KEYS[3]) == 1 then return end
+-- Called before the leases ending (so that its pushes, which can fail, come first):
+-- ``writer_leaves`` (the writer is among them) and ``leaving`` (how many) say what
+-- is left after them.
+local function wake_rw(writer_leaves, leaving)
+  if not writer_leaves and redis.call('EXISTS', KEYS[3]) == 1 then return end
   local writers = redis.call('ZCARD', KEYS[4])
   if writers > 0 then
-    if redis.call('ZCARD', KEYS[1]) == 0 then signal(KEYS[6], writers) end
+    if redis.call('ZCARD', KEYS[1]) - (leaving or 0) <= 0 then signal(KEYS[6], writers) end
     return
   end
   local readers = redis.call('ZCARD', KEYS[5])
@@ -270,16 +337,20 @@ RW_ACQUIRE = (
     + """
 local writer = purge_rw()
 local kind, owner, ttl, reg = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[5])
+-- Each command that can fail (a key of the wrong type) runs before the lease is
+-- written (see "Half-written" in .scripts): a failure grants nothing.
 if redis.call('ZSCORE', KEYS[1], owner) then
   -- A retried request whose first reply was lost: it is ours.
-  redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
-  tidy(KEYS[1], KEYS[2], KEYS[3])
-  keep_fence()
+  local fence = read_fence()
   if KEYS[9] then redis.call('SADD', KEYS[9], KEYS[2]) end
   local token = 0
   if writer == owner then
     token = tonumber(cjson.decode(redis.call('HGET', KEYS[2], owner)).token)
   end
+  redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
+  tidy(KEYS[1], KEYS[2], KEYS[3])
+  keep_fence(fence)
+  if KEYS[9] then permits_sweep(KEYS[9]) end
   return {1, token, ttl}
 end
 local remaining = -3
@@ -304,19 +375,24 @@ if not granted then
   end
   return {0, 0, remaining}
 end
+local fence = read_fence()
+if KEYS[9] then redis.call('SADD', KEYS[9], KEYS[2]) end
 local token = 0
 if kind == 'write' then
-  token = next_token(KEYS[8])
+  token = next_token(KEYS[8], fence)
+  fence = string.format('%d', token)
+end
+redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], kind, token, ttl))
+if kind == 'write' then
   redis.call('SET', KEYS[3], owner)
   redis.call('ZREM', KEYS[4], owner)
 else
   redis.call('ZREM', KEYS[5], owner)
 end
 redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
-redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], kind, token, ttl))
 tidy(KEYS[1], KEYS[2], KEYS[3])
-keep_fence()
-if KEYS[9] then redis.call('SADD', KEYS[9], KEYS[2]) end
+keep_fence(fence)
+if KEYS[9] then permits_sweep(KEYS[9]) end
 return {1, token, ttl}
 """
 )
@@ -334,14 +410,16 @@ if not score or tonumber(score) <= now_ms or (ARGV[1] == 'write') ~= (writer == 
   if released_by(KEYS[9], ARGV[3]) then return 1 end
   return 0
 end
+-- What can fail first, the lease given back last (see "Half-written" in .scripts).
+local fence = read_fence()
+redis.call('HDEL', KEYS[2], ARGV[2])
+unlist(KEYS[10], KEYS[2])
+wake_rw(writer == ARGV[2], 1)
 mark_released(KEYS[9], ARGV[3])
 redis.call('ZREM', KEYS[1], ARGV[2])
-redis.call('HDEL', KEYS[2], ARGV[2])
 if writer == ARGV[2] then redis.call('DEL', KEYS[3]) end
 tidy(KEYS[1], KEYS[2], KEYS[3])
-unlist(KEYS[10], KEYS[2])
-keep_fence()  -- down to the leases left: a long released one no longer counts
-wake_rw()
+keep_fence(fence)  -- down to the leases left: a long released one no longer counts
 return 1
 """
 )
@@ -355,10 +433,12 @@ local writer = redis.call('GET', KEYS[3])
 if not score or tonumber(score) <= now_ms or (ARGV[1] == 'write') ~= (writer == ARGV[2]) then
   return 0
 end
-redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[3]), ARGV[2])
+-- What can fail first, the renewal last (see "Half-written" in .scripts).
+local fence = read_fence()
 renewed(KEYS[2], ARGV[2], tonumber(ARGV[3]))
+redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[3]), ARGV[2])
 tidy(KEYS[1], KEYS[2], KEYS[3])
-keep_fence()
+keep_fence(fence)
 return 1
 """
 )
@@ -382,19 +462,24 @@ RW_FORCE = (
     _RW
     + """
 local writer = purge_rw()
+-- What can fail first, the eviction last (see "Half-written" in .scripts). The counter
+-- moves on first: kept for the evicted leases too, which is only longer.
+next_token(KEYS[8])
 local evicted
 if ARGV[1] == '' then
   evicted = redis.call('ZCARD', KEYS[1])
+  if KEYS[9] then redis.call('SREM', KEYS[9], KEYS[2]) end
+  wake_rw(true, evicted)
   redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
 else
-  evicted = redis.call('ZREM', KEYS[1], ARGV[1])
+  evicted = redis.call('ZSCORE', KEYS[1], ARGV[1]) and 1 or 0
   redis.call('HDEL', KEYS[2], ARGV[1])
+  unlist(KEYS[9], KEYS[2])
+  wake_rw(writer == ARGV[1], evicted)
+  redis.call('ZREM', KEYS[1], ARGV[1])
   if writer == ARGV[1] then redis.call('DEL', KEYS[3]) end
   tidy(KEYS[1], KEYS[2], KEYS[3])
 end
-unlist(KEYS[9], KEYS[2])
-next_token(KEYS[8])
-wake_rw()
 return evicted
 """
 )

@@ -87,7 +87,7 @@ class _Script:
     whatever client the backend has (plain, cluster or asyncio)."""
 
     def __init__(self, lua: str) -> None:
-        self.lua = lua
+        self.lua = self.script = lua  # script: as redis-py's scripts name it
         self.sha = hashlib.sha1(lua.encode()).hexdigest()
 
     def __call__(self, client: Any, keys: list[str], args: list[Any]) -> Any:
@@ -190,9 +190,13 @@ class RedisPermits(RedisLocks):
             op_args: list[Any] = [owner, ttl_ms, limit, json.dumps(about), self._register_ms(wait)]
         else:
             op_args = [kind, owner, ttl_ms, json.dumps(about), self._register_ms(wait)]
+        # On a connection in hand: a reply that does not come has the permit's release
+        # sent behind the request, on the same connection (see _run_taking).
+        script = _SCRIPTS[permit_family(kind), "acquire"]
+        undo = (self._permit_undo, kind, name, owner)
         try:
             with self._errors("acquire", name):
-                granted, token, remaining_ms = self._permit_run(kind, "acquire", keys, op_args)
+                granted, token, remaining_ms = self._run_taking(script, keys, op_args, undo)
         except LockBackendUnavailable as exc:
             if isinstance(exc.__cause__, redis.TimeoutError):
                 # The script may have run and only the reply was lost: give the permit
@@ -213,15 +217,23 @@ class RedisPermits(RedisLocks):
     def _owner_args(self, kind: str, owner: str, *more: Any) -> list[Any]:
         return [owner, *more] if kind == SEMAPHORE else [kind, owner, *more]
 
-    def permit_release(self, kind: str, name: str, owner: str) -> bool:
-        self.check_permit_kind(kind)
+    def _permit_release_call(self, kind: str, name: str, owner: str) -> tuple[list[str], list[Any]]:
         keys = self._permit_keys(kind, name)
         # An id of its own, as a lock's release: the same request retried after its
         # reply was lost is told it released (see SEM_RELEASE), by its tombstone key.
         keys.append(f"{keys[0]}:released:{owner}")
         if self.listing_index:
             keys.append(self.index_permits_key)  # the name leaves it with its last permit
-        args = self._owner_args(kind, owner, release_id())
+        return keys, self._owner_args(kind, owner, release_id())
+
+    def _permit_undo(self, kind: str, name: str, owner: str) -> tuple[str, list[str], list[Any]]:
+        """The give-back of a permit acquire left unanswered: its release."""
+        return (_SCRIPTS[permit_family(kind), "release"].lua,
+                *self._permit_release_call(kind, name, owner))  # fmt: skip
+
+    def permit_release(self, kind: str, name: str, owner: str) -> bool:
+        self.check_permit_kind(kind)
+        keys, args = self._permit_release_call(kind, name, owner)
         with self._errors("release", name):
             return bool(self._permit_run(kind, "release", keys, args))
 

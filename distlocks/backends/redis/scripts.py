@@ -9,11 +9,36 @@ from __future__ import annotations
 #: plain lock's scripts below and the read-write lock's (:mod:`.permit_scripts`).
 FENCE_GRACE_MS = 5000
 
+# Half-written: a key of the wrong type (something else wrote a string where the index
+# hash belongs, ...) makes the command on it fail, and a Lua script that fails keeps the
+# writes it made before. So in every script below, each command that can fail runs
+# before the write that decides what the caller is told (the grant, the release, the
+# renewal, the eviction), and the commands after it cannot fail: they work on keys of any
+# type (SET, DEL, PEXPIRE) or on keys an earlier command of the script read or wrote.
+# What may come before is tidying that leaves nothing half-done: pruned registrations,
+# a fencing counter moved on or kept longer, a waiter woken (it finds the lock as it
+# is). A failure then changes nothing the caller counts on (tests/test_redis_halfwritten.py),
+# and the error names the key (RedisCalls._error).
+
 # Shared Lua fragments. Waiters register in KEYS waiters (zset owner -> expiry ms);
 # fair waiters also queue in KEYS queue (zset owner -> arrival time in us).
 _NOW = """
 local now = redis.call('TIME')
 local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
+"""
+
+# A fencing counter's value as a number; a value that is none (something else wrote the
+# key) fails the script, before its first write, with an error that names the key.
+_COUNTER = """
+local function counter(fence, value)
+  local n = tonumber(value)
+  if n == nil then
+    error('key ' .. fence .. ' holds a value that is not a number, where distlocks keeps a '
+      .. 'fencing counter: something other than distlocks wrote it. Delete it (DEL) and '
+      .. 'try again; this call changed nothing it reports.', 0)
+  end
+  return n
+end
 """
 
 # The next fencing token: one more than the last, and never below the server
@@ -32,21 +57,22 @@ local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
 # the counter FENCE_GRACE_MS past its last change: a read right after a release or a
 # force release (the force-release report, fencing_counter()) still finds it, and a
 # small step back of the server clock right after a short lease is covered.
-_NEXT_TOKEN = """
+_NEXT_TOKEN = (
+    _COUNTER
+    + """
 local function fence_ms(lease_end_ms, now_ms, value)
   -- 2 ms spare: the division rounds, and the expiry counts from the command's time.
-  local at = math.max(lease_end_ms, math.floor(tonumber(value) / 1000) + 2,
-                      now_ms + FENCE_GRACE_MS)
+  local at = math.max(lease_end_ms, math.floor(value / 1000) + 2, now_ms + FENCE_GRACE_MS)
   return math.max(1, at - now_ms)
 end
 local function keep_fence(fence, lease_end_ms, now_ms)
   local value = redis.call('GET', fence)
   if not value then return end
-  redis.call('PEXPIRE', fence, fence_ms(lease_end_ms, now_ms, value))
+  redis.call('PEXPIRE', fence, fence_ms(lease_end_ms, now_ms, counter(fence, value)))
 end
 -- The new value and its expiry in one SET (PX), the same as keep_fence() after it.
 local function next_token(fence, now, lease_end_ms)
-  local token = math.max(tonumber(redis.call('GET', fence) or '0') + 1,
+  local token = math.max(counter(fence, redis.call('GET', fence) or '0') + 1,
                          now[1] * 1000000 + now[2])
   local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
   redis.call('SET', fence, string.format('%d', token), 'PX',
@@ -54,6 +80,7 @@ local function next_token(fence, now, lease_end_ms)
   return token
 end
 """.replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
+)
 
 # A released lease's tombstone: the key ``<base>:released:<owner>``, holding the id of
 # the release request that wrote it, kept FENCE_GRACE_MS. A request sent again because
@@ -108,12 +135,16 @@ local function entry(t)
   end
   return table.concat(t, '\\0')
 end
--- The index entry of a held lock rewritten from its hash, with the expiry given.
-local function reindex(index, lock, name, expires)
+-- The index entry of a held lock rewritten from its hash, with the expiry given; and
+-- with the ttl, one more renewal and the details the caller is about to write to the
+-- hash, if given (it is written before the lock: see "Half-written" above).
+local function reindex(index, lock, name, expires, ttl, renewed, extra)
   local f = redis.call('HMGET', lock, 'owner', 'token', 'host', 'pid', 'thread',
     'acquired_at', 'ttl', 'renewals', 'extra')
+  local renewals = f[8] or ''
+  if renewed then renewals = string.format('%d', (tonumber(f[8]) or 0) + 1) end
   redis.call('HSET', index, name, entry({f[1] or '', f[2] or '', f[3] or '', f[4] or '',
-    f[5] or '', f[6] or '', expires, f[7] or '', f[8] or '', f[9] or ''}))
+    f[5] or '', f[6] or '', expires, ttl or f[7] or '', renewals, extra or f[9] or ''}))
 end
 local function ms_now()
   local t = redis.call('TIME')
@@ -197,11 +228,11 @@ ACQUIRE = (
 local holder = redis.call('HGET', KEYS[1], 'owner')
 if holder == ARGV[1] then
   -- Same owner: a retried request whose first reply was lost. It is ours.
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
   keep_fence(KEYS[2], now_ms + tonumber(ARGV[2]), now_ms)
   if KEYS[5] then
     reindex(KEYS[5], KEYS[1], ARGV[3], string.format('%d', now_ms + tonumber(ARGV[2])))
   end
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, tonumber(redis.call('HGET', KEYS[1], 'token')), tonumber(ARGV[2])}
 end
 local fair = ARGV[9] == '1'
@@ -231,13 +262,9 @@ end
 redis.call('ZREM', KEYS[3], ARGV[1])
 if fair then redis.call('ZREM', KEYS[4], ARGV[1]) end
 local token = next_token(KEYS[2], now, now_ms + tonumber(ARGV[2]))
-redis.call('HSET', KEYS[1],
-  'owner', ARGV[1], 'token', token, 'name', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5],
-  'thread', ARGV[6], 'extra', ARGV[7], 'ttl', ARGV[2], 'renewals', 0,
-  'acquired_at', now_ms)
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
 if KEYS[5] then
   -- entry() written out: the texts given are the only fields that may hold a NUL.
+  -- Before the lock: an index of the wrong type fails the call with nothing granted.
   local value = ''
   if not string.find(ARGV[1] .. ARGV[4] .. ARGV[5] .. ARGV[6], '\\0', 1, true) then
     value = ARGV[1] .. '\\0' .. string.format('%d', token) .. '\\0' .. ARGV[4] .. '\\0'
@@ -246,8 +273,13 @@ if KEYS[5] then
       .. ARGV[7]
   end
   redis.call('HSET', KEYS[5], ARGV[3], value)
-  index_sweep(KEYS[5], now_ms, token)
 end
+redis.call('HSET', KEYS[1],
+  'owner', ARGV[1], 'token', token, 'name', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5],
+  'thread', ARGV[6], 'extra', ARGV[7], 'ttl', ARGV[2], 'renewals', 0,
+  'acquired_at', now_ms)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if KEYS[5] then index_sweep(KEYS[5], now_ms, token) end
 return {1, token, tonumber(ARGV[2])}
 """
 )
@@ -270,13 +302,13 @@ if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
   if ARGV[4] and redis.call('GET', KEYS[6]) == ARGV[4] then return 1 end
   return 0
 end
-redis.call('DEL', KEYS[1])
-if ARGV[4] then redis.call('SET', KEYS[6], ARGV[4], 'PX', FENCE_GRACE_MS) end
 keep_fence(KEYS[5], 0, now_ms)
-if KEYS[7] then redis.call('HDEL', KEYS[7], ARGV[3]) end
 if redis.call('EXISTS', KEYS[2]) == 1 then
   wake(KEYS[2], KEYS[3], KEYS[4], ARGV[2], now_ms)
 end
+if KEYS[7] then redis.call('HDEL', KEYS[7], ARGV[3]) end
+redis.call('DEL', KEYS[1])
+if ARGV[4] then redis.call('SET', KEYS[6], ARGV[4], 'PX', FENCE_GRACE_MS) end
 return 1
 """.replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
 )
@@ -289,13 +321,14 @@ EXTEND = (
     + """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   local now_ms = ms_now()
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
   keep_fence(KEYS[2], now_ms + tonumber(ARGV[2]), now_ms)
+  if KEYS[3] then
+    reindex(KEYS[3], KEYS[1], ARGV[3], string.format('%d', now_ms + tonumber(ARGV[2])),
+            ARGV[2], true)
+  end
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
   redis.call('HSET', KEYS[1], 'ttl', ARGV[2])
   redis.call('HINCRBY', KEYS[1], 'renewals', 1)
-  if KEYS[3] then
-    reindex(KEYS[3], KEYS[1], ARGV[3], string.format('%d', now_ms + tonumber(ARGV[2])))
-  end
   return 1
 end
 return 0
@@ -312,7 +345,6 @@ KEEP = (
     + """
 if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   local now_ms = ms_now()
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
   keep_fence(KEYS[2], now_ms + tonumber(ARGV[2]), now_ms)
   local extra = redis.call('HGET', KEYS[1], 'extra') or ''
   if not string.find(extra, '"kept": true', 1, true) then
@@ -322,10 +354,12 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
       extra = '{"kept": true, ' .. string.sub(extra, 2)
     end
   end
-  redis.call('HSET', KEYS[1], 'ttl', ARGV[2], 'extra', extra)
   if KEYS[3] then
-    reindex(KEYS[3], KEYS[1], ARGV[3], string.format('%d', now_ms + tonumber(ARGV[2])))
+    reindex(KEYS[3], KEYS[1], ARGV[3], string.format('%d', now_ms + tonumber(ARGV[2])),
+            ARGV[2], false, extra)
   end
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('HSET', KEYS[1], 'ttl', ARGV[2], 'extra', extra)
   return 1
 end
 return 0
@@ -347,13 +381,14 @@ local now_ms = ms_now()
 for i = 1, n do
   local owner, ttl = ARGV[3 * i - 2], ARGV[3 * i - 1]
   if redis.call('HGET', KEYS[i], 'owner') == owner then
-    redis.call('PEXPIRE', KEYS[i], ttl)
     keep_fence(KEYS[n + i], now_ms + tonumber(ttl), now_ms)
+    if index then
+      reindex(index, KEYS[i], ARGV[3 * i], string.format('%d', now_ms + tonumber(ttl)), ttl,
+              true)
+    end
+    redis.call('PEXPIRE', KEYS[i], ttl)
     redis.call('HSET', KEYS[i], 'ttl', ttl)
     redis.call('HINCRBY', KEYS[i], 'renewals', 1)
-    if index then
-      reindex(index, KEYS[i], ARGV[3 * i], string.format('%d', now_ms + tonumber(ttl)))
-    end
     out[i] = 1
   else
     out[i] = 0
@@ -377,10 +412,10 @@ FORCE_RELEASE = (
 local token = redis.call('HGET', KEYS[1], 'token')
 if not token then return 0 end
 if ARGV[2] ~= '' and tonumber(token) ~= tonumber(ARGV[2]) then return 0 end
-redis.call('DEL', KEYS[1])
-if KEYS[6] then redis.call('HDEL', KEYS[6], ARGV[3]) end
 next_token(KEYS[2], now, 0)
 wake(KEYS[3], KEYS[4], KEYS[5], ARGV[1], now_ms)
+if KEYS[6] then redis.call('HDEL', KEYS[6], ARGV[3]) end
+redis.call('DEL', KEYS[1])
 return 1
 """
 )
@@ -475,9 +510,9 @@ return out
 # KEYS: listing index, permits set. ARGV: epoch field, '~' .. new epoch.
 INDEX_BEGIN = """
 local old = redis.call('HGET', KEYS[1], ARGV[1])
+redis.call('SADD', KEYS[2], ARGV[1] .. ':' .. ARGV[2])
 if old then redis.call('SREM', KEYS[2], ARGV[1] .. ':' .. old) end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('SADD', KEYS[2], ARGV[1] .. ':' .. ARGV[2])
 return 1
 """
 # KEYS: listing index, permits set, marker. ARGV: epoch field, '~' .. epoch, epoch.

@@ -11,10 +11,12 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from distlocks.backends.base import AcquireResult, Holder
 from distlocks.backends.redlock.masters import RedlockMasters, _quietly
 from distlocks.backends.redlock.quorum import _Replies
+from distlocks.backends.redlock.scripts import GIVE_BACK
 from distlocks.exceptions import LockError
 
 logger = logging.getLogger(__name__)
@@ -49,8 +51,19 @@ class RedlockAttempts(RedlockMasters):
         # timeout: here a failed attempt cleans up with GIVE_BACK.
         master = self.masters[index]
         keys, args = master._acquire_call(name, owner, ttl, holder, wait, fair)
-        reply = self._run(index, "acquire", "acquire", name, keys, [*args, attempt])
+        # On a connection in hand: a reply that does not come has this attempt's
+        # GIVE_BACK sent behind the request on the same connection, so it runs after
+        # the request however late that reaches the master (see _run_taking).
+        undo = (self._give_back_call, index, name, owner, attempt)
+        with master._errors("acquire", name):
+            reply = master._run_taking(self._script(index, "acquire"), keys, [*args, attempt], undo)
         return master._acquire_result(reply)
+
+    def _give_back_call(
+        self, index: int, name: str, owner: str, attempt: str
+    ) -> tuple[str, list[str], list[Any]]:
+        keys, args = self.masters[index]._release_call(name, owner)
+        return GIVE_BACK, keys, [*args, attempt]
 
     def acquire(
         self,

@@ -36,8 +36,8 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   if not ours(KEYS[1], ARGV[1], attempt) then
     return {0, 0, redis.call('PTTL', KEYS[1])}
   end
-  redis.call('HSET', KEYS[1], 'attempt', attempt)
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  -- What can fail (a key of the wrong type) first, the entry taken over last (see
+  -- "Half-written" in distlocks.backends.redis.scripts).
   local t = redis.call('TIME')
   local t_ms = t[1] * 1000 + math.floor(t[2] / 1000)
   keep_fence(KEYS[2], t_ms + tonumber(ARGV[2]), t_ms)
@@ -46,6 +46,8 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
     redis.call('ZREM', KEYS[3], ARGV[1])
     redis.call('ZREM', KEYS[4], ARGV[1])
   end
+  redis.call('HSET', KEYS[1], 'attempt', attempt)
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, tonumber(redis.call('HGET', KEYS[1], 'token')), tonumber(ARGV[2])}
 end
 local function single_node()
@@ -104,10 +106,10 @@ EXTEND = (
     _NEXT_TOKEN
     + """
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
-keep_fence(KEYS[2], now_ms + tonumber(ARGV[2]), now_ms)
+keep_fence(KEYS[2], now_ms + tonumber(ARGV[2]), now_ms)  -- can fail: before the renewal
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('HSET', KEYS[1], 'ttl', ARGV[3], 'attempt', 'lease')
 redis.call('HINCRBY', KEYS[1], 'renewals', 1)
 return 1
@@ -128,8 +130,8 @@ local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
 for i = 1, n do
   local at = 3 * (i - 1)
   if redis.call('HGET', KEYS[i], 'owner') == ARGV[at + 1] then
-    redis.call('PEXPIRE', KEYS[i], ARGV[at + 2])
     keep_fence(KEYS[n + i], now_ms + tonumber(ARGV[at + 2]), now_ms)
+    redis.call('PEXPIRE', KEYS[i], ARGV[at + 2])
     redis.call('HSET', KEYS[i], 'ttl', ARGV[at + 3], 'attempt', 'lease')
     redis.call('HINCRBY', KEYS[i], 'renewals', 1)
     out[i] = 1
