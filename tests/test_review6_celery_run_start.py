@@ -17,20 +17,15 @@ import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
-from django.conf import settings as django_settings
-from hypothesis import HealthCheck, given
-from hypothesis import settings as hsettings
-from hypothesis import strategies as st
 
-from distlocks import get_backend
 from distlocks.backends.redis import RedisBackend
-from distlocks.backends.redis.scripts import ACQUIRE, FENCE_GRACE_MS
+from distlocks.backends.redis.scripts import ACQUIRE
 from distlocks.contrib import celery_redis
 from distlocks.contrib.celery import single_execution
 from tests.celery_app import app
+from tests.celery_lossy import lossy_backend
 from tests.lost_reply_proxy import LostReplyProxy
 
 pytestmark = pytest.mark.django_db
@@ -45,41 +40,23 @@ DEADLINE = 60.0
 @pytest.fixture
 def lossy(lost_reply_proxy: LostReplyProxy, settings: Any) -> Iterator[RedisBackend]:
     """A backend alias whose connections go through the lost-reply proxy."""
-    db = int(urlsplit(django_settings.REDIS_URL).path.strip("/") or 0)
-    prefix = f"r6-{uuid.uuid4().hex[:8]}"
-    settings.DISTLOCKS_BACKENDS = {
-        **settings.DISTLOCKS_BACKENDS,
-        ALIAS: {
-            "BACKEND": "distlocks.backends.redis.RedisBackend",
-            "LOCATION": lost_reply_proxy.url(db),
-            "OPTIONS": {"key_prefix": prefix},
-        },
-    }
-    backend = get_backend(ALIAS)
-    assert isinstance(backend, RedisBackend) and celery_redis.usable(backend)
-    yield backend
-    keys = list(backend.client.scan_iter(match=f"{prefix}:*", count=1000))
-    if keys:
-        backend.client.delete(*keys)
+    yield from lossy_backend(lost_reply_proxy, settings, ALIAS, "r6")
 
 
 ran: list[int] = []
 
 
-@single_execution(
-    app=app, name="review6.queued", backend=ALIAS, ttl=LONG_TTL, unique_while="queued"
-)  # fmt: skip
-def queued_task(n: int) -> int:
+def _noting(n: int) -> int:
     ran.append(n)
     return n
 
 
-@single_execution(
-    app=app, name="review6.qor", backend=ALIAS, ttl=LONG_TTL, unique_while="queued_or_running"
-)  # fmt: skip
-def qor_task(n: int) -> int:
-    ran.append(n)
-    return n
+queued_task, qor_task = (
+    single_execution(
+        app=app, name=f"review6.{mode}", backend=ALIAS, ttl=LONG_TTL, unique_while=mode
+    )(_noting)
+    for mode in ("queued", "queued_or_running")
+)
 
 
 def _script_sha(backend: RedisBackend, text: str) -> bytes:
@@ -134,175 +111,3 @@ def test_a_run_start_whose_reply_is_lost_twice_takes_its_own_grant(
     assert ran.count(n) == 1
     assert lossy.inspect(name) is None  # released by the run, not left to run out
     assert lossy.inspect(name + ":queued") is None
-
-
-# -- the run start script against the backend's two, in more states ---------------------
-#
-# tests/test_celery_run_start.py compares the run start script with ACQUIRE then RELEASE
-# in sixteen states, with the listing index on and a marker that can be released. Here
-# the same comparison goes further: the index off (no fifth key: the marker's index
-# entry must not be looked for), a marker of another type or with a counter of another
-# type (its release fails, before or after its first write: whatever the backend's
-# RELEASE leaves half done, the run start leaves too, and reports the failure), a marker
-# that ran out with its counter kept, a run lock whose waiters include this owner (a
-# grant drops its registration). Every key of both names is compared, as raw data.
-
-OWNER = "run-owner"
-MARKER_OWNER = "celery-task:the-task"
-_RUN_STATES = ("free", "other", "same-owner", "expired-with-counter", "other-own-waiter")
-_MARKER_STATES = (
-    "free",
-    "own",
-    "other",
-    "own-with-waiter",
-    "own-expired-with-counter",
-    "wrong-type",
-    "own-with-wrong-type-counter",
-)
-
-
-def _holder() -> Any:
-    from distlocks.locks import current_holder
-
-    holder = current_holder()
-    return type(holder)(holder.host, holder.pid, holder.thread, {"celery_task_id": "the-task"})
-
-
-def _prepare(backend: RedisBackend, client: Any, name: str, run: str, marker: str) -> None:
-    holder = _holder()
-    keys, marker_keys = backend.all_keys(name), backend.all_keys(name + ":queued")
-    if run in ("other", "other-own-waiter"):
-        assert backend.acquire(name, "someone-else", 30, holder).acquired
-    elif run == "same-owner":
-        assert backend.acquire(name, OWNER, 30, holder).acquired
-    elif run == "expired-with-counter":
-        assert backend.acquire(name, "gone", 30, holder).acquired
-        client.delete(keys.lock)
-    if run == "other-own-waiter":
-        client.zadd(keys.waiters, {OWNER: 2**50})
-    if marker in ("own", "own-with-waiter", "own-with-wrong-type-counter"):
-        assert backend.acquire(name + ":queued", MARKER_OWNER, 30, holder).acquired
-    elif marker == "other":
-        assert backend.acquire(name + ":queued", "celery-task:another", 30, holder).acquired
-    elif marker == "own-expired-with-counter":
-        assert backend.acquire(name + ":queued", MARKER_OWNER, 30, holder).acquired
-        client.delete(marker_keys.lock)
-    elif marker == "wrong-type":
-        client.set(marker_keys.lock, "not a hash")
-    if marker == "own-with-waiter":
-        client.zadd(marker_keys.waiters, {"waiter": 2**50})
-    if marker == "own-with-wrong-type-counter":
-        client.delete(marker_keys.fence)
-        client.hset(marker_keys.fence, "not", "a counter")
-
-
-# Fields whose values differ between two grants made a moment apart: compared by
-# presence only.
-_VARYING = {b"token", b"acquired_at"}
-
-
-def _raw(backend: RedisBackend, client: Any, name: str) -> dict[str, Any]:
-    """Every key of ``name`` and of its marker (by its part after the hash tag), as raw
-    data with what varies between twin names left out, and the index entries."""
-    found: dict[str, Any] = {}
-    for suffix in ("", ":queued"):
-        keys = backend.all_keys(name + suffix)
-        base = keys.lock.removesuffix("lock")
-        for key in client.scan_iter(match=base.replace("[", "\\[") + "*", count=1000):
-            kind = client.type(key).decode()
-            if kind == "hash":
-                data: Any = {
-                    field: (field in _VARYING) or value.replace(name.encode(), b"<name>")
-                    for field, value in client.hgetall(key).items()
-                }
-            elif kind == "string":
-                data = True if key.decode() == keys.fence else client.get(key)
-            elif kind == "zset":
-                data = client.zrange(key, 0, -1)
-            elif kind == "list":
-                data = client.lrange(key, 0, -1)
-            else:
-                data = kind
-            ttl = client.pttl(key)
-            found[suffix + "|" + key.decode().removeprefix(base)] = (
-                kind,
-                data,
-                # Only what tells the states apart: none, within the grace, past it.
-                ttl < 0 or (ttl > FENCE_GRACE_MS and "past"),
-            )
-        for index in backend._index:
-            entry = client.hget(index, name + suffix)
-            found[suffix + "|index"] = None if entry is None else entry.split(b"\0")[0]
-    return found
-
-
-@pytest.fixture
-def twin_backends(settings: Any) -> Iterator[dict[bool, RedisBackend]]:
-    """Two aliases on the session's Redis: the listing index on, and off."""
-    prefix = f"r6t-{uuid.uuid4().hex[:8]}"
-    settings.DISTLOCKS_BACKENDS = {
-        **settings.DISTLOCKS_BACKENDS,
-        **{
-            f"review6-index-{on}": {
-                "BACKEND": "distlocks.backends.redis.RedisBackend",
-                "LOCATION": django_settings.REDIS_URL,
-                "OPTIONS": {"key_prefix": f"{prefix}-{on}", "listing_index": on},
-            }
-            for on in (True, False)
-        },
-    }
-    made = {on: get_backend(f"review6-index-{on}") for on in (True, False)}
-    assert all(isinstance(b, RedisBackend) and celery_redis.usable(b) for b in made.values())
-    assert made[True]._index and not made[False]._index
-    yield made  # type: ignore[misc]
-    for on, backend in made.items():
-        keys = list(backend.client.scan_iter(match=f"{prefix}-{on}:*", count=1000))
-        if keys:
-            backend.client.delete(*keys)
-
-
-@hsettings(
-    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(
-    run=st.sampled_from(_RUN_STATES),
-    marker=st.sampled_from(_MARKER_STATES),
-    index=st.booleans(),
-)
-def test_the_run_start_matches_acquire_then_release_in_every_state(
-    run: str, marker: str, index: bool, twin_backends: dict[bool, RedisBackend]
-) -> None:
-    backend = twin_backends[index]
-    client = backend.client
-    ours, theirs = f"rs6-{uuid.uuid4().hex}", f"rs6-{uuid.uuid4().hex}"
-    for name in (ours, theirs):
-        _prepare(backend, client, name, run, marker)
-    holder = _holder()
-    two = celery_redis.send_together(
-        backend,
-        [
-            celery_redis.acquire_call(backend, theirs, OWNER, 30, holder),
-            celery_redis.release_call(backend, theirs + ":queued", MARKER_OWNER),
-        ],
-    )
-    one = celery_redis.send_together(
-        backend,
-        [
-            celery_redis.run_start_call(
-                backend, ours, OWNER, 30, holder, ours + ":queued", MARKER_OWNER
-            )
-        ],
-    )
-    assert two is not None and one is not None
-    reply, marker_error = celery_redis.run_started(one[0])
-    expected, released = two
-    # The marker's failure reported as the backend's release reports it, and only then.
-    assert bool(marker_error) == isinstance(released, Exception)
-    if marker_error:
-        assert "WRONGTYPE" in marker_error
-    assert reply[0] == expected[0]
-    assert (reply[2] > 0) == (expected[2] > 0)
-    mine, model = _raw(backend, client, ours), _raw(backend, client, theirs)
-    # The one difference allowed: the release's tombstone, which nobody reads.
-    model = {key: value for key, value in model.items() if "|released:" not in key}
-    assert mine == model
