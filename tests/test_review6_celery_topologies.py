@@ -108,3 +108,54 @@ def test_a_task_is_deduplicated_run_and_freed_as_on_one_server(
     latest = backend.inspect(marker)
     assert latest is not None
     backend.release_quietly(marker, latest.owner)
+
+
+@pytest.fixture(scope="module")
+def one_node_cluster() -> Iterator[RedisClusterSet]:
+    """A Redis Cluster of one primary, which serves every slot."""
+    cluster = RedisClusterSet(masters=1, replicas=0).start()
+    yield cluster
+    cluster.close()
+
+
+@pytest.mark.parametrize("mode", ["queued", "queued_or_running"])
+def test_one_cluster_node_named_as_one_server_runs_the_task(
+    mode: str, one_node_cluster: RedisClusterSet, settings: Any
+) -> None:
+    """A cluster of one node named as one server (``redis://``; with the listing index
+    off, whose key is in a slot of its own, every lock call names keys of one slot and
+    works). It refuses any call whose keys are in two slots, before running it: the
+    calls that go together and name the run lock's and the marker's keys at once (the
+    run start's script, the enqueue check with ``"queued_or_running"``) are made one
+    by one instead, not failed."""
+    node = one_node_cluster.nodes[0]
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        ALIAS: {
+            "BACKEND": "distlocks.backends.redis.RedisBackend",
+            "LOCATION": f"redis://127.0.0.1:{node.port}/0",
+            "OPTIONS": {"listing_index": False},
+        },
+    }
+    backend = get_backend(ALIAS)
+    assert isinstance(backend, RedisBackend) and celery_redis.usable(backend)
+    task = tasks[mode]
+    n = uuid.uuid4().int % 10**12
+    name, marker = f"r6-topology:{n}", f"r6-topology:{n}:queued"
+    try:
+        first = task.apply_async((n, mode), queue=IDLE_QUEUE)
+        assert task.apply_async((n, mode), queue=IDLE_QUEUE).id == first.id
+        app.conf.task_store_eager_result = True
+        try:
+            assert task.apply((n, mode), task_id=first.id).get() == n
+        finally:
+            app.conf.task_store_eager_result = False
+        assert (seen[n] == first.id) == (mode == "queued_or_running")
+        assert backend.inspect(name) is None
+    finally:
+        info = backend.inspect(marker)
+        if info is not None:
+            backend.release_quietly(marker, info.owner)
+        broker = redis.Redis.from_url(django_settings.CELERY_BROKER_URL)
+        broker.delete(IDLE_QUEUE)
+        broker.close()

@@ -667,6 +667,8 @@ class SingleExecutionTask(_TaskBase):
         None), or None where they could not be sent together (the caller makes them
         one by one, the run lock's as the same ``owner``: the server may have run
         these)."""
+        if not hold and not _together.two_slots(backend):
+            return None  # the run start's script names the keys of two slots
         marker_name, marker_owner = name + QUEUED_SUFFIX, _marker_owner(task_id)
         began = time.monotonic()
         holder = current_holder()
@@ -690,8 +692,8 @@ class SingleExecutionTask(_TaskBase):
             error = backend._acquire_error(name, owner, exc)  # type: ignore[attr-defined]
             _not_acquired(backend, name, began, error)
             raise error from exc
-        if replies is None:
-            return None
+        if replies is None or (not hold and _together.refused_two_slots(backend, replies[0])):
+            return None  # (refused: nothing ran)
         run_reply = replies[-1]
         marker_reply = replies[0]
         if not hold and not isinstance(run_reply, Exception):
