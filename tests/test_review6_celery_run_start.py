@@ -102,6 +102,8 @@ def test_a_run_start_whose_reply_is_lost_twice_takes_its_own_grant(
         )
     finally:
         app.conf.task_store_eager_result = False
+        # A loss not met stays armed for the session's later requests: disarmed.
+        lost_reply_proxy.lose_reply_to(b"never sent " + uuid.uuid4().hex.encode())
         if worker.is_alive():  # let it go: the orphaned lease is ended by hand
             lossy.client.delete(lossy.all_keys(name).lock)
             worker.join(DEADLINE)
