@@ -76,15 +76,11 @@ tasks = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("mode", ["queued", "queued_or_running"])
-def test_a_task_is_deduplicated_run_and_freed_as_on_one_server(
-    mode: str, topology: RedisBackend
-) -> None:
-    task, backend = tasks[mode], topology
-    n = uuid.uuid4().int % 10**12
-    name, marker = f"r6-topology:{n}", f"r6-topology:{n}:queued"
+def _queue_twice_and_run(task: Any, backend: RedisBackend, n: int, mode: str) -> Any:
+    """Queue the task of ``n`` twice (the second call is answered with the first's id),
+    then run the queued message here; its AsyncResult."""
     first = task.apply_async((n, mode), queue=IDLE_QUEUE)
-    held = backend.inspect(marker)
+    held = backend.inspect(f"r6-topology:{n}:queued")
     assert held is not None and held.extra["celery_task_id"] == first.id
     assert task.apply_async((n, mode), queue=IDLE_QUEUE).id == first.id
     app.conf.task_store_eager_result = True
@@ -92,6 +88,17 @@ def test_a_task_is_deduplicated_run_and_freed_as_on_one_server(
         assert task.apply((n, mode), task_id=first.id).get() == n
     finally:
         app.conf.task_store_eager_result = False
+    return first
+
+
+@pytest.mark.parametrize("mode", ["queued", "queued_or_running"])
+def test_a_task_is_deduplicated_run_and_freed_as_on_one_server(
+    mode: str, topology: RedisBackend
+) -> None:
+    task, backend = tasks[mode], topology
+    n = uuid.uuid4().int % 10**12
+    name, marker = f"r6-topology:{n}", f"r6-topology:{n}:queued"
+    first = _queue_twice_and_run(task, backend, n, mode)
     if mode == "queued":
         # The marker was let go when the run started: the call made during the run
         # was queued, under a new id, and holds the marker now.
@@ -143,13 +150,7 @@ def test_one_cluster_node_named_as_one_server_runs_the_task(
     n = uuid.uuid4().int % 10**12
     name, marker = f"r6-topology:{n}", f"r6-topology:{n}:queued"
     try:
-        first = task.apply_async((n, mode), queue=IDLE_QUEUE)
-        assert task.apply_async((n, mode), queue=IDLE_QUEUE).id == first.id
-        app.conf.task_store_eager_result = True
-        try:
-            assert task.apply((n, mode), task_id=first.id).get() == n
-        finally:
-            app.conf.task_store_eager_result = False
+        first = _queue_twice_and_run(task, backend, n, mode)
         assert (seen[n] == first.id) == (mode == "queued_or_running")
         assert backend.inspect(name) is None
     finally:
