@@ -5,22 +5,30 @@ same state. Whatever holds the run lock and the marker, the one script must leav
 keys as the two leave them and answer as ACQUIRE answers: the lock granted only when
 free or already this owner's (a call sent again after its reply was lost), a fencing
 token above every one issued on the name, the holder record and listing entry written,
-the marker gone only if it was this task's.
+the marker gone only if it was this task's. The states: every pair of those below, with
+the listing index on and off (off, the script has no index key to drop the marker's
+entry from); among them a marker, or its counter, of another type, whose release fails
+before or after its first write: the run start reports it exactly when the backend's
+RELEASE fails, and leaves what RELEASE leaves half done. Every key of both names is
+compared as raw data.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
+from django.conf import settings as django_settings
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from distlocks import get_backend
 from distlocks.backends.base import Holder
+from distlocks.backends.redis import RedisBackend
 from distlocks.backends.redis.scripts import FENCE_GRACE_MS
 from distlocks.contrib import celery_redis
 from distlocks.contrib.celery import single_execution
@@ -31,8 +39,16 @@ pytestmark = pytest.mark.django_db
 
 OWNER = "run-owner"
 MARKER_OWNER = "celery-task:the-task"
-_RUN_STATES = ("free", "other", "same-owner", "expired-with-counter")
-_MARKER_STATES = ("free", "own", "other", "own-with-waiter")
+_RUN_STATES = ("free", "other", "same-owner", "expired-with-counter", "other-own-waiter")
+_MARKER_STATES = (
+    "free",
+    "own",
+    "other",
+    "own-with-waiter",
+    "own-expired-with-counter",
+    "wrong-type",
+    "own-with-wrong-type-counter",
+)
 
 
 def _holder() -> Holder:
@@ -40,61 +56,117 @@ def _holder() -> Holder:
     return Holder(holder.host, holder.pid, holder.thread, {"celery_task_id": "the-task"})
 
 
-def _prepare(backend: Any, client: redis.Redis, name: str, run: str, marker: str) -> None:
+def _prepare(backend: Any, client: Any, name: str, run: str, marker: str) -> None:
     holder = _holder()
-    if run == "other":
+    keys, marker_keys = backend.all_keys(name), backend.all_keys(name + ":queued")
+    if run in ("other", "other-own-waiter"):
         assert backend.acquire(name, "someone-else", 30, holder).acquired
     elif run == "same-owner":
         assert backend.acquire(name, OWNER, 30, holder).acquired
     elif run == "expired-with-counter":
         assert backend.acquire(name, "gone", 30, holder).acquired
-        client.delete(backend.all_keys(name).lock)  # ran out; its counter stays
-    if marker in ("own", "own-with-waiter"):
+        client.delete(keys.lock)
+    if run == "other-own-waiter":
+        client.zadd(keys.waiters, {OWNER: 2**50})
+    if marker in ("own", "own-with-waiter", "own-with-wrong-type-counter"):
         assert backend.acquire(name + ":queued", MARKER_OWNER, 30, holder).acquired
     elif marker == "other":
         assert backend.acquire(name + ":queued", "celery-task:another", 30, holder).acquired
+    elif marker == "own-expired-with-counter":
+        assert backend.acquire(name + ":queued", MARKER_OWNER, 30, holder).acquired
+        client.delete(marker_keys.lock)
+    elif marker == "wrong-type":
+        client.set(marker_keys.lock, "not a hash")
     if marker == "own-with-waiter":
-        client.zadd(backend.all_keys(name + ":queued").waiters, {"waiter": 2**50})
+        client.zadd(marker_keys.waiters, {"waiter": 2**50})
+    if marker == "own-with-wrong-type-counter":
+        client.delete(marker_keys.fence)
+        client.hset(marker_keys.fence, "not", "a counter")
 
 
-def _state(backend: Any, client: redis.Redis, name: str) -> dict[str, Any]:
-    run, marker = backend.inspect(name), backend.inspect(name + ":queued")
-    # The listing index's entries (owner first), as the admin page and the CLI read them.
-    (index,) = backend._index
-    entries = {suffix: client.hget(index, name + suffix) for suffix in ("", ":queued")}
-    listed = {suffix: entry.split(b"\0")[0] for suffix, entry in entries.items() if entry}
-    keys = backend.all_keys(name + ":queued")
-    return {
-        "run": None if run is None else (run.owner, run.extra, run.ttl),
-        "marker": None if marker is None else marker.owner,
-        "listed": listed,
-        "marker counter lives": client.exists(keys.fence) == 1,
-        # Kept only past the clock and the grace once the marker is released, not
-        # for the rest of its lease: per-call names leave no keys behind.
-        "marker counter kept past the grace": client.pttl(keys.fence) > FENCE_GRACE_MS,
-        "marker released tombstone": bool(
-            list(client.scan_iter(match=keys.lock.removesuffix("lock") + "released:*"))
-        ),
-        "woken": client.llen(keys.signal),
+# Fields whose values differ between two grants made a moment apart: compared by
+# presence only.
+_VARYING = {b"token", b"acquired_at"}
+
+
+def _raw(backend: Any, client: Any, name: str) -> dict[str, Any]:
+    """Every key of ``name`` and of its marker (by its part after the hash tag), as raw
+    data with what varies between twin names left out, and the index entries."""
+    found: dict[str, Any] = {}
+    for suffix in ("", ":queued"):
+        keys = backend.all_keys(name + suffix)
+        base = keys.lock.removesuffix("lock")
+        for key in client.scan_iter(match=base.replace("[", "\\[") + "*", count=1000):
+            kind = client.type(key).decode()
+            if kind == "hash":
+                data: Any = {
+                    field: (field in _VARYING) or value.replace(name.encode(), b"<name>")
+                    for field, value in client.hgetall(key).items()
+                }
+            elif kind == "string":
+                data = True if key.decode() == keys.fence else client.get(key)
+            elif kind == "zset":
+                data = client.zrange(key, 0, -1)
+            elif kind == "list":
+                data = client.lrange(key, 0, -1)
+            else:
+                data = kind
+            ttl = client.pttl(key)
+            found[suffix + "|" + key.decode().removeprefix(base)] = (
+                kind,
+                data,
+                # Only what tells the states apart: none, within the grace, past it.
+                ttl < 0 or (ttl > FENCE_GRACE_MS and "past"),
+            )
+        for index in backend._index:
+            entry = client.hget(index, name + suffix)
+            found[suffix + "|index"] = None if entry is None else entry.split(b"\0")[0]
+    return found
+
+
+@pytest.fixture
+def twin_backends(settings: Any) -> Iterator[dict[bool, RedisBackend]]:
+    """Two aliases on the session's Redis: the listing index on, and off."""
+    prefix = f"rs-{uuid.uuid4().hex[:8]}"
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        **{
+            f"run-start-index-{on}": {
+                "BACKEND": "distlocks.backends.redis.RedisBackend",
+                "LOCATION": django_settings.REDIS_URL,
+                "OPTIONS": {"key_prefix": f"{prefix}-{on}", "listing_index": on},
+            }
+            for on in (True, False)
+        },
     }
+    made = {on: get_backend(f"run-start-index-{on}") for on in (True, False)}
+    assert all(isinstance(b, RedisBackend) and celery_redis.usable(b) for b in made.values())
+    assert made[True]._index and not made[False]._index
+    yield made  # type: ignore[misc]
+    for on, backend in made.items():
+        keys = list(backend.client.scan_iter(match=f"{prefix}-{on}:*", count=1000))
+        if keys:
+            backend.client.delete(*keys)
 
 
 @hsettings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(run=st.sampled_from(_RUN_STATES), marker=st.sampled_from(_MARKER_STATES))
-def test_the_run_start_script_does_what_acquire_then_release_do(
-    run: str, marker: str, redis_client: redis.Redis
+@given(
+    run=st.sampled_from(_RUN_STATES),
+    marker=st.sampled_from(_MARKER_STATES),
+    index=st.booleans(),
+)
+def test_the_run_start_matches_acquire_then_release_in_every_state(
+    run: str, marker: str, index: bool, twin_backends: dict[bool, Any]
 ) -> None:
-    backend = get_backend("default")
+    backend = twin_backends[index]
+    client = backend.client
     ours, theirs = f"rs-{uuid.uuid4().hex}", f"rs-{uuid.uuid4().hex}"
     for name in (ours, theirs):
-        _prepare(backend, redis_client, name, run, marker)
-    counters = {
-        name: int(redis_client.get(backend.all_keys(name).fence) or 0) for name in (ours, theirs)
-    }
+        _prepare(backend, client, name, run, marker)
+    counter = int(client.get(backend.all_keys(ours).fence) or 0)
     holder = _holder()
-    # The backend's two scripts, pipelined as the run start sent them before.
     two = celery_redis.send_together(
         backend,
         [
@@ -112,26 +184,24 @@ def test_the_run_start_script_does_what_acquire_then_release_do(
     )
     assert two is not None and one is not None
     reply, marker_error = celery_redis.run_started(one[0])
-    expected = two[0]
-    assert marker_error == ""
+    expected, released = two
+    # The marker's failure reported as the backend's release reports it, and only then.
+    assert bool(marker_error) == isinstance(released, Exception)
+    if marker_error:
+        assert "WRONGTYPE" in marker_error
     assert reply[0] == expected[0]  # granted or not
     assert (reply[2] > 0) == (expected[2] > 0)  # the lease left, or the holder's
     if reply[0]:
         if run == "same-owner":  # its own grant, answered again: the same token
-            assert reply[1] == counters[ours]
+            assert reply[1] == counter
         else:  # above every token issued on the name
-            assert reply[1] > counters[ours]
-        assert int(redis_client.get(backend.all_keys(ours).fence)) == reply[1]
+            assert reply[1] > counter
+        assert int(client.get(backend.all_keys(ours).fence)) == reply[1]
         assert backend.inspect(ours).fencing_token == reply[1]
-    mine, model = _state(backend, redis_client, ours), _state(backend, redis_client, theirs)
-    # The one difference allowed: no tombstone for the marker's release, whose answer
-    # nobody reads.
-    model["marker released tombstone"] = False
+    mine, model = _raw(backend, client, ours), _raw(backend, client, theirs)
+    # The one difference allowed: the release's tombstone, which nobody reads.
+    model = {key: value for key, value in model.items() if "|released:" not in key}
     assert mine == model
-    for name in (ours, theirs):
-        redis_client.delete(*redis_client.keys(f"*{{{name}*"))
-        for key in backend._index:
-            redis_client.hdel(key, name, name + ":queued")
 
 
 def test_a_marker_that_cannot_be_released_does_not_keep_the_run_from_its_lock(

@@ -27,6 +27,7 @@ from distlocks.contrib import celery_redis
 from distlocks.contrib.celery import single_execution
 from distlocks.exceptions import LockBackendUnavailable
 from tests.celery_app import app
+from tests.celery_lossy import lossy_backend
 from tests.lost_reply_proxy import LostReplyProxy
 
 pytestmark = pytest.mark.django_db
@@ -43,23 +44,9 @@ def proxy(lost_reply_proxy: LostReplyProxy) -> LostReplyProxy:
 @pytest.fixture
 def lossy(proxy: LostReplyProxy, settings: Any) -> Iterator[RedisBackend]:
     """A backend alias whose connections go through the proxy."""
-    db = int(urlsplit(django_settings.REDIS_URL).path.strip("/") or 0)
-    prefix = f"r29-{uuid.uuid4().hex[:8]}"
-    settings.DISTLOCKS_BACKENDS = {
-        **settings.DISTLOCKS_BACKENDS,
-        ALIAS: {
-            "BACKEND": "distlocks.backends.redis.RedisBackend",
-            "LOCATION": proxy.url(db),
-            "OPTIONS": {"key_prefix": prefix},
-        },
-    }
-    backend = get_backend(ALIAS)
-    assert isinstance(backend, RedisBackend) and celery_redis.usable(backend)
-    backend.client.script_load(celery_redis.ENQUEUE.script)  # (_sha loads the others)
-    yield backend
-    keys = list(backend.client.scan_iter(match=f"{prefix}:*", count=1000))
-    if keys:
-        backend.client.delete(*keys)
+    for backend in lossy_backend(proxy, settings, ALIAS, "r29"):
+        backend.client.script_load(celery_redis.ENQUEUE.script)  # (_sha loads the others)
+        yield backend
 
 
 def _sha(backend: RedisBackend, script: str) -> bytes:

@@ -617,10 +617,15 @@ class SingleExecutionTask(_TaskBase):
             drop = bool(single.unique_while == "queued" and task_id)
             marker: Lease | None = None
             first: tuple[Lease | None, Lease | None] | None = None
+            # The run lock's owner, one for every attempt of this run: where the first
+            # attempt's reply was lost (the connection broke, and again on the resend),
+            # the server may hold the lock for it, and the plain attempt that follows
+            # is then answered as that grant's owner, not made to wait out its lease.
+            owner = new_owner()
             if (hold or drop) and _together.usable(backend) and not transactions.pending:
                 # On Redis, the marker's call and the first attempt at the run lock
                 # go in one round trip, in the same order.
-                first = self._first_together(backend, name, str(task_id), ttl, hold)
+                first = self._first_together(backend, name, str(task_id), ttl, hold, owner)
             if first is not None:
                 lease, marker = first
                 if hold and marker is None:
@@ -633,7 +638,7 @@ class SingleExecutionTask(_TaskBase):
                     redelivered = False
                 else:
                     lease, redelivered = self._take_run_lock(
-                        backend, name, task_id, attempt, ttl, tried=first is not None
+                        backend, name, task_id, attempt, ttl, owner, tried=first is not None
                     )
             except BaseException:
                 _end_marker(marker)
@@ -655,14 +660,18 @@ class SingleExecutionTask(_TaskBase):
             holder_extra.reset(scope)
 
     def _first_together(
-        self, backend: BaseBackend, name: str, task_id: str, ttl: float, hold: bool
+        self, backend: BaseBackend, name: str, task_id: str, ttl: float, hold: bool, owner: str
     ) -> tuple[Lease | None, Lease | None] | None:
-        """The first attempt at the run lock and the marker's call in one round trip:
-        (the run lock's lease or None, the marker held with ``hold`` or None), or None
-        where they could not be sent together (the caller makes them one by one)."""
+        """The first attempt at the run lock (as ``owner``) and the marker's call in one
+        round trip: (the run lock's lease or None, the marker held with ``hold`` or
+        None), or None where they could not be sent together (the caller makes them
+        one by one, the run lock's as the same ``owner``: the server may have run
+        these)."""
+        if not hold and not _together.two_slots(backend):
+            return None  # the run start's script names the keys of two slots
         marker_name, marker_owner = name + QUEUED_SUFFIX, _marker_owner(task_id)
         began = time.monotonic()
-        owner, holder = new_owner(), current_holder()
+        holder = current_holder()
         calls: list[tuple[Any, list[str], list[Any]]]
         if hold:
             calls = [
@@ -683,8 +692,8 @@ class SingleExecutionTask(_TaskBase):
             error = backend._acquire_error(name, owner, exc)  # type: ignore[attr-defined]
             _not_acquired(backend, name, began, error)
             raise error from exc
-        if replies is None:
-            return None
+        if replies is None or (not hold and _together.refused_two_slots(backend, replies[0])):
+            return None  # (refused: nothing ran)
         run_reply = replies[-1]
         marker_reply = replies[0]
         if not hold and not isinstance(run_reply, Exception):
@@ -733,15 +742,17 @@ class SingleExecutionTask(_TaskBase):
         task_id: str | None,
         attempt: int,
         ttl: float,
+        owner: str,
         *,
         tried: bool = False,
     ) -> tuple[Lease | None, bool]:
         """The run lock's lease (None: a duplicate), and whether the lock is held by
-        an earlier delivery of this very message that is still alive. ``tried``: the
-        first attempt was made already, and the lock was busy."""
+        an earlier delivery of this very message that is still alive. ``owner``: the
+        first attempt's. ``tried``: the first attempt was made already, and the lock
+        was busy."""
         single = self._single
         if not tried:
-            lease = _try_lease(backend, name, ttl)
+            lease = _try_lease(backend, name, ttl, owner)
             if lease is not None:
                 return lease, False
         run_lock = Lock(name, backend=single.backend, ttl=ttl)
@@ -1070,10 +1081,13 @@ def _renewed_lease(
     return lease, due
 
 
-def _try_lease(backend: BaseBackend, name: str, ttl: float) -> Lease | None:
+def _try_lease(
+    backend: BaseBackend, name: str, ttl: float, owner: str | None = None
+) -> Lease | None:
     """One attempt at the run lock: what ``Lock(name, ttl=ttl).acquire(timeout=0)``
     does (the same lease, renewal, signals), without the lock object and its checks,
-    which the task's options passed once. None if the lock is busy."""
+    which the task's options passed once. None if the lock is busy. ``owner``: an
+    earlier attempt's whose answer was lost (a grant to it is this attempt's)."""
     if transactions.pending:
         # A lock released inside a transaction that has not ended may be this one:
         # lock() knows how to take it back.
@@ -1081,7 +1095,7 @@ def _try_lease(backend: BaseBackend, name: str, ttl: float) -> Lease | None:
             return Lock(name, backend=backend.alias, ttl=ttl).acquire(timeout=0)
         return None
     began = time.monotonic()
-    owner = new_owner()
+    owner = owner or new_owner()
     try:
         result = backend.acquire(name, owner, ttl, current_holder(), wait=0.0)
     except LockError as exc:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -185,6 +186,37 @@ def usable(backend: BaseBackend) -> bool:
     return _REDIS and isinstance(backend, RedisBackend) and backend._direct
 
 
+# Backends whose server refused a script that names keys of two slots: a Redis Cluster
+# node named as one server (redis://), which serves every slot but refuses such a call
+# before running any of it. The run lock's keys and its marker's are in two slots (each
+# lock's keys share a hash tag of its own name), so the scripts that name both (the run
+# start's, the enqueue check of "queued_or_running", a folded publish's with the
+# broker's keys) are not sent there again: the caller makes the plain calls, each of
+# one lock's keys.
+_ONE_SLOT_ONLY: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def two_slots(backend: BaseBackend) -> bool:
+    """Whether a script naming keys of two slots may be sent to ``backend`` (its server
+    has not refused one)."""
+    return backend not in _ONE_SLOT_ONLY
+
+
+def refused_two_slots(backend: BaseBackend, reply: Any) -> bool:
+    """Whether ``reply`` is the server's refusal of a script whose keys are in two slots
+    (it ran none of it); if so, ``backend`` is noted as refusing them."""
+    if not (_REDIS and isinstance(reply, redis.exceptions.ClusterCrossSlotError)):
+        return False
+    if backend not in _ONE_SLOT_ONLY:
+        _ONE_SLOT_ONLY.add(backend)
+        logger.info(
+            "Backend %r refuses a script naming keys of two slots (a Redis Cluster node "
+            "named as one server): its Celery calls are made one by one",
+            getattr(backend, "alias", "?"),
+        )
+    return True
+
+
 def send_together(backend: Any, calls: list[tuple[Any, list[str], list[Any]]]) -> list[Any] | None:
     """Run the scripts of ``calls`` (script, keys, args; a script is a name of the
     backend's scripts or a :class:`_Script`) in one round trip, in order: the reply of
@@ -310,6 +342,8 @@ def enqueue(
     With ``sends`` (a broker's commands: name, key, value), they are run too when the
     marker is taken, and None is the answer if the server refused the first (with
     nothing written). None where the script cannot be used here."""
+    if (run_lock is not None or sends is not None) and not two_slots(backend):
+        return None  # nothing sent: the plain calls
     keys, args = backend._indexed_acquire_call(marker, owner, ttl, holder, 0.0, False)
     if run_lock is not None:
         keys = [*keys, backend.all_keys(run_lock).lock]
@@ -343,6 +377,8 @@ def enqueue(
             raise backend._error("acquire", marker, broke)
         return None
     reply = replies[0]
+    if refused_two_slots(backend, reply):
+        return None  # nothing ran: the plain calls
     if isinstance(reply, Exception):
         raise backend._acquire_error(marker, owner, reply) from reply
     kind = reply[0]
