@@ -49,12 +49,13 @@ local marker_ok, marker_error = pcall(function()
   if redis.call('HGET', marker, 'owner') ~= marker_owner then return end
   local clock = redis.call('TIME')
   local clock_ms = clock[1] * 1000 + math.floor(clock[2] / 1000)
-  redis.call('DEL', marker)
+  -- In RELEASE's order: what can fail (a counter of another type) before any write.
   keep_fence(marker_fence, 0, clock_ms)
-  if KEYS[5] then redis.call('HDEL', KEYS[5], marker_name) end
   if redis.call('EXISTS', marker_waiters) == 1 then
     wake(marker_waiters, marker_queue, marker_signal, marker_wake, clock_ms)
   end
+  if KEYS[5] then redis.call('HDEL', KEYS[5], marker_name) end
+  redis.call('DEL', marker)
 end)
 local reply = (function()
 """
