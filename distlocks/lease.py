@@ -76,6 +76,9 @@ class BaseLease:
     _release_requested = False
     _freed_on_server = False
     _depth = 1
+    # Monotonic start of the renewal or extension whose server call is in flight (0:
+    # none): a deadline passing meanwhile is reported as a renewal with no answer.
+    _renewing = 0.0
 
     def __init__(
         self,
@@ -183,8 +186,15 @@ class BaseLease:
         holder's: the lock belongs to the process that acquired it."""
         if self._state != HELD or self._inherited():
             return False
-        if self._valid_until is not None and time.monotonic() >= self._valid_until:
-            reason = f"its {self.ttl:g}s lease ran out without being renewed"
+        if self._valid_until is not None and (now := time.monotonic()) >= self._valid_until:
+            sent = self._renewing
+            if sent:
+                reason = (
+                    f"its {self.ttl:g}s lease ran out while its renewal, sent "
+                    f"{now - sent:.1f}s earlier, still had no answer from the server"
+                )
+            else:
+                reason = f"its {self.ttl:g}s lease ran out without being renewed"
             if self._last_renew_error:
                 reason += f" (last renewal error: {self._last_renew_error})"
             self._mark_lost(reason)
@@ -340,7 +350,9 @@ class BaseLease:
         return NOTHING, None
 
     def _renew_result(self, started: float, outcome: bool | LockError) -> float | None:
-        """Record a renewal's answer; returns when to renew next (None: stop)."""
+        """Record a renewal's answer; returns when to renew next (None: stop). After a
+        success, the caller asks :meth:`_give_back_late` whether the answer came too late."""
+        self._renewing = 0.0
         if isinstance(outcome, LockError):
             return self._renewal_failed(outcome)
         if not outcome:
@@ -349,14 +361,35 @@ class BaseLease:
             )
             self._freed_on_server = True
             return None
+        if not self.held():
+            # Its deadline passed before this answer was recorded: the loss has been
+            # reported (another holder may have been let in), so it stays lost.
+            return None
         self._renewed(started, self.ttl)
+        if self._state != HELD:
+            return None  # the deadline's notice came between the check and the record
         return self._renewal_due()
 
+    def _give_back_late(self) -> bool:
+        """After a successful renewal or extension: True, once, when the lease was found
+        lost while the call was in flight, so what the server has just extended must be
+        given back (quietly, owner-checked) rather than left until it expires."""
+        if self._state == LOST and not self._freed_on_server:
+            self._freed_on_server = True
+            return True
+        return False
+
     def _extended(self, started: float, ttl: float, ok: bool) -> None:
+        self._renewing = 0.0
         if not ok:
             self._mark_lost("the server no longer had it when it was extended")
             raise LockLost(self, self._lost_reason)  # type: ignore[arg-type]
-        self._renewed(started, ttl)
+        if self.held():
+            self._renewed(started, ttl)
+            if self._state == HELD:
+                return
+        # The deadline passed while the call was in flight: reported lost, and stays so.
+        raise LockLost(self, self._lost_reason)  # type: ignore[arg-type]
 
     # -- renewal bookkeeping, shared by both flavours ---------------------------
 
@@ -415,8 +448,22 @@ class Lease(BaseLease):
         self.ensure_held()  # before waiting for the mutex: a child must not wait for it
         with self._mutex:
             self.ensure_held()
-            started = time.monotonic()
-            self._extended(started, ttl, self._backend.extend(self.name, self.owner, ttl))
+            # Told at the deadline even if the call below is stuck (renewal imports this
+            # module: imported here).
+            from distlocks.renewal import renewer
+
+            renewer(self.backend).watch(self)
+            self._renewing = started = time.monotonic()
+            try:
+                ok = self._backend.extend(self.name, self.owner, ttl)
+            finally:
+                self._renewing = 0.0
+            try:
+                self._extended(started, ttl, ok)
+            except LockLost:
+                if ok and self._give_back_late():
+                    self._backend.release_quietly(self.name, self.owner)
+                raise
 
     def _give_back_if_lost(self) -> None:
         """A lease found lost here (it ran out locally) is given back on the server once,
@@ -524,13 +571,18 @@ class Lease(BaseLease):
                 self._backend.release_quietly(self.name, self.owner)
             if step != EXTEND:
                 return when
-            started = time.monotonic()
+            self._renewing = started = time.monotonic()
             outcome: bool | LockError
             try:
                 outcome = self._backend.extend(self.name, self.owner, self.ttl)
             except LockError as exc:
                 outcome = exc
-            return self._renew_result(started, outcome)
+            finally:
+                self._renewing = 0.0
+            due = self._renew_result(started, outcome)
+            if outcome is True and self._give_back_late():
+                self._backend.release_quietly(self.name, self.owner)
+            return due
 
 
 class AsyncLease(BaseLease):
@@ -544,10 +596,12 @@ class AsyncLease(BaseLease):
         self._alock = asyncio.Lock()
 
     def _renewal_turn(self, renewer: LoopRenewer) -> None:
-        """Called by the loop's renewer when the lease is due: renew in a task."""
+        """Called by the loop's renewer when the lease is due: renew in a task, and have
+        the renewer look at the lease at its deadline, in case the call is stuck."""
         self._renew_task = asyncio.get_running_loop().create_task(
             self._renew_and_reschedule(renewer), name=f"distlocks-renew:{self.name}"
         )
+        renewer.watch(self)
 
     async def _renew_and_reschedule(self, renewer: LoopRenewer) -> None:
         due = await self._arenew_once()
@@ -563,13 +617,18 @@ class AsyncLease(BaseLease):
                 await self._backend.arelease_quietly(self.name, self.owner)
             if step != EXTEND:
                 return when
-            started = time.monotonic()
+            self._renewing = started = time.monotonic()
             outcome: bool | LockError
             try:
                 outcome = await self._backend.aextend(self.name, self.owner, self.ttl)
             except LockError as exc:
                 outcome = exc
-            return self._renew_result(started, outcome)
+            finally:
+                self._renewing = 0.0
+            due = self._renew_result(started, outcome)
+            if outcome is True and self._give_back_late():
+                await self._backend.arelease_quietly(self.name, self.owner)
+            return due
 
     def _stop_renewal(self) -> None:
         """Cancel the renewal turn in flight, if any (a lease waiting for its turn needs
@@ -591,7 +650,10 @@ class AsyncLease(BaseLease):
 
     def _on_finished(self) -> None:
         super()._on_finished()
-        self._stop_renewal()
+        if not self._renewing:
+            self._stop_renewal()
+        # else: lost at its deadline while a call is in flight: the turn is left to end,
+        # so that a late success is given back (see _give_back_late).
 
     async def extend(self, ttl: float | None = None) -> None:
         """Reset the lease to ``ttl`` seconds from now; :class:`LockLost` if it is gone."""
@@ -599,9 +661,20 @@ class AsyncLease(BaseLease):
         self.ensure_held()
         async with self._alock:
             self.ensure_held()
-            started = time.monotonic()
-            ok = await self._backend.aextend(self.name, self.owner, ttl)
-            self._extended(started, ttl, ok)
+            from distlocks.renewal import loop_renewer
+
+            loop_renewer(asyncio.get_running_loop()).watch(self)
+            self._renewing = started = time.monotonic()
+            try:
+                ok = await self._backend.aextend(self.name, self.owner, ttl)
+            finally:
+                self._renewing = 0.0
+            try:
+                self._extended(started, ttl, ok)
+            except LockLost:
+                if ok and self._give_back_late():
+                    await self._backend.arelease_quietly(self.name, self.owner)
+                raise
 
     async def release(self) -> bool:
         """Free the lock if this lease still holds it; same rules as :meth:`Lease.release`."""
