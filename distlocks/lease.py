@@ -352,18 +352,23 @@ class BaseLease:
     def _renew_result(self, started: float, outcome: bool | LockError) -> float | None:
         """Record a renewal's answer; returns when to renew next (None: stop). After a
         success, the caller asks :meth:`_give_back_late` whether the answer came too late."""
-        self._renewing = 0.0
         if isinstance(outcome, LockError):
+            self._renewing = 0.0
             return self._renewal_failed(outcome)
         if not outcome:
+            self._renewing = 0.0
             self._mark_lost(
                 "the server no longer had it at renewal (expired, deleted or force-released)"
             )
             self._freed_on_server = True
             return None
-        if not self.held():
-            # Its deadline passed before this answer was recorded: the loss has been
-            # reported (another holder may have been let in), so it stays lost.
+        # Checked while still in flight: a deadline that passed before this answer was
+        # recorded is reported as a renewal with no answer in time.
+        held = self.held()
+        self._renewing = 0.0
+        if not held:
+            # The loss has been reported (another holder may have been let in): the
+            # lease stays lost.
             return None
         self._renewed(started, self.ttl)
         if self._state != HELD:
@@ -380,11 +385,12 @@ class BaseLease:
         return False
 
     def _extended(self, started: float, ttl: float, ok: bool) -> None:
+        held = ok and self.held()  # while still in flight, as in _renew_result
         self._renewing = 0.0
         if not ok:
             self._mark_lost("the server no longer had it when it was extended")
             raise LockLost(self, self._lost_reason)  # type: ignore[arg-type]
-        if self.held():
+        if held:
             self._renewed(started, ttl)
             if self._state == HELD:
                 return
@@ -456,8 +462,9 @@ class Lease(BaseLease):
             self._renewing = started = time.monotonic()
             try:
                 ok = self._backend.extend(self.name, self.owner, ttl)
-            finally:
+            except BaseException:
                 self._renewing = 0.0
+                raise
             try:
                 self._extended(started, ttl, ok)
             except LockLost:
@@ -577,8 +584,9 @@ class Lease(BaseLease):
                 outcome = self._backend.extend(self.name, self.owner, self.ttl)
             except LockError as exc:
                 outcome = exc
-            finally:
+            except BaseException:
                 self._renewing = 0.0
+                raise
             due = self._renew_result(started, outcome)
             if outcome is True and self._give_back_late():
                 self._backend.release_quietly(self.name, self.owner)
@@ -623,8 +631,9 @@ class AsyncLease(BaseLease):
                 outcome = await self._backend.aextend(self.name, self.owner, self.ttl)
             except LockError as exc:
                 outcome = exc
-            finally:
+            except BaseException:
                 self._renewing = 0.0
+                raise
             due = self._renew_result(started, outcome)
             if outcome is True and self._give_back_late():
                 await self._backend.arelease_quietly(self.name, self.owner)
@@ -667,8 +676,9 @@ class AsyncLease(BaseLease):
             self._renewing = started = time.monotonic()
             try:
                 ok = await self._backend.aextend(self.name, self.owner, ttl)
-            finally:
+            except BaseException:
                 self._renewing = 0.0
+                raise
             try:
                 self._extended(started, ttl, ok)
             except LockLost:
