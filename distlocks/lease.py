@@ -15,9 +15,11 @@ With ``auto_renew`` the lease is extended at about a third of its ttl, by the
 process-wide :mod:`distlocks.renewal` thread for :class:`Lease` and, for
 :class:`AsyncLease`, on the loop that took it (one renewer per loop, each renewal turn an
 asyncio task: :class:`distlocks.renewal.LoopRenewer`). A renewal that finds the lease
-gone, or that cannot reach the server before the lease runs out, marks it lost.
+gone, or that cannot reach the server before the lease runs out, marks it lost; so does
+the renewer at the lease's deadline while a renewal or ``extend()`` call is still
+waiting for its answer (a late answer, even a success, leaves the lease lost).
 
-Why this is one module of about 600 lines (issue 28's size rule): the two lease classes
+Why this is one module of about 700 lines (issue 28's size rule): the two lease classes
 share one state machine (held, lost, released, given back at commit), and the rules of
 each transition must be read side by side for the thread and the asyncio holder.
 """

@@ -1,12 +1,17 @@
-"""The process-wide lease renewer: one thread, however many leases.
+"""The process-wide lease renewers: a few threads per backend, however many leases.
 
-Leases are kept in a heap ordered by their next renewal time. The thread sleeps
-until the earliest one is due, renews it together with every other lease due by
-then (one ``extend_many`` call per backend: on Redis one script per 500 leases, each
-lease still compare-and-expire on its own), and schedules each again at a third of
-its ttl. It exits after a while with
-nothing to do and is started again by the next lease, and it is rebuilt in a
-forked child (threads do not survive ``fork``).
+Leases are kept in a heap ordered by their next renewal time. A scheduling thread sleeps
+until the earliest one is due, takes it together with every other lease due by then, and
+hands the batch to a caller thread, which renews it (one ``extend_many`` call per
+backend: on Redis one script per 500 leases, each lease still compare-and-expire on its
+own) and schedules each lease again at a third of its ttl. The scheduler never waits for
+a server: it also watches the deadlines of the leases whose renewal is waiting for a
+caller or in flight, and reports a lease lost at its deadline while its call is stuck
+(the lease's own state lock, not the mutex the caller holds through the call). A second
+caller starts only when a batch is due while every caller is busy (at most
+:data:`MAX_CALLERS`). The threads exit after a while with nothing to do and are started
+again by the next lease, and they are rebuilt in a forked child (threads do not survive
+``fork``).
 
 The heap holds weak references: a lease that its holder dropped without
 releasing is released at its next renewal time instead of being kept alive for
@@ -15,7 +20,8 @@ comes (then it is dropped) or until the heap has doubled since it was last
 compacted, whichever is first: ending a lease costs the renewer nothing.
 
 The leases of ``alock()`` are renewed on their event loop instead, the same way: one
-:class:`LoopRenewer` per loop, a heap and one pending timer of the loop for all of them.
+:class:`LoopRenewer` per loop, a heap and one pending timer of the loop for all of them;
+a renewal turn adds an entry at the lease's deadline, looked at then.
 """
 
 from __future__ import annotations

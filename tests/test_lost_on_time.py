@@ -264,14 +264,25 @@ def test_a_holders_own_stuck_extend_is_reported_at_the_deadline(
 # -- asyncio -----------------------------------------------------------------------------
 
 
+@pytest.fixture(params=["redis", "pg"])
+def stuck_alias(request: pytest.FixtureRequest) -> tuple[str, FaultProxy]:
+    """(alias, its proxy) for each backend with a stalled-call test of its own."""
+    if request.param == "redis":
+        return request.getfixturevalue("stuck_redis"), request.getfixturevalue("proxy")
+    return request.getfixturevalue("stuck_pg"), request.getfixturevalue("pg_proxy")
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_stalled_async_renewal_reports_the_loss_at_the_deadline(
-    stuck_redis: str, proxy: FaultProxy, name: str, losses: Callable[[], Losses]
+    stuck_alias: tuple[str, FaultProxy], name: str, losses: Callable[[], Losses]
 ) -> None:
+    """alock(): the renewal task awaits a call that is stuck for a minute; the loop's
+    renewer reports the loss at the deadline, and the loop is never blocked meanwhile."""
+    alias, proxy = stuck_alias
     seen = losses()
 
     async def main() -> None:
-        lease = await alock(name, backend=stuck_redis, ttl=TTL, on_lost=seen).acquire()
+        lease = await alock(name, backend=alias, ttl=TTL, on_lost=seen).acquire()
         limit = time.monotonic() + 30
         while lease.renewals < 1:
             assert time.monotonic() < limit, "no first renewal"
