@@ -81,6 +81,9 @@ class BaseLease:
     # Monotonic start of the renewal or extension whose server call is in flight (0:
     # none): a deadline passing meanwhile is reported as a renewal with no answer.
     _renewing = 0.0
+    # Deadline at which a renewer will look at this lease (0: none pending), so that
+    # repeated extend() calls keep one watch entry, not one each.
+    _watch_at = 0.0
 
     def __init__(
         self,

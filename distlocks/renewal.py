@@ -128,6 +128,9 @@ class Renewer:
             return
         entry = (deadline, next(self._seq), weakref.ref(lease), _ident(lease), WATCH)
         with self._lock:
+            if 0 < lease._watch_at <= deadline:
+                return  # an entry already looks sooner, and looks again if still needed
+            lease._watch_at = deadline
             heapq.heappush(self._heap, entry)
             if self._thread is None:
                 self._start()
@@ -167,29 +170,39 @@ class Renewer:
             step = self._next_step()
             if step is None:
                 return
-            batch, dropped, checks = step
+            batch, dropped, checks, watches = step
             if batch or dropped:
                 self._hand_over(batch, dropped)
             for lease in checks:
                 self._check_deadline(lease)
+            for lease, _ in watches:
+                try:
+                    if _watched(lease):
+                        self.watch(lease)  # renewed meanwhile, but a call is in flight
+                except Exception:  # a bug must not stop the other leases' renewal
+                    logger.exception("Deadline check of lock %r failed", lease.name)
 
-    def _next_step(self) -> tuple[list[Lease], list[Any], list[BaseLease]] | None:
+    def _next_step(
+        self,
+    ) -> tuple[list[Lease], list[Any], list[BaseLease], list[tuple[BaseLease, float]]] | None:
         """Wait until a batch is due or a watched deadline passes; (the batch, the
-        idents of leases dropped unreleased, the leases to check against their
-        deadline). None when idle long enough to exit."""
+        idents of leases dropped unreleased, the leases of batches in flight to check
+        against their deadline, the watch entries due). None when idle long enough to
+        exit."""
         idle_since = time.monotonic()
         with self._cond:
             while True:
                 now = time.monotonic()
                 checks = self._overdue(now)
+                watches: list[tuple[BaseLease, float]] = []
                 heap = self._heap
                 if heap and heap[0][0] <= now:
-                    batch, dropped = self._pop_due(now, checks)
-                    if batch or dropped or checks:
-                        return batch, dropped, checks
+                    batch, dropped = self._pop_due(now, watches)
+                    if batch or dropped or checks or watches:
+                        return batch, dropped, checks, watches
                     continue
                 if checks:
-                    return [], [], checks
+                    return [], [], checks, []
                 wake = heap[0][0] if heap else math.inf
                 for deadline, _ in self._watched.values():
                     wake = min(wake, deadline)
@@ -203,10 +216,12 @@ class Renewer:
                 self._wake_at = wake
                 self._cond.wait(wake - now)
 
-    def _pop_due(self, now: float, checks: list[BaseLease]) -> tuple[list[Lease], list[Any]]:
+    def _pop_due(
+        self, now: float, watches: list[tuple[BaseLease, float]]
+    ) -> tuple[list[Lease], list[Any]]:
         """Take every renewal due by now (or within :data:`COALESCE` seconds: renewing a
-        little early costs nothing and saves a round trip); deadlines due go to
-        ``checks``. Called with the condition held."""
+        little early costs nothing and saves a round trip); the watch entries due go to
+        ``watches``. Called with the condition held."""
         heap = self._heap
         batch: list[Lease] = []
         dropped: list[Any] = []
@@ -220,7 +235,9 @@ class Renewer:
             lease = ref()
             if len(entry) > 4:  # a deadline to look at, not a renewal
                 if lease is not None:
-                    checks.append(lease)
+                    if lease._watch_at == entry[0]:
+                        lease._watch_at = 0.0  # a watch() from now on adds an entry
+                    watches.append((lease, entry[0]))
                 continue
             if first:
                 self.late.append(max(0.0, now - entry[0]))
@@ -402,6 +419,13 @@ def _earliest(leases: list[Lease], after: float) -> float:
     return found
 
 
+def _watched(lease: BaseLease) -> bool:
+    """A watch entry of ``lease`` is due: report the loss if its deadline passed; True
+    if it is still held with a call in flight (to be watched again, at its new
+    deadline)."""
+    return lease.held() and bool(lease._renewing)
+
+
 def _busy_retry(lease: Lease) -> float:
     """When to look again at a lease whose mutex is busy: soon, and no later than its
     deadline while it lasts."""
@@ -460,8 +484,9 @@ class LoopRenewer:
         not been renewed by then: its renewal task, or its holder's ``extend()``, may be
         stuck awaiting the server. One heap entry, no timer of its own."""
         deadline = lease._valid_until
-        if deadline is None:
-            return
+        if deadline is None or 0 < lease._watch_at <= deadline:
+            return  # none, or an entry already looks sooner (and again if still needed)
+        lease._watch_at = deadline
         entry = (deadline, next(self._seq), weakref.ref(lease), _ident(lease), WATCH)
         heapq.heappush(self._heap, entry)
         if deadline < self._timer_at:
@@ -491,8 +516,10 @@ class LoopRenewer:
             lease = ref()
             try:
                 if len(entry) > 4:  # a deadline to look at
-                    if lease is not None:
-                        lease.held()  # reports the loss if it passed
+                    if lease is not None and lease._watch_at == entry[0]:
+                        lease._watch_at = 0.0
+                    if lease is not None and _watched(lease):
+                        self.watch(lease)  # renewed meanwhile, but a call is in flight
                 elif lease is None:
                     # Dropped by its holder without a release: nobody can release it
                     # now, so do it here rather than renew it.

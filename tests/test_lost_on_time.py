@@ -302,3 +302,33 @@ def test_a_stalled_async_renewal_reports_the_loss_at_the_deadline(
 
     asyncio.run(asyncio.wait_for(main(), 120))
     assert len(seen.calls) == len(seen.signals) == 1
+
+
+# -- cost ------------------------------------------------------------------------------
+
+
+def test_repeated_extends_keep_one_watch_entry(name: str) -> None:
+    """Each extend() asks to be looked at its deadline; a holder extending in a loop must
+    not leave one heap entry per call behind (they would last until their deadlines)."""
+    from distlocks.renewal import loop_renewer, renewer
+
+    lease = lock(name, backend="locmem", ttl=600, auto_renew=False).acquire()
+    try:
+        for _ in range(200):
+            lease.extend()
+        entries = [e for e in renewer("locmem")._heap if e[2]() is lease]
+        assert len(entries) == 1
+    finally:
+        lease.release()
+
+    async def main() -> int:
+        alease = await alock(f"{name}:a", backend="locmem", ttl=600, auto_renew=False).acquire()
+        try:
+            for _ in range(200):
+                await alease.extend()
+            heap = loop_renewer(asyncio.get_running_loop())._heap
+            return len([e for e in heap if e[2]() is alease])
+        finally:
+            await alease.release()
+
+    assert asyncio.run(main()) == 1
