@@ -54,8 +54,14 @@ class GatedLocMem(LocMemBackend):
         self.entered = threading.Event()
         self.opened = threading.Event()
         self.answer = "success"
+        # Names whose every extend() waits until `unstuck` is set.
+        self.stuck: set[str] = set()
+        self.unstuck = threading.Event()
 
     def extend(self, name: str, owner: str, ttl: float) -> bool:
+        if name in self.stuck:
+            self.entered.set()
+            assert self.unstuck.wait(LIMIT * 4)
         if self.armed:
             self.armed = False
             self.entered.set()
@@ -244,3 +250,34 @@ def test_release_deadline_and_late_answer_interleavings(gated: str) -> None:
             suppress_health_check=[HealthCheck.too_slow],
         ),
     )
+
+
+def test_one_stuck_call_does_not_hold_up_the_other_leases_of_its_backend(
+    gated: str, name: str
+) -> None:
+    """The renewal of one lease is stuck in its backend call (its connection hangs); the
+    other leases of the same backend, due at other times, are still renewed (by another
+    caller thread), and the stuck one is reported lost at its deadline."""
+    backend = get_backend(gated)
+    assert isinstance(backend, GatedLocMem)
+    lost: list[str] = []
+    stuck = lock(f"{name}:stuck", backend=gated, ttl=1, on_lost=lambda x: lost.append(x.name))
+    a = stuck.acquire()
+    backend.stuck.add(a.name)
+    assert backend.entered.wait(LIMIT)  # its renewal is stuck
+    # Taken now, so renewed in turns of its own (a turn is what is due within 20 ms).
+    b = lock(f"{name}:other", backend=gated, ttl=1, on_lost=lambda x: lost.append(x.name))
+    b = b.acquire()
+    try:
+        renewed = b.renewals
+        deadline = time.monotonic() + LIMIT
+        while b.renewals < renewed + 4:  # more than a ttl's worth of renewals
+            assert time.monotonic() < deadline, "the other lease is no longer renewed"
+            time.sleep(0.01)
+        assert b.held()
+        assert lost == [a.name]
+        assert "no answer" in a.lost_reason
+    finally:
+        backend.unstuck.set()
+        b.release()
+        a.release()
