@@ -18,6 +18,7 @@ late, what it extended on the server is given back at once.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -281,3 +282,60 @@ def test_one_stuck_call_does_not_hold_up_the_other_leases_of_its_backend(
         backend.unstuck.set()
         b.release()
         a.release()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_renewal_is_stuck(gated: str, name: str) -> None:
+    """Forked while a caller thread of the parent is stuck in a renewal, holding the
+    lease's mutex: in the child the inherited lease is not held, extend() refuses at
+    once (it does not wait for that mutex), nothing reports the parent's lease lost, and
+    a lease the child takes is renewed by the child's own renewer."""
+    backend = get_backend(gated)
+    assert isinstance(backend, GatedLocMem)
+    lost: list[str] = []
+    a = lock(f"{name}:stuck", backend=gated, ttl=30, on_lost=lambda x: lost.append(x.name))
+    a = a.acquire()
+    backend.stuck.add(a.name)
+    # Its renewal is stuck: the renewer's caller thread holds its mutex (30 s lease,
+    # renewed at 10 s: started by hand, as the caller does, not waited for).
+    caller = threading.Thread(target=a._renew_once)
+    caller.start()
+    try:
+        assert backend.entered.wait(LIMIT)
+
+        def child() -> list[object]:
+            seen: list[object] = [a.held()]
+            try:
+                a.extend()
+                seen.append("extended")
+            except LockLost:
+                seen.append("LockLost")
+            own = lock(f"{name}:child", backend="locmem", ttl=3).acquire()
+            limit = time.monotonic() + LIMIT
+            while own.renewals < 2 and time.monotonic() < limit:
+                time.sleep(0.01)
+            seen.append(own.renewals >= 2 and own.held())
+            own.release()
+            seen.append(lost)
+            return seen
+
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os.close(read)
+            try:
+                text = repr(child())
+            except BaseException as exc:
+                text = f"raised {type(exc).__name__}: {exc}"
+            os.write(write, text.encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            text = pipe.read()
+        os.waitpid(pid, 0)
+        assert text == "[False, 'LockLost', True, []]", text
+    finally:
+        backend.unstuck.set()
+        caller.join(LIMIT)
+    assert a.held() and not lost  # the parent's lease, renewed once its call answered
+    assert a.release() is True
