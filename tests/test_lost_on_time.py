@@ -264,12 +264,56 @@ def test_a_holders_own_stuck_extend_is_reported_at_the_deadline(
 # -- asyncio -----------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["redis", "pg"])
+@pytest.fixture
+def stuck_etcd(etcd_ready: str) -> Iterator[tuple[str, FaultProxy]]:
+    """An etcd alias whose connections go through a proxy (socket timeout of a minute)."""
+    from urllib.parse import urlsplit
+
+    from tests.settings import etcd_alias
+
+    proxy = FaultProxy(int(urlsplit(etcd_ready).port or 2379)).start()
+    config = etcd_alias(f"http://127.0.0.1:{proxy.port}")
+    config["OPTIONS"] = {"connect_timeout": 2, "socket_timeout": STUCK}
+    try:
+        with override_settings(
+            DISTLOCKS_BACKENDS={**settings.DISTLOCKS_BACKENDS, "stucketcd": config}
+        ):
+            yield "stucketcd", proxy
+            proxy.heal()
+            proxy.reset()
+    finally:
+        proxy.close()
+
+
+@pytest.fixture(params=["redis", "pg", "etcd"])
 def stuck_alias(request: pytest.FixtureRequest) -> tuple[str, FaultProxy]:
     """(alias, its proxy) for each backend with a stalled-call test of its own."""
     if request.param == "redis":
         return request.getfixturevalue("stuck_redis"), request.getfixturevalue("proxy")
+    if request.param == "etcd":
+        found: tuple[str, FaultProxy] = request.getfixturevalue("stuck_etcd")
+        return found
     return request.getfixturevalue("stuck_pg"), request.getfixturevalue("pg_proxy")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stalled_renewal_reports_the_loss_at_the_deadline_on_every_backend(
+    stuck_alias: tuple[str, FaultProxy], name: str, losses: Callable[[], Losses]
+) -> None:
+    alias, proxy = stuck_alias
+    seen = losses()
+    lease = lock(name, backend=alias, ttl=TTL, on_lost=seen).acquire()
+    _warm(lease)
+    proxy.blackhole()
+    cut = time.monotonic()
+    wait_for(lambda: seen.calls, TTL + SLACK, "the loss at the deadline")
+    assert seen.calls[0][0] - cut <= TTL + SLACK
+    assert "no answer" in seen.calls[0][1], seen.calls[0][1]
+    assert not lease.held() and lease.state == "lost"
+    proxy.heal()
+    proxy.reset()
+    assert lease.release() is False
+    assert len(seen.calls) == len(seen.signals) == 1
 
 
 @pytest.mark.django_db(transaction=True)
