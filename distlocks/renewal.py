@@ -228,6 +228,8 @@ class Renewer:
         horizon = now + COALESCE
         first = True
         while heap and heap[0][0] <= horizon and len(batch) < MAX_BATCH:
+            if len(heap[0]) > 4 and heap[0][0] > now:
+                break  # a deadline is looked at when it has passed, never early
             entry = heapq.heappop(heap)
             ref, ident = entry[2], entry[3]
             if ident[3]["ended"]:
@@ -507,8 +509,11 @@ class LoopRenewer:
         self._timer = _dead
         self._timer_at = math.inf
         heap = self._heap
-        now = time.monotonic() + COALESCE
+        passed = time.monotonic()
+        now = passed + COALESCE
         while heap and heap[0][0] <= now:
+            if len(heap[0]) > 4 and heap[0][0] > passed:
+                break  # a deadline is looked at when it has passed, never early
             entry = heapq.heappop(heap)
             ref, ident = entry[2], entry[3]
             if ident[3]["ended"]:
