@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from distlocks.backends.base import BaseBackend
 from distlocks.exceptions import LockError
-from distlocks.lease import EXTEND, FREE_LOST, HELD, arelease_dropped, release_dropped
+from distlocks.lease import EXTEND, FREE_LOST, arelease_dropped, release_dropped
 
 if TYPE_CHECKING:
     from distlocks.lease import AsyncLease, BaseLease, Lease
@@ -61,8 +61,10 @@ MAX_BATCH = 5000
 #: Renewals whose lateness each renewer remembers (the most recent ones).
 LATENESS_SAMPLES = 4096
 #: Most threads making one backend's renewal calls at once. One does, as long as calls
-#: return in time; another starts only when a batch is due while every caller is busy.
+#: return in time; another starts only when a batch waits while every caller is in a
+#: call with no answer for CALLER_STUCK seconds.
 MAX_CALLERS = 4
+CALLER_STUCK = 0.25
 #: Marks a heap entry that looks at a lease's deadline instead of renewing it.
 WATCH = "watch"
 
@@ -94,10 +96,14 @@ class Renewer:
         self._wake_at = math.inf
         # Batches handed to the callers, not yet taken: (key, leases, dropped idents).
         self._queue: collections.deque[tuple[int, list[Lease], list[Any]]] = collections.deque()
-        # key -> [earliest deadline, leases] of each batch queued or in flight.
+        # key -> [earliest deadline, leases, their deadlines in order (made when the
+        # first one passes), how many of those were looked at] of each batch queued or
+        # in flight.
         self._watched: dict[int, list[Any]] = {}
         self._callers = 0
         self._idle_callers = 0
+        # key -> monotonic start of each batch a caller is renewing.
+        self._calls: dict[int, float] = {}
         #: Seconds by which recent renewals ran after they were due (see lateness()).
         self.late: collections.deque[float] = collections.deque(maxlen=LATENESS_SAMPLES)
         #: Renewal turns taken so far (a turn renews one lease or a batch).
@@ -203,9 +209,9 @@ class Renewer:
                     continue
                 if checks:
                     return [], [], checks, []
-                wake = heap[0][0] if heap else math.inf
-                for deadline, _ in self._watched.values():
-                    wake = min(wake, deadline)
+                wake = min(heap[0][0] if heap else math.inf, self._more_callers(now))
+                for watched in self._watched.values():
+                    wake = min(wake, watched[0])
                 if wake == math.inf:
                     if now - idle_since >= IDLE_EXIT:
                         self._thread = None
@@ -254,13 +260,28 @@ class Renewer:
         return batch, dropped
 
     def _overdue(self, now: float) -> list[BaseLease]:
-        """The leases of the batches queued or in flight whose earliest deadline has
-        passed (called with the condition held); looked at again when they are checked."""
+        """The leases of the batches queued or in flight whose deadline has passed
+        (called with the condition held). A batch still in flight at its first deadline
+        has its deadlines sorted then, once, so each later one costs only its own look
+        (a stuck batch of thousands of leases, all due around the same time, would
+        otherwise be scanned whole at each of their deadlines)."""
         found: list[BaseLease] = []
         for watched in self._watched.values():
-            if watched[0] <= now:
-                found.extend(watched[1])
-                watched[0] = _earliest(watched[1], now)
+            if watched[0] > now:
+                continue
+            order = watched[2]
+            if order is None:
+                order = watched[2] = sorted(
+                    (lease._valid_until, n, lease)
+                    for n, lease in enumerate(watched[1])
+                    if lease._valid_until is not None
+                )
+            looked = watched[3]
+            while looked < len(order) and order[looked][0] <= now:
+                found.append(order[looked][2])
+                looked += 1
+            watched[3] = looked
+            watched[0] = order[looked][0] if looked < len(order) else math.inf
         return found
 
     @staticmethod
@@ -275,17 +296,32 @@ class Renewer:
         with self._cond:
             self._queue.append((key, batch, dropped))
             if batch:
-                self._watched[key] = [_earliest(batch, -math.inf), batch]
+                self._watched[key] = [_earliest(batch), batch, None, 0]
             if self._idle_callers:
                 self._work.notify()
-            elif self._callers < MAX_CALLERS:
-                # Every caller is busy (a call is slow or stuck): one more, so one stuck
-                # connection does not hold up the renewal of every other lease.
-                thread = threading.Thread(
-                    target=self._call, name=f"distlocks-renewal-calls:{self.alias}", daemon=True
-                )
-                thread.start()
-                self._callers += 1
+            else:
+                self._more_callers(time.monotonic())
+
+    def _more_callers(self, now: float) -> float:
+        """Start a caller if batches wait while every caller is in a call that has had
+        no answer for :data:`CALLER_STUCK` seconds (a stuck connection must not hold up
+        every other lease; a merely busy caller is waited for: callers sharing a loaded
+        CPU would all finish later). Returns when to look again (inf: no need). Called
+        with the condition held."""
+        if not self._queue or self._idle_callers or self._callers >= MAX_CALLERS:
+            return math.inf
+        calls = self._calls
+        if len(calls) < self._callers:
+            return math.inf  # a caller is between two batches: it takes the next one
+        youngest = max(calls.values(), default=-math.inf)
+        if now - youngest < CALLER_STUCK:
+            return youngest + CALLER_STUCK
+        thread = threading.Thread(
+            target=self._call, name=f"distlocks-renewal-calls:{self.alias}", daemon=True
+        )
+        thread.start()
+        self._callers += 1
+        return math.inf
 
     # -- the callers -----------------------------------------------------------------
 
@@ -308,6 +344,7 @@ class Renewer:
                         finally:
                             self._idle_callers -= 1
                     key, batch, dropped = self._queue.popleft()
+                    self._calls[key] = time.monotonic()
                 try:
                     for ident in dropped:
                         try:
@@ -321,6 +358,7 @@ class Renewer:
                 finally:
                     with self._cond:
                         self._watched.pop(key, None)
+                        del self._calls[key]
         finally:
             if counted:  # ended by an error of its own
                 with self._cond:
@@ -411,12 +449,12 @@ class Renewer:
                 backend.release_quietly(lease.name, lease.owner)
 
 
-def _earliest(leases: list[Lease], after: float) -> float:
-    """The earliest deadline after ``after`` of the leases still held (inf: none)."""
+def _earliest(leases: list[Lease]) -> float:
+    """The earliest deadline of ``leases`` (inf: none has one)."""
     found = math.inf
     for lease in leases:
         deadline = lease._valid_until
-        if deadline is not None and after < deadline < found and lease._state == HELD:
+        if deadline is not None and deadline < found:
             found = deadline
     return found
 
