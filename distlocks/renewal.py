@@ -22,6 +22,10 @@ compacted, whichever is first: ending a lease costs the renewer nothing.
 The leases of ``alock()`` are renewed on their event loop instead, the same way: one
 :class:`LoopRenewer` per loop, a heap and one pending timer of the loop for all of them;
 a renewal turn adds an entry at the lease's deadline, looked at then.
+
+Why this is one module of about 680 lines (issue 28's size rule): the thread renewer and
+the loop renewer keep the same heap discipline (weak entries, compaction, deadline
+watches, dropped leases), which must be read side by side.
 """
 
 from __future__ import annotations
@@ -102,7 +106,7 @@ class Renewer:
         self._watched: dict[int, list[Any]] = {}
         self._callers = 0
         self._idle_callers = 0
-        # key -> monotonic start of each batch a caller is renewing.
+        # caller thread's id -> monotonic start of the call it is making.
         self._calls: dict[int, float] = {}
         #: Seconds by which recent renewals ran after they were due (see lateness()).
         self.late: collections.deque[float] = collections.deque(maxlen=LATENESS_SAMPLES)
@@ -327,6 +331,7 @@ class Renewer:
 
     def _call(self) -> None:
         counted = True
+        me = id(threading.current_thread())
         try:
             while True:
                 with self._cond:
@@ -343,8 +348,10 @@ class Renewer:
                             self._work.wait(IDLE_EXIT)
                         finally:
                             self._idle_callers -= 1
-                    key, batch, dropped = self._queue.popleft()
-                    self._calls[key] = time.monotonic()
+                    # Every batch waiting, in one call: batches queued behind a slow
+                    # call are renewed together, as one thread renewing them would.
+                    keys, batch, dropped = self._take_queued()
+                    self._calls[me] = time.monotonic()
                 try:
                     for ident in dropped:
                         try:
@@ -357,12 +364,27 @@ class Renewer:
                         self._renew_together(batch)
                 finally:
                     with self._cond:
-                        self._watched.pop(key, None)
-                        del self._calls[key]
+                        for key in keys:
+                            self._watched.pop(key, None)
+                        del self._calls[me]
         finally:
             if counted:  # ended by an error of its own
                 with self._cond:
                     self._callers -= 1
+
+    def _take_queued(self) -> tuple[list[int], list[Lease], list[Any]]:
+        """The batches queued, up to :data:`MAX_BATCH` leases (at least one batch),
+        as one (called with the condition held)."""
+        keys: list[int] = []
+        batch: list[Lease] = []
+        dropped: list[Any] = []
+        queue = self._queue
+        while queue and (not keys or len(batch) + len(queue[0][1]) <= MAX_BATCH):
+            key, leases, idents = queue.popleft()
+            keys.append(key)
+            batch.extend(leases)
+            dropped.extend(idents)
+        return keys, batch, dropped
 
     def _schedule(self, lease: Lease, due: float | None) -> None:
         if due is not None:
