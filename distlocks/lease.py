@@ -15,9 +15,11 @@ With ``auto_renew`` the lease is extended at about a third of its ttl, by the
 process-wide :mod:`distlocks.renewal` thread for :class:`Lease` and, for
 :class:`AsyncLease`, on the loop that took it (one renewer per loop, each renewal turn an
 asyncio task: :class:`distlocks.renewal.LoopRenewer`). A renewal that finds the lease
-gone, or that cannot reach the server before the lease runs out, marks it lost.
+gone, or that cannot reach the server before the lease runs out, marks it lost; so does
+the renewer at the lease's deadline while a renewal or ``extend()`` call is still
+waiting for its answer (a late answer, even a success, leaves the lease lost).
 
-Why this is one module of about 600 lines (issue 28's size rule): the two lease classes
+Why this is one module of about 700 lines (issue 28's size rule): the two lease classes
 share one state machine (held, lost, released, given back at commit), and the rules of
 each transition must be read side by side for the thread and the asyncio holder.
 """
@@ -76,6 +78,12 @@ class BaseLease:
     _release_requested = False
     _freed_on_server = False
     _depth = 1
+    # Monotonic start of the renewal or extension whose server call is in flight (0:
+    # none): a deadline passing meanwhile is reported as a renewal with no answer.
+    _renewing = 0.0
+    # Deadline at which a renewer will look at this lease (0: none pending), so that
+    # repeated extend() calls keep one watch entry, not one each.
+    _watch_at = 0.0
 
     def __init__(
         self,
@@ -183,8 +191,15 @@ class BaseLease:
         holder's: the lock belongs to the process that acquired it."""
         if self._state != HELD or self._inherited():
             return False
-        if self._valid_until is not None and time.monotonic() >= self._valid_until:
-            reason = f"its {self.ttl:g}s lease ran out without being renewed"
+        if self._valid_until is not None and (now := time.monotonic()) >= self._valid_until:
+            sent = self._renewing
+            if sent:
+                reason = (
+                    f"its {self.ttl:g}s lease ran out while its renewal, sent "
+                    f"{now - sent:.1f}s earlier, still had no answer from the server"
+                )
+            else:
+                reason = f"its {self.ttl:g}s lease ran out without being renewed"
             if self._last_renew_error:
                 reason += f" (last renewal error: {self._last_renew_error})"
             self._mark_lost(reason)
@@ -340,23 +355,52 @@ class BaseLease:
         return NOTHING, None
 
     def _renew_result(self, started: float, outcome: bool | LockError) -> float | None:
-        """Record a renewal's answer; returns when to renew next (None: stop)."""
+        """Record a renewal's answer; returns when to renew next (None: stop). After a
+        success, the caller asks :meth:`_give_back_late` whether the answer came too late."""
         if isinstance(outcome, LockError):
+            self._renewing = 0.0
             return self._renewal_failed(outcome)
         if not outcome:
+            self._renewing = 0.0
             self._mark_lost(
                 "the server no longer had it at renewal (expired, deleted or force-released)"
             )
             self._freed_on_server = True
             return None
+        # Checked while still in flight: a deadline that passed before this answer was
+        # recorded is reported as a renewal with no answer in time.
+        held = self.held()
+        self._renewing = 0.0
+        if not held:
+            # The loss has been reported (another holder may have been let in): the
+            # lease stays lost.
+            return None
         self._renewed(started, self.ttl)
+        if self._state != HELD:
+            return None  # the deadline's notice came between the check and the record
         return self._renewal_due()
 
+    def _give_back_late(self) -> bool:
+        """After a successful renewal or extension: True, once, when the lease was found
+        lost while the call was in flight, so what the server has just extended must be
+        given back (quietly, owner-checked) rather than left until it expires."""
+        if self._state == LOST and not self._freed_on_server:
+            self._freed_on_server = True
+            return True
+        return False
+
     def _extended(self, started: float, ttl: float, ok: bool) -> None:
+        held = ok and self.held()  # while still in flight, as in _renew_result
+        self._renewing = 0.0
         if not ok:
             self._mark_lost("the server no longer had it when it was extended")
             raise LockLost(self, self._lost_reason)  # type: ignore[arg-type]
-        self._renewed(started, ttl)
+        if held:
+            self._renewed(started, ttl)
+            if self._state == HELD:
+                return
+        # The deadline passed while the call was in flight: reported lost, and stays so.
+        raise LockLost(self, self._lost_reason)  # type: ignore[arg-type]
 
     # -- renewal bookkeeping, shared by both flavours ---------------------------
 
@@ -415,8 +459,23 @@ class Lease(BaseLease):
         self.ensure_held()  # before waiting for the mutex: a child must not wait for it
         with self._mutex:
             self.ensure_held()
-            started = time.monotonic()
-            self._extended(started, ttl, self._backend.extend(self.name, self.owner, ttl))
+            # Told at the deadline even if the call below is stuck (renewal imports this
+            # module: imported here).
+            from distlocks.renewal import renewer
+
+            renewer(self.backend).watch(self)
+            self._renewing = started = time.monotonic()
+            try:
+                ok = self._backend.extend(self.name, self.owner, ttl)
+            except BaseException:
+                self._renewing = 0.0
+                raise
+            try:
+                self._extended(started, ttl, ok)
+            except LockLost:
+                if ok and self._give_back_late():
+                    self._backend.release_quietly(self.name, self.owner)
+                raise
 
     def _give_back_if_lost(self) -> None:
         """A lease found lost here (it ran out locally) is given back on the server once,
@@ -524,13 +583,19 @@ class Lease(BaseLease):
                 self._backend.release_quietly(self.name, self.owner)
             if step != EXTEND:
                 return when
-            started = time.monotonic()
+            self._renewing = started = time.monotonic()
             outcome: bool | LockError
             try:
                 outcome = self._backend.extend(self.name, self.owner, self.ttl)
             except LockError as exc:
                 outcome = exc
-            return self._renew_result(started, outcome)
+            except BaseException:
+                self._renewing = 0.0
+                raise
+            due = self._renew_result(started, outcome)
+            if outcome is True and self._give_back_late():
+                self._backend.release_quietly(self.name, self.owner)
+            return due
 
 
 class AsyncLease(BaseLease):
@@ -544,10 +609,12 @@ class AsyncLease(BaseLease):
         self._alock = asyncio.Lock()
 
     def _renewal_turn(self, renewer: LoopRenewer) -> None:
-        """Called by the loop's renewer when the lease is due: renew in a task."""
+        """Called by the loop's renewer when the lease is due: renew in a task, and have
+        the renewer look at the lease at its deadline, in case the call is stuck."""
         self._renew_task = asyncio.get_running_loop().create_task(
             self._renew_and_reschedule(renewer), name=f"distlocks-renew:{self.name}"
         )
+        renewer.watch(self)
 
     async def _renew_and_reschedule(self, renewer: LoopRenewer) -> None:
         due = await self._arenew_once()
@@ -563,13 +630,19 @@ class AsyncLease(BaseLease):
                 await self._backend.arelease_quietly(self.name, self.owner)
             if step != EXTEND:
                 return when
-            started = time.monotonic()
+            self._renewing = started = time.monotonic()
             outcome: bool | LockError
             try:
                 outcome = await self._backend.aextend(self.name, self.owner, self.ttl)
             except LockError as exc:
                 outcome = exc
-            return self._renew_result(started, outcome)
+            except BaseException:
+                self._renewing = 0.0
+                raise
+            due = self._renew_result(started, outcome)
+            if outcome is True and self._give_back_late():
+                await self._backend.arelease_quietly(self.name, self.owner)
+            return due
 
     def _stop_renewal(self) -> None:
         """Cancel the renewal turn in flight, if any (a lease waiting for its turn needs
@@ -591,7 +664,10 @@ class AsyncLease(BaseLease):
 
     def _on_finished(self) -> None:
         super()._on_finished()
-        self._stop_renewal()
+        if not self._renewing:
+            self._stop_renewal()
+        # else: lost at its deadline while a call is in flight: the turn is left to end,
+        # so that a late success is given back (see _give_back_late).
 
     async def extend(self, ttl: float | None = None) -> None:
         """Reset the lease to ``ttl`` seconds from now; :class:`LockLost` if it is gone."""
@@ -599,9 +675,21 @@ class AsyncLease(BaseLease):
         self.ensure_held()
         async with self._alock:
             self.ensure_held()
-            started = time.monotonic()
-            ok = await self._backend.aextend(self.name, self.owner, ttl)
-            self._extended(started, ttl, ok)
+            from distlocks.renewal import loop_renewer
+
+            loop_renewer(asyncio.get_running_loop()).watch(self)
+            self._renewing = started = time.monotonic()
+            try:
+                ok = await self._backend.aextend(self.name, self.owner, ttl)
+            except BaseException:
+                self._renewing = 0.0
+                raise
+            try:
+                self._extended(started, ttl, ok)
+            except LockLost:
+                if ok and self._give_back_late():
+                    await self._backend.arelease_quietly(self.name, self.owner)
+                raise
 
     async def release(self) -> bool:
         """Free the lock if this lease still holds it; same rules as :meth:`Lease.release`."""

@@ -1,12 +1,17 @@
-"""The process-wide lease renewer: one thread, however many leases.
+"""The process-wide lease renewers: a few threads per backend, however many leases.
 
-Leases are kept in a heap ordered by their next renewal time. The thread sleeps
-until the earliest one is due, renews it together with every other lease due by
-then (one ``extend_many`` call per backend: on Redis one script per 500 leases, each
-lease still compare-and-expire on its own), and schedules each again at a third of
-its ttl. It exits after a while with
-nothing to do and is started again by the next lease, and it is rebuilt in a
-forked child (threads do not survive ``fork``).
+Leases are kept in a heap ordered by their next renewal time. A scheduling thread sleeps
+until the earliest one is due, takes it together with every other lease due by then, and
+hands the batch to a caller thread, which renews it (one ``extend_many`` call per
+backend: on Redis one script per 500 leases, each lease still compare-and-expire on its
+own) and schedules each lease again at a third of its ttl. The scheduler never waits for
+a server: it also watches the deadlines of the leases whose renewal is waiting for a
+caller or in flight, and reports a lease lost at its deadline while its call is stuck
+(the lease's own state lock, not the mutex the caller holds through the call). A second
+caller starts only when a batch is due while every caller is busy (at most
+:data:`MAX_CALLERS`). The threads exit after a while with nothing to do and are started
+again by the next lease, and they are rebuilt in a forked child (threads do not survive
+``fork``).
 
 The heap holds weak references: a lease that its holder dropped without
 releasing is released at its next renewal time instead of being kept alive for
@@ -15,7 +20,12 @@ comes (then it is dropped) or until the heap has doubled since it was last
 compacted, whichever is first: ending a lease costs the renewer nothing.
 
 The leases of ``alock()`` are renewed on their event loop instead, the same way: one
-:class:`LoopRenewer` per loop, a heap and one pending timer of the loop for all of them.
+:class:`LoopRenewer` per loop, a heap and one pending timer of the loop for all of them;
+a renewal turn adds an entry at the lease's deadline, looked at then.
+
+Why this is one module of about 680 lines (issue 28's size rule): the thread renewer and
+the loop renewer keep the same heap discipline (weak entries, compaction, deadline
+watches, dropped leases), which must be read side by side.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from distlocks.exceptions import LockError
 from distlocks.lease import EXTEND, FREE_LOST, arelease_dropped, release_dropped
 
 if TYPE_CHECKING:
-    from distlocks.lease import AsyncLease, Lease
+    from distlocks.lease import AsyncLease, BaseLease, Lease
 
 logger = logging.getLogger(__name__)
 
@@ -54,27 +64,50 @@ COALESCE = 0.02
 MAX_BATCH = 5000
 #: Renewals whose lateness each renewer remembers (the most recent ones).
 LATENESS_SAMPLES = 4096
+#: Most threads making one backend's renewal calls at once. One does, as long as calls
+#: return in time; another starts only when a batch waits while every caller is in a
+#: call with no answer for CALLER_STUCK seconds.
+MAX_CALLERS = 4
+CALLER_STUCK = 0.25
+#: Marks a heap entry that looks at a lease's deadline instead of renewing it.
+WATCH = "watch"
 
 
 class Renewer:
-    """Renews the leases of one backend (so a hung server delays only its own leases)."""
+    """Renews the leases of one backend (so a hung server delays only its own leases).
+
+    Two kinds of thread: one scheduler (``distlocks-renewer:<alias>``), which never
+    waits for a server, and up to :data:`MAX_CALLERS` callers, which make the renewal
+    calls. The scheduler hands each batch that is due to a caller and keeps an eye on
+    the deadlines of the leases whose renewal is waiting for a caller or in flight: a
+    lease whose deadline passes while its call is stuck is reported lost then, not when
+    the call returns (the lease's own small state lock, never its mutex, which the
+    caller holds through the call)."""
 
     def __init__(self, alias: str = "") -> None:
         self.alias = alias
-        self._heap: list[
-            tuple[float, int, weakref.ref[Lease], tuple[Any, str, str, dict[str, Any]]]
-        ] = []
+        self._heap: list[Any] = []
         self._seq = itertools.count()
         # The condition's own lock, taken directly on the hot path (add), which saves
         # the condition's Python-level __enter__/__exit__.
         self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
+        self._cond = threading.Condition(self._lock)  # the scheduler waits on it
+        self._work = threading.Condition(self._lock)  # the callers wait on it
         self._thread: threading.Thread | None = None
         self._compact_at = COMPACT_AT
-        self._popped_due = 0.0
-        # When the waiting thread wakes by itself (monotonic): a new lease due later
+        # When the waiting scheduler wakes by itself (monotonic): a new lease due later
         # needs no wake-up. Only read and written under the condition.
         self._wake_at = math.inf
+        # Batches handed to the callers, not yet taken: (key, leases, dropped idents).
+        self._queue: collections.deque[tuple[int, list[Lease], list[Any]]] = collections.deque()
+        # key -> [earliest deadline, leases, their deadlines in order (made when the
+        # first one passes), how many of those were looked at] of each batch queued or
+        # in flight.
+        self._watched: dict[int, list[Any]] = {}
+        self._callers = 0
+        self._idle_callers = 0
+        # caller thread's id -> monotonic start of the call it is making.
+        self._calls: dict[int, float] = {}
         #: Seconds by which recent renewals ran after they were due (see lateness()).
         self.late: collections.deque[float] = collections.deque(maxlen=LATENESS_SAMPLES)
         #: Renewal turns taken so far (a turn renews one lease or a batch).
@@ -92,16 +125,36 @@ class Renewer:
                 self._compact()
             heapq.heappush(self._heap, entry)
             if self._thread is None:
-                thread = threading.Thread(
-                    target=self._run, name=f"distlocks-renewer:{self.alias}", daemon=True
-                )
-                # Recorded once started (it waits for this lock before doing anything):
-                # if it cannot start, the next lease tries again.
-                thread.start()
-                self._thread = thread
+                self._start()
             elif due < self._wake_at:
                 # Wake the thread only if it now has to run sooner than planned.
                 self._cond.notify()
+
+    def watch(self, lease: BaseLease) -> None:
+        """Look at ``lease`` at its current deadline, and report it lost then if it has
+        not been renewed: for an extension whose call may get stuck."""
+        deadline = lease._valid_until
+        if deadline is None:
+            return
+        entry = (deadline, next(self._seq), weakref.ref(lease), _ident(lease), WATCH)
+        with self._lock:
+            if 0 < lease._watch_at <= deadline:
+                return  # an entry already looks sooner, and looks again if still needed
+            lease._watch_at = deadline
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                self._start()
+            elif deadline < self._wake_at:
+                self._cond.notify()
+
+    def _start(self) -> None:
+        thread = threading.Thread(
+            target=self._run, name=f"distlocks-renewer:{self.alias}", daemon=True
+        )
+        # Recorded once started (it waits for this lock before doing anything): if it
+        # cannot start, the next lease tries again.
+        thread.start()
+        self._thread = thread
 
     def _compact(self) -> None:
         """Drop the entries of leases that ended, released or lost, whether or not the
@@ -111,68 +164,7 @@ class Renewer:
         heapq.heapify(self._heap)
         self._compact_at = max(COMPACT_AT, 2 * len(self._heap))
 
-    def _next_batch(self) -> list[Lease] | None:
-        """Wait for the next due lease, and take it with every other lease due by then
-        (or within :data:`COALESCE` seconds: renewing a little early costs nothing and
-        saves a round trip); None when idle long enough to exit."""
-        first = self._next()
-        if first is None:
-            return None
-        batch = [first]
-        now = time.monotonic()
-        self.late.append(max(0.0, now - self._popped_due))
-        self.turns += 1
-        horizon = now + COALESCE
-        with self._cond:
-            heap = self._heap
-            while heap and heap[0][0] <= horizon and len(batch) < MAX_BATCH:
-                _, _, ref, ident = heapq.heappop(heap)
-                lease = ref()
-                if lease is not None:
-                    batch.append(lease)
-                elif not ident[3]["ended"]:
-                    # Dropped without a release: one of the due ones, handled as _next does.
-                    self._cond.release()
-                    try:
-                        release_dropped(*ident)
-                    finally:
-                        self._cond.acquire()
-        return batch
-
-    def _next(self) -> Lease | None:
-        """Wait for the next due lease; None when idle long enough to exit."""
-        idle_since = time.monotonic()
-        with self._cond:
-            while True:
-                if not self._heap:
-                    now = time.monotonic()
-                    if now - idle_since >= IDLE_EXIT:
-                        self._thread = None
-                        return None
-                    self._wake_at = now + IDLE_EXIT
-                    self._cond.wait(IDLE_EXIT)
-                    continue
-                due, _, ref, ident = self._heap[0]
-                delay = due - time.monotonic()
-                if delay > 0:
-                    self._wake_at = due
-                    self._cond.wait(delay)
-                    continue
-                heapq.heappop(self._heap)
-                self._popped_due = due
-                lease = ref()
-                if lease is None and ident[3]["ended"]:
-                    continue  # released or lost, then let go of: nothing to do
-                if lease is None:
-                    # Dropped by its holder without a release: nobody can release it
-                    # now, so do it here (outside the lock) rather than renew it.
-                    self._cond.release()
-                    try:
-                        release_dropped(*ident)
-                    finally:
-                        self._cond.acquire()
-                    continue
-                return lease
+    # -- the scheduler ---------------------------------------------------------------
 
     def _run(self) -> None:
         try:
@@ -185,13 +177,214 @@ class Renewer:
 
     def _loop(self) -> None:
         while True:
-            batch = self._next_batch()
-            if batch is None:
+            step = self._next_step()
+            if step is None:
                 return
-            if len(batch) == 1:
-                self._renew_alone(batch[0])
+            batch, dropped, checks, watches = step
+            if batch or dropped:
+                self._hand_over(batch, dropped)
+            for lease in checks:
+                self._check_deadline(lease)
+            for lease, _ in watches:
+                try:
+                    if _watched(lease):
+                        self.watch(lease)  # renewed meanwhile, but a call is in flight
+                except Exception:  # a bug must not stop the other leases' renewal
+                    logger.exception("Deadline check of lock %r failed", lease.name)
+
+    def _next_step(
+        self,
+    ) -> tuple[list[Lease], list[Any], list[BaseLease], list[tuple[BaseLease, float]]] | None:
+        """Wait until a batch is due or a watched deadline passes; (the batch, the
+        idents of leases dropped unreleased, the leases of batches in flight to check
+        against their deadline, the watch entries due). None when idle long enough to
+        exit."""
+        idle_since = time.monotonic()
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                checks = self._overdue(now)
+                watches: list[tuple[BaseLease, float]] = []
+                heap = self._heap
+                if heap and heap[0][0] <= now:
+                    batch, dropped = self._pop_due(now, watches)
+                    if batch or dropped or checks or watches:
+                        return batch, dropped, checks, watches
+                    continue
+                if checks:
+                    return [], [], checks, []
+                wake = min(heap[0][0] if heap else math.inf, self._more_callers(now))
+                for watched in self._watched.values():
+                    wake = min(wake, watched[0])
+                if wake == math.inf:
+                    if now - idle_since >= IDLE_EXIT:
+                        self._thread = None
+                        return None
+                    wake = now + IDLE_EXIT
+                else:
+                    idle_since = now
+                self._wake_at = wake
+                self._cond.wait(wake - now)
+
+    def _pop_due(
+        self, now: float, watches: list[tuple[BaseLease, float]]
+    ) -> tuple[list[Lease], list[Any]]:
+        """Take every renewal due by now (or within :data:`COALESCE` seconds: renewing a
+        little early costs nothing and saves a round trip); the watch entries due go to
+        ``watches``. Called with the condition held."""
+        heap = self._heap
+        batch: list[Lease] = []
+        dropped: list[Any] = []
+        horizon = now + COALESCE
+        first = True
+        while heap and heap[0][0] <= horizon and len(batch) < MAX_BATCH:
+            if len(heap[0]) > 4 and heap[0][0] > now:
+                break  # a deadline is looked at when it has passed, never early
+            entry = heapq.heappop(heap)
+            ref, ident = entry[2], entry[3]
+            if ident[3]["ended"]:
+                continue  # released or lost: nothing to do
+            lease = ref()
+            if len(entry) > 4:  # a deadline to look at, not a renewal
+                if lease is not None:
+                    if lease._watch_at == entry[0]:
+                        lease._watch_at = 0.0  # a watch() from now on adds an entry
+                    watches.append((lease, entry[0]))
+                continue
+            if first:
+                self.late.append(max(0.0, now - entry[0]))
+                self.turns += 1
+                first = False
+            if lease is None:
+                # Dropped by its holder without a release: nobody can release it now,
+                # so a caller does it rather than renew it.
+                dropped.append(ident)
             else:
-                self._renew_together(batch)
+                batch.append(lease)
+        return batch, dropped
+
+    def _overdue(self, now: float) -> list[BaseLease]:
+        """The leases of the batches queued or in flight whose deadline has passed
+        (called with the condition held). A batch still in flight at its first deadline
+        has its deadlines sorted then, once, so each later one costs only its own look
+        (a stuck batch of thousands of leases, all due around the same time, would
+        otherwise be scanned whole at each of their deadlines)."""
+        found: list[BaseLease] = []
+        for watched in self._watched.values():
+            if watched[0] > now:
+                continue
+            order = watched[2]
+            if order is None:
+                order = watched[2] = sorted(
+                    (lease._valid_until, n, lease)
+                    for n, lease in enumerate(watched[1])
+                    if lease._valid_until is not None
+                )
+            looked = watched[3]
+            while looked < len(order) and order[looked][0] <= now:
+                found.append(order[looked][2])
+                looked += 1
+            watched[3] = looked
+            watched[0] = order[looked][0] if looked < len(order) else math.inf
+        return found
+
+    @staticmethod
+    def _check_deadline(lease: BaseLease) -> None:
+        try:
+            lease.held()  # reports the loss if the deadline passed, without the mutex
+        except Exception:  # a bug must not stop the other leases' renewal
+            logger.exception("Deadline check of lock %r failed unexpectedly", lease.name)
+
+    def _hand_over(self, batch: list[Lease], dropped: list[Any]) -> None:
+        key = next(self._seq)
+        with self._cond:
+            self._queue.append((key, batch, dropped))
+            if batch:
+                self._watched[key] = [_earliest(batch), batch, None, 0]
+            if self._idle_callers:
+                self._work.notify()
+            else:
+                self._more_callers(time.monotonic())
+
+    def _more_callers(self, now: float) -> float:
+        """Start a caller if batches wait while every caller is in a call that has had
+        no answer for :data:`CALLER_STUCK` seconds (a stuck connection must not hold up
+        every other lease; a merely busy caller is waited for: callers sharing a loaded
+        CPU would all finish later). Returns when to look again (inf: no need). Called
+        with the condition held."""
+        if not self._queue or self._idle_callers or self._callers >= MAX_CALLERS:
+            return math.inf
+        calls = self._calls
+        if len(calls) < self._callers:
+            return math.inf  # a caller is between two batches: it takes the next one
+        youngest = max(calls.values(), default=-math.inf)
+        if now - youngest < CALLER_STUCK:
+            return youngest + CALLER_STUCK
+        thread = threading.Thread(
+            target=self._call, name=f"distlocks-renewal-calls:{self.alias}", daemon=True
+        )
+        thread.start()
+        self._callers += 1
+        return math.inf
+
+    # -- the callers -----------------------------------------------------------------
+
+    def _call(self) -> None:
+        counted = True
+        me = id(threading.current_thread())
+        try:
+            while True:
+                with self._cond:
+                    idle_since = time.monotonic()
+                    while not self._queue:
+                        if time.monotonic() - idle_since >= IDLE_EXIT:
+                            # Uncounted in the same step as the check: a batch handed
+                            # over later starts a caller of its own.
+                            self._callers -= 1
+                            counted = False
+                            return
+                        self._idle_callers += 1
+                        try:
+                            self._work.wait(IDLE_EXIT)
+                        finally:
+                            self._idle_callers -= 1
+                    # Every batch waiting, in one call: batches queued behind a slow
+                    # call are renewed together, as one thread renewing them would.
+                    keys, batch, dropped = self._take_queued()
+                    self._calls[me] = time.monotonic()
+                try:
+                    for ident in dropped:
+                        try:
+                            release_dropped(*ident)
+                        except Exception:
+                            logger.exception("Release of dropped lock %r failed", ident[1])
+                    if len(batch) == 1:
+                        self._renew_alone(batch[0])
+                    elif batch:
+                        self._renew_together(batch)
+                finally:
+                    with self._cond:
+                        for key in keys:
+                            self._watched.pop(key, None)
+                        del self._calls[me]
+        finally:
+            if counted:  # ended by an error of its own
+                with self._cond:
+                    self._callers -= 1
+
+    def _take_queued(self) -> tuple[list[int], list[Lease], list[Any]]:
+        """The batches queued, up to :data:`MAX_BATCH` leases (at least one batch),
+        as one (called with the condition held)."""
+        keys: list[int] = []
+        batch: list[Lease] = []
+        dropped: list[Any] = []
+        queue = self._queue
+        while queue and (not keys or len(batch) + len(queue[0][1]) <= MAX_BATCH):
+            key, leases, idents = queue.popleft()
+            keys.append(key)
+            batch.extend(leases)
+            dropped.extend(idents)
+        return keys, batch, dropped
 
     def _schedule(self, lease: Lease, due: float | None) -> None:
         if due is not None:
@@ -199,13 +392,23 @@ class Renewer:
                 heapq.heappush(
                     self._heap, (due, next(self._seq), weakref.ref(lease), _ident(lease))
                 )
+                if due < self._wake_at:
+                    self._cond.notify()
 
     def _renew_alone(self, lease: Lease) -> None:
+        if not lease._mutex.acquire(blocking=False):
+            # Its holder is extending or releasing it (perhaps stuck in that call): not
+            # waited for, which would hold this caller up; looked at again soon, and at
+            # its deadline at the latest.
+            self._schedule(lease, _busy_retry(lease))
+            return
         try:
             due = lease._renew_once()
         except Exception:  # a bug must not kill renewal of every other lease
             logger.exception("Renewal of lock %r failed unexpectedly", lease.name)
             due = time.monotonic() + 0.5
+        finally:
+            lease._mutex.release()
         self._schedule(lease, due)
 
     def _renew_together(self, batch: list[Lease]) -> None:
@@ -213,13 +416,15 @@ class Renewer:
 
         Each lease's mutex is held from its decision to the bookkeeping of the answer, as
         in :meth:`Lease._renew_once`, so a release cannot interleave. A lease whose mutex
-        is busy (its holder is releasing or extending it) is renewed on its own."""
+        is busy (its holder is releasing or extending it) is looked at again soon."""
         groups: dict[int, tuple[BaseBackend, list[Lease]]] = {}
-        alone: list[Lease] = []
         for lease in batch:
             backend = lease._backend
-            if not isinstance(backend, BaseBackend) or not lease._mutex.acquire(blocking=False):
-                alone.append(lease)
+            if not isinstance(backend, BaseBackend):
+                self._renew_alone(lease)
+                continue
+            if not lease._mutex.acquire(blocking=False):
+                self._schedule(lease, _busy_retry(lease))
                 continue
             try:
                 step, when = lease._renew_step()
@@ -237,6 +442,8 @@ class Renewer:
             groups.setdefault(id(backend), (backend, []))[1].append(lease)
         for backend, leases in groups.values():
             started = time.monotonic()
+            for lease in leases:
+                lease._renewing = started
             outcomes: list[bool | LockError]
             try:
                 outcomes = backend.extend_many([(x.name, x.owner, x.ttl) for x in leases])
@@ -246,17 +453,50 @@ class Renewer:
                 logger.exception("Renewal of %d leases failed unexpectedly", len(leases))
                 error = LockError(f"renewal failed: {type(exc).__name__}: {exc}")
                 outcomes = [error] * len(leases)
+            late: list[Lease] = []
             for lease, outcome in zip(leases, outcomes, strict=True):
                 try:
                     due = lease._renew_result(started, outcome)
+                    if outcome is True and lease._give_back_late():
+                        late.append(lease)
                 except Exception:
                     logger.exception("Renewal of lock %r failed unexpectedly", lease.name)
                     due = time.monotonic() + 0.5
                 finally:
+                    lease._renewing = 0.0
                     lease._mutex.release()
                 self._schedule(lease, due)
-        for lease in alone:
-            self._renew_alone(lease)
+            for lease in late:
+                # Renewed after its deadline had reported it lost: given back.
+                backend.release_quietly(lease.name, lease.owner)
+
+
+def _earliest(leases: list[Lease]) -> float:
+    """The earliest deadline of ``leases`` (inf: none has one)."""
+    found = math.inf
+    for lease in leases:
+        deadline = lease._valid_until
+        if deadline is not None and deadline < found:
+            found = deadline
+    return found
+
+
+def _watched(lease: BaseLease) -> bool:
+    """A watch entry of ``lease`` is due: report the loss if its deadline passed; True
+    if it is still held with a call in flight (to be watched again, at its new
+    deadline)."""
+    return lease.held() and bool(lease._renewing)
+
+
+def _busy_retry(lease: Lease) -> float:
+    """When to look again at a lease whose mutex is busy: soon, and no later than its
+    deadline while it lasts."""
+    now = time.monotonic()
+    due = now + max(0.05, lease.ttl / 10)
+    deadline = lease._valid_until
+    if deadline is not None and now < deadline < due:
+        due = deadline
+    return due
 
 
 class LoopRenewer:
@@ -275,9 +515,8 @@ class LoopRenewer:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = weakref.ref(loop)
-        self._heap: list[
-            tuple[float, int, weakref.ref[AsyncLease], tuple[Any, str, str, dict[str, Any]]]
-        ] = []
+        # (due, seq, lease, identity), and a fifth item, WATCH, for a deadline to look at.
+        self._heap: list[Any] = []
         # The releases of dropped leases in flight (the loop keeps its tasks weakly).
         self._cleanups: set[asyncio.Task[None]] = set()
         self._seq = itertools.count()
@@ -302,6 +541,19 @@ class LoopRenewer:
         if due < self._timer_at:
             self._set_timer(due)
 
+    def watch(self, lease: AsyncLease) -> None:
+        """Look at ``lease`` at its current deadline, and report it lost then if it has
+        not been renewed by then: its renewal task, or its holder's ``extend()``, may be
+        stuck awaiting the server. One heap entry, no timer of its own."""
+        deadline = lease._valid_until
+        if deadline is None or 0 < lease._watch_at <= deadline:
+            return  # none, or an entry already looks sooner (and again if still needed)
+        lease._watch_at = deadline
+        entry = (deadline, next(self._seq), weakref.ref(lease), _ident(lease), WATCH)
+        heapq.heappush(self._heap, entry)
+        if deadline < self._timer_at:
+            self._set_timer(deadline)
+
     def _set_timer(self, due: float) -> None:
         loop = self._loop()
         if loop is None or loop.is_closed():
@@ -317,14 +569,23 @@ class LoopRenewer:
         self._timer = _dead
         self._timer_at = math.inf
         heap = self._heap
-        now = time.monotonic() + COALESCE
+        passed = time.monotonic()
+        now = passed + COALESCE
         while heap and heap[0][0] <= now:
-            _, _, ref, ident = heapq.heappop(heap)
+            if len(heap[0]) > 4 and heap[0][0] > passed:
+                break  # a deadline is looked at when it has passed, never early
+            entry = heapq.heappop(heap)
+            ref, ident = entry[2], entry[3]
             if ident[3]["ended"]:
                 continue
             lease = ref()
             try:
-                if lease is None:
+                if len(entry) > 4:  # a deadline to look at
+                    if lease is not None and lease._watch_at == entry[0]:
+                        lease._watch_at = 0.0
+                    if lease is not None and _watched(lease):
+                        self.watch(lease)  # renewed meanwhile, but a call is in flight
+                elif lease is None:
                     # Dropped by its holder without a release: nobody can release it
                     # now, so do it here rather than renew it.
                     task = asyncio.get_running_loop().create_task(arelease_dropped(*ident))
@@ -392,7 +653,7 @@ def lateness() -> dict[str, dict[str, float]]:
     return found
 
 
-def _ident(lease: Lease) -> tuple[Any, str, str, dict[str, Any]]:
+def _ident(lease: BaseLease) -> tuple[Any, str, str, dict[str, Any]]:
     # The dict is shared with the lease, which marks it when it ends.
     return (lease._backend, lease.name, lease.owner, lease._ended)
 
