@@ -112,7 +112,7 @@ def test_async_lease_renews_and_stops_at_release() -> None:
     is left on the loop once released."""
 
     async def main() -> tuple[int, int]:
-        async with alock("fast-path:arenew", backend=ALIAS, ttl=0.3, timeout=0) as lease:
+        async with alock("fast-path:arenew", backend=ALIAS, ttl=1, timeout=0) as lease:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 30
             while lease.renewals < 3 and loop.time() < deadline:
@@ -120,7 +120,7 @@ def test_async_lease_renews_and_stops_at_release() -> None:
             assert lease.held()
         renewals = lease.renewals
         # Long enough for several renewals had any survived the release.
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.2)
         return renewals, lease.renewals
 
     before, after = asyncio.run(main())
@@ -170,7 +170,7 @@ def test_a_lease_due_sooner_than_those_waiting_is_renewed_in_time() -> None:
 
     async def main() -> tuple[int, bool]:
         async with alock("fast-path:long", backend=ALIAS, ttl=60, timeout=0):
-            async with alock("fast-path:short", backend=ALIAS, ttl=0.6, timeout=0) as short:
+            async with alock("fast-path:short", backend=ALIAS, ttl=1.2, timeout=0) as short:
                 loop = asyncio.get_running_loop()
                 deadline = loop.time() + 30
                 while short.renewals < 3 and short.held() and loop.time() < deadline:

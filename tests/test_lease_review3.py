@@ -170,7 +170,7 @@ def test_one_loop_keeps_one_renewal_timer_however_its_leases_mix() -> None:
         loop = asyncio.get_running_loop()
         most = 0
         async with alock("review3:long", backend=ALIAS, ttl=60, timeout=0):
-            async with alock("review3:short", backend=ALIAS, ttl=0.3, timeout=0) as short:
+            async with alock("review3:short", backend=ALIAS, ttl=1, timeout=0) as short:
                 renewer = loop_renewer(loop)
                 deadline = loop.time() + 60
                 while short.renewals < 6 and short.held() and loop.time() < deadline:
@@ -223,7 +223,7 @@ def test_loops_in_threads_and_in_turn_each_renew_their_own_leases() -> None:
         loop = asyncio.get_running_loop()
         most = 0
         async with alock(f"review3:{tag}:long", backend=ALIAS, ttl=60, timeout=0):
-            async with alock(f"review3:{tag}:short", backend=ALIAS, ttl=0.3, timeout=0) as short:
+            async with alock(f"review3:{tag}:short", backend=ALIAS, ttl=1, timeout=0) as short:
                 renewer = loop_renewer(loop)
                 deadline = loop.time() + 60
                 while short.renewals < 3 and short.held() and loop.time() < deadline:
@@ -305,7 +305,7 @@ def test_a_task_cancelled_while_holding_frees_the_lock_and_its_renewal() -> None
         seen: list[Any] = []
 
         async def holder() -> None:
-            async with alock("review3:cancelled", backend=ALIAS, ttl=0.3, timeout=0) as lease:
+            async with alock("review3:cancelled", backend=ALIAS, ttl=1, timeout=0) as lease:
                 seen.append(lease)
                 inside.set()
                 await asyncio.Event().wait()  # until cancelled
