@@ -207,7 +207,7 @@ def test_each_acquisition_is_judged_by_its_own_limit(alias: str, name: str) -> N
 
 def test_renewal_keeps_a_permit_and_a_lost_one_is_loud(alias: str, name: str) -> None:
     lost = threading.Event()
-    sem = semaphore(name, limit=2, backend=alias, ttl=0.6, on_lost=lambda _: lost.set())
+    sem = semaphore(name, limit=2, backend=alias, ttl=1.5, on_lost=lambda _: lost.set())
     with pytest.raises(LockLost) as excinfo:
         with sem as lease:
             wait_for(lambda: lease.renewals >= 2, what="two renewals")
