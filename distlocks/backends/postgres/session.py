@@ -20,7 +20,7 @@ from distlocks.backends.base import AcquireResult, Holder
 from distlocks.backends.postgres import sql
 from distlocks.backends.postgres.connections import NAMES_CACHED, Held, PooledBackend, encode
 from distlocks.backends.postgres.keys import key_parts
-from distlocks.backends.postgres.pool import Connection, NoAnswer
+from distlocks.backends.postgres.pool import Connection, NoAnswer, PoolExhausted
 from distlocks.backends.postgres.wire import Statement, is_true, to_int
 
 # The lock cycle's statements, on the fast path of :mod:`.wire` (prepared once per
@@ -57,6 +57,10 @@ class Named(NamedTuple):
     try_args: list[bytes | None]
     unlock_args: list[bytes | None]
     holds_args: list[bytes | None]
+    #: ``[(holder, ttl, parameters)]``: the last try's parameters but its owner, for
+    #: the next try by the same holder with the same ttl (one item, swapped whole,
+    #: so that a thread reading it never sees one holder's ttl with another's row).
+    last: list[tuple[Holder, float, list[bytes | None]] | None]
 
 
 class SessionLocks(PooledBackend):
@@ -83,6 +87,7 @@ class SessionLocks(PooledBackend):
                 template,
                 [by_param[param] for param in UNLOCK.params],
                 [by_param[param] for param in HOLDS.params],
+                [None],
             )
             if len(self._names) >= NAMES_CACHED:
                 self._names.clear()  # a bound, not an LRU: a name costs one encoding again
@@ -92,13 +97,27 @@ class SessionLocks(PooledBackend):
     def _try_args(self, named: Named, owner: str, ttl: float, holder: Holder) -> list[bytes | None]:
         """The acquire try's parameters, encoded (UTF-8), in ``$n`` order: the name's
         from its template, the holder's from its cache, the rest encoded now."""
+        plain = type(owner) is str and "\x00" not in owner
+        last = named.last[0]
+        if (
+            last is not None
+            and last[0] is holder
+            and plain
+            and type(ttl) is float
+            and last[1] == ttl
+            and not holder.extra  # read at each try: a holder's extra may change in place
+        ):
+            # The usual try: the same thread locking the same name with the same ttl
+            # again. Equal floats other than 0.0 and -0.0 (no ttl) have one text.
+            args = last[2].copy()
+            args[_OWNER] = owner.encode()
+            return args
         # The caches' hits read here (the helpers fill them): calls cost more than that.
         cached = self._holders.get(id(holder))
         if cached is None or cached[0] is not holder:
             cached = self._holder_columns(holder)
         _, host, pid, thread = cached
         args = named.try_args.copy()
-        plain = type(owner) is str and "\x00" not in owner
         args[_OWNER] = owner.encode() if plain else encode(owner)
         args[_HOST] = host
         args[_PID] = pid
@@ -109,7 +128,12 @@ class SessionLocks(PooledBackend):
             if type(ttl) is float and len(_TTLS) < TTLS_CACHED:
                 _TTLS[ttl] = ttl_text
         args[_TTL] = ttl_text
-        args[_EXTRA] = encode(json.dumps(dict(holder.extra))) if holder.extra else b"{}"
+        if holder.extra:
+            args[_EXTRA] = encode(json.dumps(dict(holder.extra)))
+        else:
+            args[_EXTRA] = b"{}"
+            if type(ttl) is float and ttl:
+                named.last[0] = (holder, ttl, args.copy())
         return args
 
     def _acquire_session(
@@ -133,7 +157,14 @@ class SessionLocks(PooledBackend):
         except psycopg.Error as exc:  # a name or holder psycopg's dumpers refuse (a NUL)
             raise self._driver_error("acquire", name, exc) from exc
         request = (name, owner, ttl, holder, args)
-        conn = self._checkout(name, wait)
+        pool = self._pool
+        if pool is None or wait > 0:
+            conn = self._checkout(name, wait)
+        else:  # _checkout(), inlined for the usual try
+            try:
+                conn = pool.get()
+            except (PoolExhausted, psycopg.OperationalError) as exc:
+                raise self._checkout_error(exc, name, None) from exc
         ours = True  # conn is checked out (to put back or discard)
         try:
             try:
