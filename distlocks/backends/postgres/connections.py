@@ -200,22 +200,17 @@ class PooledBackend(capabilities.Listing, capabilities.Waiting, capabilities.Per
         pool = self._pool
         try:
             return (self.pool if pool is None else pool).get(timeout)
-        except (PoolExhausted, psycopg.OperationalError) as exc:
-            raise self._checkout_error(exc, name, timeout) from exc
-
-    def _checkout_error(self, exc: Exception, name: str, timeout: float | None) -> LockError:
-        """What a failed checkout raises (the caller chains ``exc``): no connection
-        free within the wait, or the server unreachable."""
-        if isinstance(exc, PoolExhausted):
+        except PoolExhausted as exc:
             waited = self.pool.timeout if timeout is None else timeout
-            return LockError(
+            raise LockError(
                 f"No connection for lock {name!r} on backend {self.alias!r} within "
                 f"{waited:g} s: all {self.pool.max_size} pooled connections are in use "
                 f"(each held lock pins one, and so does each caller waiting in the server's "
                 f"queue). Raise OPTIONS['pool_size'] (within the server's max_connections) "
                 f"to at least the number of locks this process holds and waits for at once."
-            )
-        return self._unavailable("connect for", name, exc)
+            ) from exc
+        except psycopg.OperationalError as exc:
+            raise self._unavailable("connect for", name, exc) from exc
 
     def _discard(self, conn: Connection) -> None:
         """Close a connection whose state is unknown; the server frees its locks."""

@@ -58,14 +58,9 @@ class Watchdog:
         self._watched[id(conn)] = (deadline, conn)
         self._requests += 1
         if self._asleep:  # also before the thread is started (it ticks once it runs)
-            self.wake()
-
-    def wake(self) -> None:
-        """Wake the thread (started first if it never was): a request was registered
-        while it slept. Called by :meth:`watch` and by its inlined copy."""
-        if self._thread is None:
-            self._start()
-        self._wake.set()
+            if self._thread is None:
+                self._start()
+            self._wake.set()
 
     def unwatch(self, conn: Connection) -> None:
         self._watched.pop(id(conn), None)
@@ -171,37 +166,9 @@ class Connection(psycopg.Connection[Any]):
         :func:`.wire.encode`, in this connection's encoding), in ``$n`` order."""
         with self.lock:
             name = statement.name
-            reply_timeout = self.reply_timeout
-            if name in self._fast_statements and reply_timeout is not None:
-                # The lock cycle's request: _request() inlined (two calls and their
-                # argument passing are a fifth of a statement's client CPU), the same
-                # steps in the same order. Anything but rows goes to _outcome().
-                pgconn = self.pgconn
-                watched = watchdog._watched
-                key = id(self)
-                try:
-                    watched[key] = (time.monotonic() + reply_timeout + self.lock_wait, self)
-                    watchdog._requests += 1
-                    if watchdog._asleep:
-                        watchdog.wake()
-                    with self._in_libpq:
-                        if pgconn.status != _OK:
-                            raise psycopg.OperationalError("the connection is closed")
-                        result = pgconn.exec_prepared(name, args)
-                except psycopg.OperationalError as exc:
-                    if self._cut:
-                        raise self._no_answer() from exc
-                    raise
-                finally:
-                    watched.pop(key, None)
-                if self._cut:
-                    raise self._no_answer()
-                if result.status != _TUPLES_OK:
-                    result = self._outcome(result)
-            else:
-                if name not in self._fast_statements:
-                    self._prepare(statement)
-                result = self._request(self.pgconn.exec_prepared, name, args)
+            if name not in self._fast_statements:
+                self._prepare(statement)
+            result = self._request(self.pgconn.exec_prepared, name, args)
             if result is None:
                 # Not prepared any more (DISCARD ALL or DEALLOCATE ALL ran on this
                 # session): prepared again and sent again; nothing ran.
@@ -262,13 +229,6 @@ class Connection(psycopg.Connection[Any]):
                 watchdog._watched.pop(id(self), None)  # unwatch(), without the call
         if self._cut:  # cut just as the answer came: the connection is gone all the same
             raise self._no_answer()
-        return self._outcome(result)
-
-    def _outcome(self, result: Any) -> Any:
-        """A request's PGresult checked: itself if it has rows or succeeded, None if
-        the statement named is not prepared on the session (and the session still
-        idle), else the error raised as a cursor raises it."""
-        pgconn = self.pgconn
         status = result.status
         if status in (_TUPLES_OK, _COMMAND_OK):
             return result

@@ -20,7 +20,7 @@ from distlocks.backends.base import AcquireResult, Holder
 from distlocks.backends.postgres import sql
 from distlocks.backends.postgres.connections import NAMES_CACHED, Held, PooledBackend, encode
 from distlocks.backends.postgres.keys import key_parts
-from distlocks.backends.postgres.pool import Connection, NoAnswer, PoolExhausted
+from distlocks.backends.postgres.pool import Connection, NoAnswer
 from distlocks.backends.postgres.wire import Statement, is_true, to_int
 
 # The lock cycle's statements, on the fast path of :mod:`.wire` (prepared once per
@@ -157,14 +157,7 @@ class SessionLocks(PooledBackend):
         except psycopg.Error as exc:  # a name or holder psycopg's dumpers refuse (a NUL)
             raise self._driver_error("acquire", name, exc) from exc
         request = (name, owner, ttl, holder, args)
-        pool = self._pool
-        if pool is None or wait > 0:
-            conn = self._checkout(name, wait)
-        else:  # _checkout(), inlined for the usual try
-            try:
-                conn = pool.get()
-            except (PoolExhausted, psycopg.OperationalError) as exc:
-                raise self._checkout_error(exc, name, None) from exc
+        conn = self._checkout(name, wait)
         ours = True  # conn is checked out (to put back or discard)
         try:
             try:
