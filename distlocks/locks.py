@@ -543,12 +543,30 @@ class _LockBase:
         on_lost: Callable[[Any], object] | None = None,
         release_on_commit: bool | None = None,
     ) -> None:
-        self.name = _checked_name(name)
+        # _checked_name(), _ttl_arg() and _timeout_arg() inlined for the usual values
+        # (a lock object is usually built per use): anything else takes the full check.
+        if type(name) is not str or name not in _valid_names:
+            name = _checked_name(name)
+        self.name = name
         if type(backend) is not str or backend not in backends._backends:
             check_alias(backend)  # the usual alias, already built, needs no look
         self.backend_alias = backend
-        self._ttl = None if ttl is None else _ttl_arg(ttl)
-        self._timeout = timeout if timeout is _DEFAULT else _timeout_arg(timeout)
+        if ttl is not None:
+            kind = type(ttl)
+            ttl = (
+                float(ttl)
+                if (kind is float or kind is int) and 0.01 <= ttl <= MAX_TTL
+                else _ttl_arg(ttl)
+            )
+        self._ttl = ttl
+        given: Any = timeout  # any object: checked here
+        if given is not _DEFAULT:
+            kind = type(given)
+            if not ((kind is float or kind is int) and 0 <= given <= MAX_TIMEOUT):
+                given = _timeout_arg(given)
+            elif kind is int:
+                given = float(given)
+        self._timeout = given
         # Flags are checked only when not one of the two bools (the usual case).
         if auto_renew is not True and auto_renew is not False:
             validate_flag(auto_renew, "auto_renew")

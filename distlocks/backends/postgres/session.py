@@ -186,7 +186,8 @@ class SessionLocks(PooledBackend):
         if token is None:
             self.pool.put(conn)
             return NOT_ACQUIRED
-        held = Held(conn, named.key, token, guard=named.guard, named=named)
+        # Positional (the fields' order): cheaper than keywords, once per lease.
+        held = Held(conn, named.key, token, "lock", sql.UNLOCK, 0, named.guard, "", named)
         with self._held_lock:
             self._held[owner] = held
         # The lease is confirmed by renewal pings; locally valid for one ttl.
@@ -215,10 +216,7 @@ class SessionLocks(PooledBackend):
             held = self._held.pop(owner, None)
         if held is None:
             return False
-        return self._give_back(held)
-
-    def _give_back(self, held: Held) -> bool:
-        """Unlock on the lease's own connection, then return it to the pool."""
+        # Unlocked on the lease's own connection, which then goes back to the pool.
         try:
             unlocked: bool
             if held.named is not None and held.conn.utf8:
