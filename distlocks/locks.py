@@ -305,7 +305,7 @@ def acquire_lease(
                 again = backend.acquire(name, owner, ttl, holder, wait=attempt.budget(), fair=fair)
             result = again
     except LockError as exc:
-        _not_acquired(attempt, exc)
+        _not_acquired(attempt.backend, name, attempt.began, exc)
         raise
     finally:
         if attempt.registered:
@@ -330,15 +330,74 @@ def acquire_lease(
     return lease
 
 
-def _not_acquired(attempt: _Attempt, error: LockError) -> None:
+def try_once(
+    backend: LeaseServer,
+    name: str,
+    ttl: float,
+    fair: bool,
+    on_lost: Callable[[Any], object] | None,
+    auto_renew: bool,
+    max_hold: float | None,
+    release_on_commit: bool | None,
+) -> Lease:
+    """:func:`acquire_lease` with ``timeout=0`` (one try, no wait), as ``lock(...,
+    timeout=0)`` runs it: the same steps, signals and failures, without the waiting
+    machinery (an :class:`_Attempt`, its budget and its wait queue), which a try never
+    uses. Most lock cycles are tries."""
+    if transactions.pending:
+        taken = transactions.take_back(backend, name)
+        if taken is not None:
+            return taken
+    began = time.monotonic()
+    owner = os.urandom(16).hex()  # new_owner(), inlined
+    holder = current_holder()
+    try:
+        result = backend.acquire(name, owner, ttl, holder, wait=0.0, fair=fair)
+        if not result.acquired:
+            raise LockNotAcquired(name, backend.alias, 0.0)
+    except LockError as exc:
+        _not_acquired(backend, name, began, exc)
+        raise
+    # The lease's local term starts before the request where the server keeps the
+    # expiry, at the grant where it does not (as _Attempt.lease()).
+    lease = Lease(
+        backend=backend,
+        name=name,
+        owner=owner,
+        fencing_token=result.fencing_token,
+        ttl=ttl,
+        started=began if backend.expires_on_server else time.monotonic(),
+        remaining=result.remaining,
+        on_lost=on_lost,
+        auto_renew=auto_renew,
+        max_hold=max_hold,
+        release_on_commit=release_on_commit,
+    )
+    due = lease._renewal_due()
+    if due is not None:
+        renewer(backend.alias).add(lease, due)
+    elif not backend.expires_on_server:
+        # _Attempt.guard(): released if dropped unreleased, nothing renewing it.
+        weakref.finalize(lease, _when_dropped, backend, name, owner, lease._ended)
+    try:
+        if signals.lock_acquired.receivers:
+            signals.lock_acquired.send(sender=Lease, lease=lease, waited=time.monotonic() - began)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            lease.release()
+        raise
+    return lease
+
+
+def _not_acquired(backend: LeaseServer, name: str, began: float, error: LockError) -> None:
     """Tell ``lock_not_acquired`` receivers (e.g. metrics) that no lease came of it."""
     if not signals.lock_not_acquired.receivers:
         return
     signals.lock_not_acquired.send_robust(
-        sender=type(attempt.backend),
-        name=attempt.name,
-        backend=attempt.backend.alias,
-        waited=time.monotonic() - attempt.began,
+        sender=type(backend),
+        name=name,
+        backend=backend.alias,
+        waited=time.monotonic() - began,
         error=error,
     )
 
@@ -386,7 +445,7 @@ async def aacquire_lease(
                 )
             result = again
     except LockError as exc:
-        _not_acquired(attempt, exc)
+        _not_acquired(attempt.backend, name, attempt.began, exc)
         raise
     finally:
         if attempt.registered:
@@ -484,12 +543,30 @@ class _LockBase:
         on_lost: Callable[[Any], object] | None = None,
         release_on_commit: bool | None = None,
     ) -> None:
-        self.name = _checked_name(name)
+        # _checked_name(), _ttl_arg() and _timeout_arg() inlined for the usual values
+        # (a lock object is usually built per use): anything else takes the full check.
+        if type(name) is not str or name not in _valid_names:
+            name = _checked_name(name)
+        self.name = name
         if type(backend) is not str or backend not in backends._backends:
             check_alias(backend)  # the usual alias, already built, needs no look
         self.backend_alias = backend
-        self._ttl = None if ttl is None else _ttl_arg(ttl)
-        self._timeout = timeout if timeout is _DEFAULT else _timeout_arg(timeout)
+        if ttl is not None:
+            kind = type(ttl)
+            ttl = (
+                float(ttl)
+                if (kind is float or kind is int) and 0.01 <= ttl <= MAX_TTL
+                else _ttl_arg(ttl)
+            )
+        self._ttl = ttl
+        given: Any = timeout  # any object: checked here
+        if given is not _DEFAULT:
+            kind = type(given)
+            if not ((kind is float or kind is int) and 0 <= given <= MAX_TIMEOUT):
+                given = _timeout_arg(given)
+            elif kind is int:
+                given = float(given)
+        self._timeout = given
         # Flags are checked only when not one of the two bools (the usual case).
         if auto_renew is not True and auto_renew is not False:
             validate_flag(auto_renew, "auto_renew")
@@ -590,6 +667,17 @@ class Lock(_LockBase):
             return again
         backend = backends._backends.get(self.backend_alias)
         ttl = self._ttl
+        if wait == 0 and not self.reentrant:  # a try: no waiting machinery
+            return try_once(
+                self.backend if backend is None else backend,
+                self.name,
+                self.ttl if ttl is None else ttl,
+                self.fair,
+                self.on_lost,
+                self.auto_renew,
+                self.max_hold,
+                self.release_on_commit,
+            )
         lease = acquire_lease(
             self.backend if backend is None else backend,
             self.name,

@@ -57,6 +57,10 @@ class Named(NamedTuple):
     try_args: list[bytes | None]
     unlock_args: list[bytes | None]
     holds_args: list[bytes | None]
+    #: ``[(holder, ttl, parameters)]``: the last try's parameters but its owner, for
+    #: the next try by the same holder with the same ttl (one item, swapped whole,
+    #: so that a thread reading it never sees one holder's ttl with another's row).
+    last: list[tuple[Holder, float, list[bytes | None]] | None]
 
 
 class SessionLocks(PooledBackend):
@@ -83,6 +87,7 @@ class SessionLocks(PooledBackend):
                 template,
                 [by_param[param] for param in UNLOCK.params],
                 [by_param[param] for param in HOLDS.params],
+                [None],
             )
             if len(self._names) >= NAMES_CACHED:
                 self._names.clear()  # a bound, not an LRU: a name costs one encoding again
@@ -92,13 +97,27 @@ class SessionLocks(PooledBackend):
     def _try_args(self, named: Named, owner: str, ttl: float, holder: Holder) -> list[bytes | None]:
         """The acquire try's parameters, encoded (UTF-8), in ``$n`` order: the name's
         from its template, the holder's from its cache, the rest encoded now."""
+        plain = type(owner) is str and "\x00" not in owner
+        last = named.last[0]
+        if (
+            last is not None
+            and last[0] is holder
+            and plain
+            and type(ttl) is float
+            and last[1] == ttl
+            and not holder.extra  # read at each try: a holder's extra may change in place
+        ):
+            # The usual try: the same thread locking the same name with the same ttl
+            # again. Equal floats other than 0.0 and -0.0 (no ttl) have one text.
+            args = last[2].copy()
+            args[_OWNER] = owner.encode()
+            return args
         # The caches' hits read here (the helpers fill them): calls cost more than that.
         cached = self._holders.get(id(holder))
         if cached is None or cached[0] is not holder:
             cached = self._holder_columns(holder)
         _, host, pid, thread = cached
         args = named.try_args.copy()
-        plain = type(owner) is str and "\x00" not in owner
         args[_OWNER] = owner.encode() if plain else encode(owner)
         args[_HOST] = host
         args[_PID] = pid
@@ -109,7 +128,12 @@ class SessionLocks(PooledBackend):
             if type(ttl) is float and len(_TTLS) < TTLS_CACHED:
                 _TTLS[ttl] = ttl_text
         args[_TTL] = ttl_text
-        args[_EXTRA] = encode(json.dumps(dict(holder.extra))) if holder.extra else b"{}"
+        if holder.extra:
+            args[_EXTRA] = encode(json.dumps(dict(holder.extra)))
+        else:
+            args[_EXTRA] = b"{}"
+            if type(ttl) is float and ttl:
+                named.last[0] = (holder, ttl, args.copy())
         return args
 
     def _acquire_session(
@@ -162,7 +186,8 @@ class SessionLocks(PooledBackend):
         if token is None:
             self.pool.put(conn)
             return NOT_ACQUIRED
-        held = Held(conn, named.key, token, guard=named.guard, named=named)
+        # Positional (the fields' order): cheaper than keywords, once per lease.
+        held = Held(conn, named.key, token, "lock", sql.UNLOCK, 0, named.guard, "", named)
         with self._held_lock:
             self._held[owner] = held
         # The lease is confirmed by renewal pings; locally valid for one ttl.
@@ -191,10 +216,7 @@ class SessionLocks(PooledBackend):
             held = self._held.pop(owner, None)
         if held is None:
             return False
-        return self._give_back(held)
-
-    def _give_back(self, held: Held) -> bool:
-        """Unlock on the lease's own connection, then return it to the pool."""
+        # Unlocked on the lease's own connection, which then goes back to the pool.
         try:
             unlocked: bool
             if held.named is not None and held.conn.utf8:
