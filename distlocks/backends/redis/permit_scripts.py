@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from distlocks.backends.redis.scripts import (
     _COUNTER,
+    _KINDS,
     FENCE_GRACE_MS,
     INDEX_SWEEP_COUNT,
     INDEX_SWEEP_EVERY,
 )
 
 _COMMON = (
-    """
+    _KINDS
+    + """
 local now = redis.call('TIME')
 local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
 
@@ -143,6 +145,7 @@ end
 SEM_ACQUIRE = (
     _COMMON
     + """
+kinds(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'zset', KEYS[4], 'list', KEYS[5], 'set')
 purge(KEYS[1], KEYS[2])
 local owner, ttl = ARGV[1], tonumber(ARGV[2])
 -- Each command that can fail (a key of the wrong type) runs before the permit is
@@ -177,6 +180,7 @@ return {0, 0, math.floor(tonumber(first[2]) - now_ms)}
 SEM_RELEASE = (
     _COMMON
     + """
+kinds(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'zset', KEYS[4], 'list', KEYS[6], 'set')
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 purge(KEYS[1], KEYS[2])
 if not score or tonumber(score) <= now_ms then
@@ -225,6 +229,7 @@ return 1
 SEM_FORCE = (
     _COMMON
     + """
+kinds(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'zset', KEYS[4], 'list', KEYS[5], 'set')
 purge(KEYS[1], KEYS[2])
 -- What can fail first, the eviction last (see "Half-written" in .scripts).
 local evicted
@@ -335,6 +340,8 @@ end
 RW_ACQUIRE = (
     _RW
     + """
+kinds(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'string', KEYS[4], 'zset', KEYS[5], 'zset',
+      KEYS[6], 'list', KEYS[7], 'list', KEYS[8], 'string', KEYS[9], 'set')
 local writer = purge_rw()
 local kind, owner, ttl, reg = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[5])
 -- Each command that can fail (a key of the wrong type) runs before the lease is
@@ -404,6 +411,8 @@ return {1, token, ttl}
 RW_RELEASE = (
     _RW
     + """
+kinds(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'string', KEYS[4], 'zset', KEYS[5], 'zset',
+      KEYS[6], 'list', KEYS[7], 'list', KEYS[8], 'string', KEYS[10], 'set')
 local score = redis.call('ZSCORE', KEYS[1], ARGV[2])
 local writer = purge_rw()
 if not score or tonumber(score) <= now_ms or (ARGV[1] == 'write') ~= (writer == ARGV[2]) then
@@ -461,6 +470,8 @@ return 1
 RW_FORCE = (
     _RW
     + """
+kinds(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'string', KEYS[4], 'zset', KEYS[5], 'zset',
+      KEYS[6], 'list', KEYS[7], 'list', KEYS[8], 'string', KEYS[9], 'set')
 local writer = purge_rw()
 -- What can fail first, the eviction last (see "Half-written" in .scripts). The counter
 -- moves on first: kept for the evicted leases too, which is only longer.
