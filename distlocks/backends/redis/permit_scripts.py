@@ -145,7 +145,6 @@ end
 SEM_ACQUIRE = (
     _COMMON
     + """
-kinds(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'zset', KEYS[4], 'list', KEYS[5], 'set')
 purge(KEYS[1], KEYS[2])
 local owner, ttl = ARGV[1], tonumber(ARGV[2])
 -- Each command that can fail (a key of the wrong type) runs before the permit is
@@ -180,7 +179,6 @@ return {0, 0, math.floor(tonumber(first[2]) - now_ms)}
 SEM_RELEASE = (
     _COMMON
     + """
-kinds(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'zset', KEYS[4], 'list', KEYS[6], 'set')
 local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
 purge(KEYS[1], KEYS[2])
 if not score or tonumber(score) <= now_ms then
@@ -188,11 +186,14 @@ if not score or tonumber(score) <= now_ms then
   return 0
 end
 -- What can fail first, the permit given back last (see "Half-written" in .scripts):
--- the info hash without the owner tells whether this was the name's last permit.
-redis.call('HDEL', KEYS[2], ARGV[1])
-unlist(KEYS[6], KEYS[2])
+-- the wake-up (waiters, signal list), then the permits set probed (SCARD) before the
+-- holder's details go: the info hash without the owner tells whether this was the
+-- name's last permit, and its SREM must not fail after that.
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
 signal(KEYS[4], redis.call('ZCARD', KEYS[3]))
+if KEYS[6] then redis.call('SCARD', KEYS[6]) end
+redis.call('HDEL', KEYS[2], ARGV[1])
+unlist(KEYS[6], KEYS[2])
 mark_released(KEYS[5], ARGV[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
 tidy(KEYS[1], KEYS[2])
@@ -340,8 +341,6 @@ end
 RW_ACQUIRE = (
     _RW
     + """
-kinds(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'string', KEYS[4], 'zset', KEYS[5], 'zset',
-      KEYS[6], 'list', KEYS[7], 'list', KEYS[8], 'string', KEYS[9], 'set')
 local writer = purge_rw()
 local kind, owner, ttl, reg = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[5])
 -- Each command that can fail (a key of the wrong type) runs before the lease is
@@ -411,8 +410,6 @@ return {1, token, ttl}
 RW_RELEASE = (
     _RW
     + """
-kinds(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'string', KEYS[4], 'zset', KEYS[5], 'zset',
-      KEYS[6], 'list', KEYS[7], 'list', KEYS[8], 'string', KEYS[10], 'set')
 local score = redis.call('ZSCORE', KEYS[1], ARGV[2])
 local writer = purge_rw()
 if not score or tonumber(score) <= now_ms or (ARGV[1] == 'write') ~= (writer == ARGV[2]) then
@@ -421,9 +418,12 @@ if not score or tonumber(score) <= now_ms or (ARGV[1] == 'write') ~= (writer == 
 end
 -- What can fail first, the lease given back last (see "Half-written" in .scripts).
 local fence = read_fence()
+-- The wake-up first, then the permits set probed (SCARD) before the holder's details
+-- go, as in SEM_RELEASE.
+wake_rw(writer == ARGV[2], 1)
+if KEYS[10] then redis.call('SCARD', KEYS[10]) end
 redis.call('HDEL', KEYS[2], ARGV[2])
 unlist(KEYS[10], KEYS[2])
-wake_rw(writer == ARGV[2], 1)
 mark_released(KEYS[9], ARGV[3])
 redis.call('ZREM', KEYS[1], ARGV[2])
 if writer == ARGV[2] then redis.call('DEL', KEYS[3]) end

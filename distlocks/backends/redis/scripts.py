@@ -236,14 +236,12 @@ end
 # ARGV[3] (the name) is also the index field.
 # Returns {1, token, ttl ms} when granted; {0, 0, holder's pttl or -3} when not.
 ACQUIRE = (
-    _KINDS
-    + _NOW
+    _NOW
     + _NEXT_TOKEN
     + _PRUNE
     + _ENTRY
     + _INDEX_SWEEP
     + """
-kinds(KEYS[1], 'hash', KEYS[2], 'string', KEYS[3], 'zset', KEYS[4], 'zset', KEYS[5], 'hash')
 local holder = redis.call('HGET', KEYS[1], 'owner')
 if holder == ARGV[1] then
   -- Same owner: a retried request whose first reply was lost. It is ours.
@@ -313,13 +311,10 @@ return {1, token, tonumber(ARGV[2])}
 # id it leaves the owner's tombstone, and a repeated request that finds it answers 1.
 # (Redlock's give-back sends an attempt id as ARGV[3] and no request id.)
 RELEASE = (
-    _KINDS
-    + _WAKE
+    _WAKE
     + _NOW
     + _NEXT_TOKEN
     + """
-kinds(KEYS[1], 'hash', KEYS[2], 'zset', KEYS[3], 'zset', KEYS[4], 'list', KEYS[5], 'string',
-      KEYS[7], 'hash')
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then
   if ARGV[4] and redis.call('GET', KEYS[6]) == ARGV[4] then return 1 end
   return 0
