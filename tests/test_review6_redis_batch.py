@@ -16,15 +16,14 @@ from typing import Any
 
 import pytest
 import redis
-from django.test import override_settings
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from distlocks import get_backend
 from distlocks.backends.base import Holder
 from distlocks.backends.redis import RedisBackend
 from distlocks.exceptions import LockError
+from tests.test_redis_halfwritten import own_prefix
 
 pytestmark = pytest.mark.django_db(transaction=False)
 
@@ -33,14 +32,8 @@ HOLDER = Holder(host="test", pid=1, thread="t", extra={})
 
 @pytest.fixture(params=[False, True], ids=["plain", "listed"])
 def backend(settings: Any, request: pytest.FixtureRequest) -> Iterator[RedisBackend]:
-    alias = f"batch-{uuid.uuid4().hex[:8]}"
-    config = {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": settings.REDIS_URL,
-              "OPTIONS": {"key_prefix": alias, "listing_index": request.param}}  # fmt: skip
-    with override_settings(DISTLOCKS_BACKENDS={**settings.DISTLOCKS_BACKENDS, alias: config}):
-        found = get_backend(alias)
-        assert isinstance(found, RedisBackend)
+    with own_prefix(settings, "batch", listing_index=request.param) as found:
         yield found
-        found.close()
 
 
 @hsettings(

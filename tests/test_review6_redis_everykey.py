@@ -13,13 +13,11 @@ from typing import Any
 
 import pytest
 import redis
-from django.test import override_settings
 
-from distlocks import get_backend
 from distlocks.backends.base import READ, SEMAPHORE, WRITE
 from distlocks.backends.redis import RedisBackend
 from distlocks.exceptions import LockError
-from tests.test_redis_halfwritten import CASES, TYPES, _key, _run, _write
+from tests.test_redis_halfwritten import CASES, TYPES, _key, _run, _write, own_prefix
 
 pytestmark = pytest.mark.django_db(transaction=False)
 
@@ -27,14 +25,8 @@ pytestmark = pytest.mark.django_db(transaction=False)
 @pytest.fixture
 def backend(settings: Any) -> Iterator[RedisBackend]:
     """A key prefix of its own: every key under it is this test's."""
-    alias = f"every-{uuid.uuid4().hex[:8]}"
-    config = {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": settings.REDIS_URL,
-              "OPTIONS": {"key_prefix": alias}}  # fmt: skip
-    with override_settings(DISTLOCKS_BACKENDS={**settings.DISTLOCKS_BACKENDS, alias: config}):
-        found = get_backend(alias)
-        assert isinstance(found, RedisBackend)
+    with own_prefix(settings, "every") as found:
         yield found
-        found.close()
 
 
 def _snapshot(client: redis.Redis, backend: RedisBackend, skip: str) -> dict[bytes, Any]:
