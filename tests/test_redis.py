@@ -30,6 +30,7 @@ SCRIPT_INNER = {
     "hget", "incr", "time", "hset", "pexpire", "pttl", "del", "hincrby", "exists", "get", "set",
     "zadd", "zrem", "zrange", "zrangebyscore", "zremrangebyscore", "zcard", "rpush", "ltrim",
     "hdel", "hmget", "hscan",  # the listing index and its sweep (kept by the same scripts)
+    "hlen", "strlen", "scard", "llen",  # the type probes before a script's first write
 }  # fmt: skip
 # Commands of the measurement itself.
 MEASUREMENT = {"config|resetstat", "config", "info"}

@@ -33,6 +33,7 @@ from django.test import override_settings
 from distlocks import alock, get_backend, lock, rwlock, semaphore
 from distlocks.backends.redis import RedisBackend
 from distlocks.exceptions import LockBackendUnavailable, LockNotAcquired
+from tests.test_redis_halfwritten import own_prefix
 
 pytestmark = pytest.mark.django_db(transaction=False)
 
@@ -217,16 +218,8 @@ def proxy(settings: Any) -> Iterator[HoldingProxy]:
 
 @contextlib.contextmanager
 def _alias(settings: Any, url: str, **options: Any) -> Iterator[RedisBackend]:
-    alias = f"giveback-{uuid.uuid4().hex[:8]}"
-    config = {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": url,
-              "OPTIONS": {"socket_timeout": 0.5, **options}}  # fmt: skip
-    with override_settings(DISTLOCKS_BACKENDS={**settings.DISTLOCKS_BACKENDS, alias: config}):
-        backend = get_backend(alias)
-        assert isinstance(backend, RedisBackend)
-        try:
-            yield backend
-        finally:
-            backend.close()
+    with own_prefix(settings, "giveback", url, **{"socket_timeout": 0.5, **options}) as backend:
+        yield backend
 
 
 def _undone(proxy: HoldingProxy, name: str, free: Callable[[], bool]) -> None:

@@ -16,6 +16,7 @@ exactly as it was before.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -54,17 +55,31 @@ def _write(client: redis.Redis, key: str, kind: str) -> None:
         client.zadd(key, {"someone": 1})
 
 
-@pytest.fixture
-def backend(settings: Any) -> Iterator[RedisBackend]:
-    """A key prefix of its own: its listing index is this test's alone."""
-    alias = f"half-{uuid.uuid4().hex[:8]}"
-    config = {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": settings.REDIS_URL,
-              "OPTIONS": {"key_prefix": alias}}  # fmt: skip
+@contextlib.contextmanager
+def own_prefix(
+    settings: Any, prefix: str, location: str | None = None, **options: Any
+) -> Iterator[RedisBackend]:
+    """A backend on the session's server (or ``location``) under a key prefix (and
+    alias) of its own, ``prefix`` and a random suffix: every key under it, the listing
+    index's too, is the caller's alone."""
+    alias = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    config = {"BACKEND": "distlocks.backends.redis.RedisBackend",
+              "LOCATION": location or settings.REDIS_URL,
+              "OPTIONS": {"key_prefix": alias, **options}}  # fmt: skip
     with override_settings(DISTLOCKS_BACKENDS={**settings.DISTLOCKS_BACKENDS, alias: config}):
         found = get_backend(alias)
         assert isinstance(found, RedisBackend)
+        try:
+            yield found
+        finally:
+            found.close()
+
+
+@pytest.fixture
+def backend(settings: Any) -> Iterator[RedisBackend]:
+    """A key prefix of its own: its listing index is this test's alone."""
+    with own_prefix(settings, "half") as found:
         yield found
-        found.close()
 
 
 # -- what each operation is, where its keys are, and what "as it was" means --------

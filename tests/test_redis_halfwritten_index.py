@@ -17,14 +17,13 @@ from typing import Any
 
 import pytest
 import redis
-from django.test import override_settings
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from distlocks import get_backend
 from distlocks.backends.base import READ, SEMAPHORE, WRITE, Holder
 from distlocks.backends.redis import RedisBackend
+from tests.test_redis_halfwritten import own_prefix
 
 pytestmark = pytest.mark.django_db(transaction=False)
 
@@ -36,14 +35,8 @@ KINDS = (SEMAPHORE, READ, WRITE)
 def backend(settings: Any) -> Iterator[RedisBackend]:
     """A backend of its own key prefix on the session's server: its permits set is
     this test's alone."""
-    alias = f"sweep-{uuid.uuid4().hex[:8]}"
-    config = {"BACKEND": "distlocks.backends.redis.RedisBackend", "LOCATION": settings.REDIS_URL,
-              "OPTIONS": {"key_prefix": alias}}  # fmt: skip
-    with override_settings(DISTLOCKS_BACKENDS={**settings.DISTLOCKS_BACKENDS, alias: config}):
-        found = get_backend(alias)
-        assert isinstance(found, RedisBackend)
+    with own_prefix(settings, "sweep") as found:
         yield found
-        found.close()
 
 
 def _members(client: redis.Redis, backend: RedisBackend) -> set[str]:

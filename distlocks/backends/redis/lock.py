@@ -210,8 +210,20 @@ class RedisLocks(RedisCalls):
                 error.__cause__ = exc
                 results += [error] * len(chunk)
                 continue
-            results += [bool(reply) for reply in replies]
+            for (name, _, _), reply in zip(chunk, replies, strict=True):
+                # -1: this lease's own key holds a value of another type (see the script).
+                results.append(self._wrong_type_error(name) if reply == -1 else bool(reply))
         return results
+
+    def _wrong_type_error(self, name: str) -> LockError:
+        """The renewal error of a lease of the batch whose key holds a value of another
+        type than distlocks keeps there (EXTEND_MANY's -1), naming the key."""
+        exc = redis.ResponseError(
+            "WRONGTYPE Operation against a key holding the wrong kind of value"
+        )
+        error = self._error("renew", name, exc)
+        error.__cause__ = exc
+        return error
 
     def _extend_many_cluster(
         self, leases: Sequence[tuple[str, str, float]]

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from distlocks.backends.redis.scripts import (
     _COUNTER,
+    _KINDS,
     FENCE_GRACE_MS,
     INDEX_SWEEP_COUNT,
     INDEX_SWEEP_EVERY,
 )
 
 _COMMON = (
-    """
+    _KINDS
+    + """
 local now = redis.call('TIME')
 local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
 
@@ -184,11 +186,14 @@ if not score or tonumber(score) <= now_ms then
   return 0
 end
 -- What can fail first, the permit given back last (see "Half-written" in .scripts):
--- the info hash without the owner tells whether this was the name's last permit.
-redis.call('HDEL', KEYS[2], ARGV[1])
-unlist(KEYS[6], KEYS[2])
+-- the wake-up (waiters, signal list), then the permits set probed (SCARD) before the
+-- holder's details go: the info hash without the owner tells whether this was the
+-- name's last permit, and its SREM must not fail after that.
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
 signal(KEYS[4], redis.call('ZCARD', KEYS[3]))
+if KEYS[6] then redis.call('SCARD', KEYS[6]) end
+redis.call('HDEL', KEYS[2], ARGV[1])
+unlist(KEYS[6], KEYS[2])
 mark_released(KEYS[5], ARGV[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
 tidy(KEYS[1], KEYS[2])
@@ -225,6 +230,7 @@ return 1
 SEM_FORCE = (
     _COMMON
     + """
+kinds(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'zset', KEYS[4], 'list', KEYS[5], 'set')
 purge(KEYS[1], KEYS[2])
 -- What can fail first, the eviction last (see "Half-written" in .scripts).
 local evicted
@@ -412,9 +418,12 @@ if not score or tonumber(score) <= now_ms or (ARGV[1] == 'write') ~= (writer == 
 end
 -- What can fail first, the lease given back last (see "Half-written" in .scripts).
 local fence = read_fence()
+-- The wake-up first, then the permits set probed (SCARD) before the holder's details
+-- go, as in SEM_RELEASE.
+wake_rw(writer == ARGV[2], 1)
+if KEYS[10] then redis.call('SCARD', KEYS[10]) end
 redis.call('HDEL', KEYS[2], ARGV[2])
 unlist(KEYS[10], KEYS[2])
-wake_rw(writer == ARGV[2], 1)
 mark_released(KEYS[9], ARGV[3])
 redis.call('ZREM', KEYS[1], ARGV[2])
 if writer == ARGV[2] then redis.call('DEL', KEYS[3]) end
@@ -461,6 +470,8 @@ return 1
 RW_FORCE = (
     _RW
     + """
+kinds(KEYS[1], 'zset', KEYS[2], 'hash', KEYS[3], 'string', KEYS[4], 'zset', KEYS[5], 'zset',
+      KEYS[6], 'list', KEYS[7], 'list', KEYS[8], 'string', KEYS[9], 'set')
 local writer = purge_rw()
 -- What can fail first, the eviction last (see "Half-written" in .scripts). The counter
 -- moves on first: kept for the evicted leases too, which is only longer.

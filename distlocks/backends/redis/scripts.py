@@ -22,6 +22,23 @@ FENCE_GRACE_MS = 5000
 
 # Shared Lua fragments. Waiters register in KEYS waiters (zset owner -> expiry ms);
 # fair waiters also queue in KEYS queue (zset owner -> arrival time in us).
+# Each key of the call that can hold a value of another type than distlocks keeps
+# there (something else wrote it) fails the call here, before its first write: a
+# command on the key that fails on another type (WRONGTYPE, which the client names).
+# Ordering the writes after every read that can fail is not enough: a release or an
+# eviction writes to several keys, and any of them can be the one of the wrong type.
+# kinds(key, 'hash', key, 'zset', ...); a nil key (an optional one) is skipped.
+_KINDS = """
+local KIND_PROBE = {hash = 'HLEN', string = 'STRLEN', zset = 'ZCARD', set = 'SCARD',
+                    list = 'LLEN'}
+local function kinds(...)
+  for i = 1, select('#', ...), 2 do
+    local key, want = select(i, ...)
+    if key then redis.call(KIND_PROBE[want], key) end
+  end
+end
+"""
+
 _NOW = """
 local now = redis.call('TIME')
 local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
@@ -377,10 +394,19 @@ EXTEND_MANY = (
 local out = {}
 local n = #ARGV / 3
 local index = KEYS[2 * n + 1]
+-- The index is every lease's: one of the wrong type fails the call, before any write.
+if index then redis.call('HLEN', index) end
 local now_ms = ms_now()
+-- A lease whose own key holds a value of another type gets -1 (the client makes it a
+-- LockError naming the key) and the others their outcome, as if it were not here:
+-- raising would fail the whole batch after the leases before it were renewed.
+local function wrong(reply) return type(reply) == 'table' and reply.err ~= nil end
 for i = 1, n do
   local owner, ttl = ARGV[3 * i - 2], ARGV[3 * i - 1]
-  if redis.call('HGET', KEYS[i], 'owner') == owner then
+  local holder = redis.pcall('HGET', KEYS[i], 'owner')
+  if wrong(holder) or (holder == owner and wrong(redis.pcall('STRLEN', KEYS[n + i]))) then
+    out[i] = -1
+  elseif holder == owner then
     keep_fence(KEYS[n + i], now_ms + tonumber(ttl), now_ms)
     if index then
       reindex(index, KEYS[i], ARGV[3 * i], string.format('%d', now_ms + tonumber(ttl)), ttl,
@@ -405,10 +431,13 @@ return out
 # Otherwise the counter moves on, so that the evicted holder's token is already
 # outdated, and a waiter is woken.
 FORCE_RELEASE = (
-    _NOW
+    _KINDS
+    + _NOW
     + _NEXT_TOKEN
     + _WAKE
     + """
+kinds(KEYS[1], 'hash', KEYS[2], 'string', KEYS[3], 'zset', KEYS[4], 'zset', KEYS[5], 'list',
+      KEYS[6], 'hash')
 local token = redis.call('HGET', KEYS[1], 'token')
 if not token then return 0 end
 if ARGV[2] ~= '' and tonumber(token) ~= tonumber(ARGV[2]) then return 0 end
