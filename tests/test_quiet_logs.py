@@ -46,7 +46,15 @@ def _check_one_line(caplog: pytest.LogCaptureFixture, what: str) -> None:
     """Exactly one WARNING record from distlocks about ``what``, on one line with its
     cause and no traceback; the traceback in a DEBUG record right with it."""
     records = [r for r in caplog.records if r.name.startswith("distlocks")]
-    warnings = [r for r in records if r.levelno >= logging.WARNING]
+    # A request sent on a pooled connection the stopped server had closed may have run
+    # (the client cannot tell): its give-back, tried in the background on a new
+    # connection, is a clean-up step of its own with a line of its own, held to the
+    # same rule: one line, its cause, no traceback.
+    gave_back = [r for r in records if r.levelno >= logging.WARNING
+                 and "Could not give back after a broken connection" in r.getMessage()]  # fmt: skip
+    for record in gave_back:
+        assert "\n" not in record.getMessage() and not record.exc_info, record.getMessage()
+    warnings = [r for r in records if r.levelno >= logging.WARNING and r not in gave_back]
     assert [r.getMessage() for r in warnings if what in r.getMessage()] == [
         r.getMessage() for r in warnings
     ], "only the expected warning"
