@@ -4,10 +4,8 @@ fencing tests, and the Django ``DATABASES`` entry of a ``mysql://`` URL."""
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import signal
-import stat
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,26 +85,11 @@ class MariaDBServer(_Server):
         self.log_bin = log_bin
 
     def _prepare_root(self) -> None:
-        try:
-            pwd.getpwnam(MARIADB_SYSTEM_USER)
-        except KeyError:
-            subprocess.run(
-                ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                 MARIADB_SYSTEM_USER],
-                check=True, capture_output=True,
-            )  # fmt: skip
-        self.user = MARIADB_SYSTEM_USER
-        # That user must reach its directory (temporary directories are 0700).
-        for path in [self.base_dir, *self.base_dir.parents]:
-            mode = path.stat().st_mode
-            if not mode & stat.S_IXOTH:
-                path.chmod(mode | stat.S_IXOTH)
-        entry = pwd.getpwnam(MARIADB_SYSTEM_USER)
-        for path in (self.base_dir, self.data_dir):
-            path.mkdir(exist_ok=True)
-            os.chown(path, entry.pw_uid, entry.pw_gid)
-        self._log_file.touch()
-        os.chown(self._log_file, entry.pw_uid, entry.pw_gid)
+        # As root, the server runs as root (it refuses to unless told so by --user).
+        # Not as a system user of its own: that user had to traverse the temporary
+        # directories, made 0700 again whenever another pytest session starts (pytest
+        # resets its root's mode), and the server then failed to write its files.
+        self.user = "root"
 
     def start(self, port: int | None = None) -> MariaDBServer:
         server, install = mariadb_binaries()
@@ -138,6 +121,7 @@ class MariaDBServer(_Server):
                     f"--socket={self.socket_path}",
                     f"--pid-file={self.base_dir / 'mariadb.pid'}",
                     "--skip-name-resolve",
+                    *([f"--user={self.user}"] if self.user else []),
                     "--character-set-server=utf8mb4",
                     "--collation-server=utf8mb4_unicode_ci",
                     "--max-connections=300",
