@@ -192,19 +192,36 @@ class BaseLease:
         if self._state != HELD or self._inherited():
             return False
         if self._valid_until is not None and (now := time.monotonic()) >= self._valid_until:
-            sent = self._renewing
-            if sent:
-                reason = (
-                    f"its {self.ttl:g}s lease ran out while its renewal, sent "
-                    f"{now - sent:.1f}s earlier, still had no answer from the server"
-                )
-            else:
-                reason = f"its {self.ttl:g}s lease ran out without being renewed"
-            if self._last_renew_error:
-                reason += f" (last renewal error: {self._last_renew_error})"
-            self._mark_lost(reason)
+            self._mark_lost(self._ran_out(now))
             return False
         return True
+
+    def _ran_out(self, now: float) -> str:
+        """Why a lease whose deadline has passed is lost."""
+        sent = self._renewing
+        if sent:
+            reason = (
+                f"its {self.ttl:g}s lease ran out while its renewal, sent "
+                f"{now - sent:.1f}s earlier, still had no answer from the server"
+            )
+        else:
+            reason = f"its {self.ttl:g}s lease ran out without being renewed"
+        if self._last_renew_error:
+            reason += f" (last renewal error: {self._last_renew_error})"
+        return reason
+
+    def _lost_at_deadline(self) -> str | None:
+        """:meth:`held` for a renewer's scheduler: a lease whose deadline passed is
+        marked lost, but the notice (log, signal, ``on_lost``) is left to the caller,
+        which has it run elsewhere: the holder's code must not hold up the scheduler.
+        Returns the reason when this call marked it lost."""
+        if self._state != HELD or self._inherited() or self._valid_until is None:
+            return None
+        now = time.monotonic()
+        if now < self._valid_until:
+            return None
+        reason = self._ran_out(now)
+        return reason if self._end_lost(reason) else None
 
     def _inherited(self) -> bool:
         """True in a process forked from the one that acquired the lease."""
@@ -238,16 +255,27 @@ class BaseLease:
 
     def _mark_lost(self, reason: str) -> None:
         """Record the loss once: log, signal, callback. Never raises."""
+        if self._end_lost(reason):
+            self._notify_lost(reason)
+
+    def _end_lost(self, reason: str) -> bool:
+        """The lease becomes lost, if it was held: True when this call did it. Runs
+        none of the holder's code (the notice is :meth:`_notify_lost`)."""
         with self._state_lock:
             if self._state != HELD:
-                return
+                return False
             self._state = LOST
             self._lost_reason = reason
+        self._on_finished()
+        return True
+
+    def _notify_lost(self, reason: str) -> None:
+        """Tell of the loss that :meth:`_end_lost` recorded: log, signal, callback (once,
+        as only the call that ended the lease calls this). Never raises."""
         logger.warning(
             "Lost lock %r on backend %r (fencing token %s): %s",
             self.name, self.backend, self.fencing_token, reason,
         )  # fmt: skip
-        self._on_finished()
         signals.lock_lost.send_robust(sender=type(self), lease=self, reason=reason)
         if self.on_lost is not None:
             try:

@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 from distlocks.backends.base import BaseBackend
 from distlocks.exceptions import LockError
-from distlocks.lease import EXTEND, FREE_LOST, arelease_dropped, release_dropped
+from distlocks.lease import EXTEND, FREE_LOST, HELD, arelease_dropped, release_dropped
+from distlocks.notices import LossNotices
 
 if TYPE_CHECKING:
     from distlocks.lease import AsyncLease, BaseLease, Lease
@@ -112,6 +113,9 @@ class Renewer:
         self.late: collections.deque[float] = collections.deque(maxlen=LATENESS_SAMPLES)
         #: Renewal turns taken so far (a turn renews one lease or a batch).
         self.turns = 0
+        # The losses the scheduler finds are told there, never on the scheduler: the
+        # holder's on_lost may block (or wait for the mutex a stuck call holds).
+        self._notices = LossNotices(alias)
 
     def add(self, lease: Lease, due: float) -> None:
         """Renew ``lease`` at monotonic time ``due`` (and after that as it asks)."""
@@ -183,14 +187,16 @@ class Renewer:
             batch, dropped, checks, watches = step
             if batch or dropped:
                 self._hand_over(batch, dropped)
+            lost: list[tuple[BaseLease, str]] = []
             for lease in checks:
-                self._check_deadline(lease)
+                self._check_deadline(lease, lost)
             for lease, _ in watches:
                 try:
-                    if _watched(lease):
+                    if self._check_deadline(lease, lost) and lease._renewing:
                         self.watch(lease)  # renewed meanwhile, but a call is in flight
                 except Exception:  # a bug must not stop the other leases' renewal
                     logger.exception("Deadline check of lock %r failed", lease.name)
+            self._notices.post(lost)
 
     def _next_step(
         self,
@@ -289,11 +295,18 @@ class Renewer:
         return found
 
     @staticmethod
-    def _check_deadline(lease: BaseLease) -> None:
+    def _check_deadline(lease: BaseLease, lost: list[tuple[BaseLease, str]]) -> bool:
+        """Mark ``lease`` lost if its deadline passed (without its mutex), its notice
+        added to ``lost``; True if it is still held."""
         try:
-            lease.held()  # reports the loss if the deadline passed, without the mutex
+            reason = lease._lost_at_deadline()
         except Exception:  # a bug must not stop the other leases' renewal
             logger.exception("Deadline check of lock %r failed unexpectedly", lease.name)
+            return False
+        if reason is not None:
+            lost.append((lease, reason))
+            return False
+        return lease._state == HELD and not lease._inherited()
 
     def _hand_over(self, batch: list[Lease], dropped: list[Any]) -> None:
         key = next(self._seq)

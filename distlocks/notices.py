@@ -1,0 +1,104 @@
+"""The notices of losses found by a renewer's scheduling thread, run on threads of their own.
+
+A loss found at a lease's deadline by the scheduler (:class:`distlocks.renewal.Renewer`)
+runs the holder's code: the ``lock_lost`` receivers and the ``on_lost`` callback. That code
+may be slow, may block, or may call ``release()`` or ``extend()`` on the lost lease, which
+wait for the lease's mutex, held by the stuck renewal call. Run on the scheduler, it would
+stop the renewal of every other lease of the backend and the notice of their own deadlines.
+The scheduler records the loss itself (``held()`` is False at the deadline) and posts the
+notice here.
+
+One thread (``distlocks-lost-notices:<alias>``, a daemon) runs the notices in turn; another
+starts when notices wait while no thread is idle (at most
+:data:`MAX_NOTIFIERS`), so one blocked callback does not hold up the others' notices. The
+threads exit after a while with nothing to do.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distlocks.lease import BaseLease
+
+logger = logging.getLogger(__name__)
+
+#: Most threads running one backend's loss notices at once.
+MAX_NOTIFIERS = 4
+#: Seconds a notice thread lingers with nothing to do before exiting.
+IDLE_EXIT = 30.0
+
+
+class LossNotices:
+    """The loss notices of one backend alias's renewer, run off its scheduling thread."""
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: collections.deque[tuple[BaseLease, str]] = collections.deque()
+        self._threads = 0
+        self._idle = 0
+
+    def post(self, notices: list[tuple[BaseLease, str]]) -> None:
+        """Have each ``(lease, reason)`` told (the lease already ended lost)."""
+        if not notices:
+            return
+        with self._cond:
+            self._queue.extend(notices)
+            if self._idle:
+                self._cond.notify(len(notices))
+            if len(self._queue) <= self._idle or self._threads >= MAX_NOTIFIERS:
+                return  # taken by an idle thread, or the first to finish its notice
+            thread = threading.Thread(
+                target=self._run, name=f"distlocks-lost-notices:{self.alias}", daemon=True
+            )
+            try:
+                thread.start()
+            except RuntimeError:
+                # No thread to be had (the interpreter is exiting): told here rather
+                # than never, if no other thread will.
+                if self._threads:
+                    return
+                inline = list(self._queue)
+                self._queue.clear()
+            else:
+                self._threads += 1
+                return
+        for lease, reason in inline:
+            _tell(lease, reason)
+
+    def _run(self) -> None:
+        counted = True
+        try:
+            while True:
+                with self._cond:
+                    idle_since = time.monotonic()
+                    while not self._queue:
+                        if time.monotonic() - idle_since >= IDLE_EXIT:
+                            # Uncounted in the same step as the check: a notice posted
+                            # later starts a thread of its own.
+                            self._threads -= 1
+                            counted = False
+                            return
+                        self._idle += 1
+                        try:
+                            self._cond.wait(IDLE_EXIT)
+                        finally:
+                            self._idle -= 1
+                    lease, reason = self._queue.popleft()
+                _tell(lease, reason)
+        finally:
+            if counted:  # ended by an error of its own
+                with self._cond:
+                    self._threads -= 1
+
+
+def _tell(lease: BaseLease, reason: str) -> None:
+    try:
+        lease._notify_lost(reason)
+    except Exception:  # it never raises; a bug must not end the thread's other notices
+        logger.exception("Notice of the loss of lock %r failed", lease.name)
