@@ -62,6 +62,9 @@ DEFER = "defer"
 #: Renew when this fraction of the ttl has passed.
 RENEW_FRACTION = 1 / 3
 
+#: Losses found but not yet told: (lease, reason) pairs (see BaseLease._still_held).
+Lost = list[tuple["BaseLease", str]]
+
 
 class BaseLease:
     """State shared by the sync and async leases: validity, loss, reentrancy depth."""
@@ -366,12 +369,13 @@ class BaseLease:
             if self._state == HELD:  # a loss noticed meanwhile stays reported
                 self._state = RELEASED
 
-    def _renew_step(self) -> tuple[str, float | None]:
+    def _renew_step(self, lost: Lost | None = None) -> tuple[str, float | None]:
         """What a renewal must do (``EXTEND``, ``FREE_LOST`` or ``NOTHING``) and, if
-        nothing, when to look again (None: never)."""
+        nothing, when to look again (None: never). A loss found here is told at once,
+        or with ``lost``, added to it (see :meth:`_still_held`)."""
         if self._inherited():
             return NOTHING, None
-        if self._renewal_allowed():
+        if self._renewal_allowed(lost):
             return EXTEND, None
         remaining = self.remaining() if self._state == HELD else None
         if remaining and not self._release_requested:
@@ -382,22 +386,27 @@ class BaseLease:
             return FREE_LOST, None
         return NOTHING, None
 
-    def _renew_result(self, started: float, outcome: bool | LockError) -> float | None:
+    def _renew_result(
+        self, started: float, outcome: bool | LockError, lost: Lost | None = None
+    ) -> float | None:
         """Record a renewal's answer; returns when to renew next (None: stop). After a
-        success, the caller asks :meth:`_give_back_late` whether the answer came too late."""
+        success, the caller asks :meth:`_give_back_late` whether the answer came too late.
+        A loss is told at once or, with ``lost``, added to it (see :meth:`_still_held`)."""
         if isinstance(outcome, LockError):
             self._renewing = 0.0
-            return self._renewal_failed(outcome)
+            return self._renewal_failed(outcome, lost)
         if not outcome:
             self._renewing = 0.0
-            self._mark_lost(
-                "the server no longer had it at renewal (expired, deleted or force-released)"
-            )
+            reason = "the server no longer had it at renewal (expired, deleted or force-released)"
+            if lost is None:
+                self._mark_lost(reason)
+            elif self._end_lost(reason):
+                lost.append((self, reason))
             self._freed_on_server = True
             return None
         # Checked while still in flight: a deadline that passed before this answer was
         # recorded is reported as a renewal with no answer in time.
-        held = self.held()
+        held = self._still_held(lost)
         self._renewing = 0.0
         if not held:
             # The loss has been reported (another holder may have been let in): the
@@ -440,8 +449,21 @@ class BaseLease:
         # the ttl (a ZooKeeper session shorter than the ttl): renewed in time either way.
         return time.monotonic() + self._backend.local_lease(self.ttl) * RENEW_FRACTION
 
-    def _renewal_allowed(self) -> bool:
-        if self._state != HELD or self._release_requested or not self.held():
+    def _still_held(self, lost: Lost | None) -> bool:
+        """:meth:`held`; with ``lost``, a loss found is added to it instead of being told
+        here: a renewer renewing a batch tells the losses once every lease of the batch
+        is recorded and its mutex free, so that the holder's code (``on_lost``) cannot
+        hold up the others' answers until their deadlines pass."""
+        if lost is None:
+            return self.held()
+        reason = self._lost_at_deadline()
+        if reason is not None:
+            lost.append((self, reason))
+            return False
+        return self._state == HELD and not self._inherited()
+
+    def _renewal_allowed(self, lost: Lost | None = None) -> bool:
+        if self._state != HELD or self._release_requested or not self._still_held(lost):
             return False
         if self.max_hold is not None and time.monotonic() - self._started >= self.max_hold:
             if not self._last_renew_error:
@@ -453,13 +475,13 @@ class BaseLease:
             return False
         return True
 
-    def _renewal_failed(self, exc: Exception) -> float | None:
+    def _renewal_failed(self, exc: Exception, lost: Lost | None = None) -> float | None:
         """A renewal could not reach the server: retry soon, while the lease lasts."""
         self._last_renew_error = f"{type(exc).__name__}: {exc}"
         logger.warning("Could not renew lock %r: %s", self.name, self._last_renew_error)
         remaining = self.remaining()
         if remaining is None or remaining <= 0:
-            self.held()  # marks it lost, with the error as the reason
+            self._still_held(lost)  # marks it lost, with the error as the reason
             return None
         # Retry quickly, and wake once more right at the deadline to report the loss.
         return time.monotonic() + min(max(0.05, self.ttl / 10), remaining)

@@ -430,17 +430,31 @@ class Renewer:
         Each lease's mutex is held from its decision to the bookkeeping of the answer, as
         in :meth:`Lease._renew_once`, so a release cannot interleave. A lease whose mutex
         is busy (its holder is releasing or extending it) is looked at again soon."""
+        # The losses found, told once every lease is recorded and its mutex free: the
+        # holder's on_lost must not keep the others' answers unrecorded.
+        lost: list[tuple[BaseLease, str]] = []
+        alone: list[Lease] = []
+        try:
+            self._renew_groups(batch, lost, alone)
+        finally:
+            self._notices.post(lost)
+        for lease in alone:  # not in a group's call: after it, each holding only its own
+            self._renew_alone(lease)
+
+    def _renew_groups(
+        self, batch: list[Lease], lost: list[tuple[BaseLease, str]], alone: list[Lease]
+    ) -> None:
         groups: dict[int, tuple[BaseBackend, list[Lease]]] = {}
         for lease in batch:
             backend = lease._backend
             if not isinstance(backend, BaseBackend):
-                self._renew_alone(lease)
+                alone.append(lease)
                 continue
             if not lease._mutex.acquire(blocking=False):
                 self._schedule(lease, _busy_retry(lease))
                 continue
             try:
-                step, when = lease._renew_step()
+                step, when = lease._renew_step(lost)
                 if step == FREE_LOST:
                     backend.release_quietly(lease.name, lease.owner)
             except Exception:
@@ -469,7 +483,7 @@ class Renewer:
             late: list[Lease] = []
             for lease, outcome in zip(leases, outcomes, strict=True):
                 try:
-                    due = lease._renew_result(started, outcome)
+                    due = lease._renew_result(started, outcome, lost)
                     if outcome is True and lease._give_back_late():
                         late.append(lease)
                 except Exception:

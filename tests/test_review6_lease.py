@@ -98,3 +98,42 @@ def test_the_holders_reaction_to_a_loss_does_not_hold_up_the_other_leases(
         assert outcomes == [False]
     elif reaction == "extends":
         assert outcomes == ["LockLost"]
+
+
+@pytest.mark.parametrize("alias", ["locmem", "redis"])
+def test_a_blocked_on_lost_does_not_hold_up_the_rest_of_its_renewal_batch(
+    alias: str, name: str
+) -> None:
+    """Leases A and B are renewed in one call (one batch). The server no longer has A
+    (force-released), and A's on_lost blocks. B's answer, a success, is recorded at once
+    and its mutex is free: it is not left "in flight" until A's callback returns (its
+    deadline would pass meanwhile, and B be reported lost though the server renewed it
+    in time)."""
+    from distlocks.renewal import renewer
+
+    go_on = threading.Event()
+    reacting = threading.Event()
+
+    def react(lease: Any) -> None:
+        reacting.set()
+        assert go_on.wait(LIMIT * 4)
+
+    a = lock(f"{name}:a", backend=alias, ttl=30, auto_renew=False, on_lost=react).acquire()
+    b = lock(f"{name}:b", backend=alias, ttl=30, auto_renew=False).acquire()
+    assert get_backend(alias).force_release(a.name)
+    # The renewer's step, run here for exactly these two leases (nothing else renews
+    # them: auto_renew=False).
+    caller = threading.Thread(target=renewer(alias)._renew_together, args=([a, b],))
+    caller.start()
+    try:
+        _wait(reacting.is_set, "A's loss to be reported")
+        _wait(lambda: b.renewals == 1, "B's renewal to be recorded")
+        assert b.held() and not b._renewing
+        # B's mutex is free: its holder's extend() does not wait for A's callback.
+        b.extend()
+        assert b.renewals == 2
+    finally:
+        go_on.set()
+        caller.join(LIMIT)
+    assert not caller.is_alive()
+    assert a.state == "lost" and b.release() is True
