@@ -42,6 +42,7 @@ from distlocks import get_backend, lock
 from distlocks.backends.locmem import LocMemBackend
 from distlocks.exceptions import LockBackendUnavailable, LockError, LockLost
 from distlocks.signals import lock_lost
+from distlocks.testing.contract import _in_child
 
 LIMIT = 30.0  # seconds any step may wait for a thread (generous; never reached)
 
@@ -319,20 +320,7 @@ def test_a_child_forked_while_a_renewal_is_stuck(gated: str, name: str) -> None:
             seen.append(lost)
             return seen
 
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            os.close(read)
-            try:
-                text = repr(child())
-            except BaseException as exc:
-                text = f"raised {type(exc).__name__}: {exc}"
-            os.write(write, text.encode())
-            os._exit(0)
-        os.close(write)
-        with os.fdopen(read) as pipe:
-            text = pipe.read()
-        os.waitpid(pid, 0)
+        text = _in_child(child)
         assert text == "[False, 'LockLost', True, []]", text
     finally:
         backend.unstuck.set()
