@@ -20,7 +20,7 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from distlocks.lease import BaseLease
@@ -33,6 +33,32 @@ MAX_NOTIFIERS = 4
 IDLE_EXIT = 30.0
 
 
+class Crew:
+    """The count of a small pool of daemon threads serving one queue under one condition
+    (the renewer's callers, the notice threads): how many run, how many wait idle."""
+
+    def __init__(self) -> None:
+        self.threads = 0
+        self.idle = 0
+
+    def wait_for_work(self, cond: threading.Condition, queue: collections.deque[Any]) -> bool:
+        """Called by a thread of the crew with ``cond`` held: wait until ``queue`` has
+        something (True), or, after :data:`IDLE_EXIT` seconds with nothing, uncount the
+        thread (in the same step as the check: work posted later starts a thread of its
+        own) and return False: the thread ends."""
+        idle_since = time.monotonic()
+        while not queue:
+            if time.monotonic() - idle_since >= IDLE_EXIT:
+                self.threads -= 1
+                return False
+            self.idle += 1
+            try:
+                cond.wait(IDLE_EXIT)
+            finally:
+                self.idle -= 1
+        return True
+
+
 class LossNotices:
     """The loss notices of one backend alias's renewer, run off its scheduling thread."""
 
@@ -40,8 +66,7 @@ class LossNotices:
         self.alias = alias
         self._cond = threading.Condition(threading.Lock())
         self._queue: collections.deque[tuple[BaseLease, str]] = collections.deque()
-        self._threads = 0
-        self._idle = 0
+        self._crew = Crew()
 
     def post(self, notices: list[tuple[BaseLease, str]]) -> None:
         """Have each ``(lease, reason)`` told (the lease already ended lost)."""
@@ -49,9 +74,10 @@ class LossNotices:
             return
         with self._cond:
             self._queue.extend(notices)
-            if self._idle:
+            crew = self._crew
+            if crew.idle:
                 self._cond.notify(len(notices))
-            if len(self._queue) <= self._idle or self._threads >= MAX_NOTIFIERS:
+            if len(self._queue) <= crew.idle or crew.threads >= MAX_NOTIFIERS:
                 return  # taken by an idle thread, or the first to finish its notice
             thread = threading.Thread(
                 target=self._run, name=f"distlocks-lost-notices:{self.alias}", daemon=True
@@ -61,12 +87,12 @@ class LossNotices:
             except RuntimeError:
                 # No thread to be had (the interpreter is exiting): told here rather
                 # than never, if no other thread will.
-                if self._threads:
+                if crew.threads:
                     return
                 inline = list(self._queue)
                 self._queue.clear()
             else:
-                self._threads += 1
+                crew.threads += 1
                 return
         for lease, reason in inline:
             _tell(lease, reason)
@@ -76,25 +102,15 @@ class LossNotices:
         try:
             while True:
                 with self._cond:
-                    idle_since = time.monotonic()
-                    while not self._queue:
-                        if time.monotonic() - idle_since >= IDLE_EXIT:
-                            # Uncounted in the same step as the check: a notice posted
-                            # later starts a thread of its own.
-                            self._threads -= 1
-                            counted = False
-                            return
-                        self._idle += 1
-                        try:
-                            self._cond.wait(IDLE_EXIT)
-                        finally:
-                            self._idle -= 1
+                    if not self._crew.wait_for_work(self._cond, self._queue):
+                        counted = False
+                        return
                     lease, reason = self._queue.popleft()
                 _tell(lease, reason)
         finally:
             if counted:  # ended by an error of its own
                 with self._cond:
-                    self._threads -= 1
+                    self._crew.threads -= 1
 
 
 def _tell(lease: BaseLease, reason: str) -> None:

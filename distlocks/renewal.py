@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from distlocks.backends.base import BaseBackend
 from distlocks.exceptions import LockError
 from distlocks.lease import EXTEND, FREE_LOST, HELD, arelease_dropped, release_dropped
-from distlocks.notices import LossNotices
+from distlocks.notices import Crew, LossNotices
 
 if TYPE_CHECKING:
     from distlocks.lease import AsyncLease, BaseLease, Lease
@@ -105,8 +105,7 @@ class Renewer:
         # first one passes), how many of those were looked at] of each batch queued or
         # in flight.
         self._watched: dict[int, list[Any]] = {}
-        self._callers = 0
-        self._idle_callers = 0
+        self._callers = Crew()  # the threads making the calls
         # caller thread's id -> monotonic start of the call it is making.
         self._calls: dict[int, float] = {}
         #: Seconds by which recent renewals ran after they were due (see lateness()).
@@ -314,7 +313,7 @@ class Renewer:
             self._queue.append((key, batch, dropped))
             if batch:
                 self._watched[key] = [_earliest(batch), batch, None, 0]
-            if self._idle_callers:
+            if self._callers.idle:
                 self._work.notify()
             else:
                 self._more_callers(time.monotonic())
@@ -325,10 +324,10 @@ class Renewer:
         every other lease; a merely busy caller is waited for: callers sharing a loaded
         CPU would all finish later). Returns when to look again (inf: no need). Called
         with the condition held."""
-        if not self._queue or self._idle_callers or self._callers >= MAX_CALLERS:
+        if not self._queue or self._callers.idle or self._callers.threads >= MAX_CALLERS:
             return math.inf
         calls = self._calls
-        if len(calls) < self._callers:
+        if len(calls) < self._callers.threads:
             return math.inf  # a caller is between two batches: it takes the next one
         youngest = max(calls.values(), default=-math.inf)
         if now - youngest < CALLER_STUCK:
@@ -337,7 +336,7 @@ class Renewer:
             target=self._call, name=f"distlocks-renewal-calls:{self.alias}", daemon=True
         )
         thread.start()
-        self._callers += 1
+        self._callers.threads += 1
         return math.inf
 
     # -- the callers -----------------------------------------------------------------
@@ -348,19 +347,9 @@ class Renewer:
         try:
             while True:
                 with self._cond:
-                    idle_since = time.monotonic()
-                    while not self._queue:
-                        if time.monotonic() - idle_since >= IDLE_EXIT:
-                            # Uncounted in the same step as the check: a batch handed
-                            # over later starts a caller of its own.
-                            self._callers -= 1
-                            counted = False
-                            return
-                        self._idle_callers += 1
-                        try:
-                            self._work.wait(IDLE_EXIT)
-                        finally:
-                            self._idle_callers -= 1
+                    if not self._callers.wait_for_work(self._work, self._queue):
+                        counted = False
+                        return
                     # Every batch waiting, in one call: batches queued behind a slow
                     # call are renewed together, as one thread renewing them would.
                     keys, batch, dropped = self._take_queued()
@@ -383,7 +372,7 @@ class Renewer:
         finally:
             if counted:  # ended by an error of its own
                 with self._cond:
-                    self._callers -= 1
+                    self._callers.threads -= 1
 
     def _take_queued(self) -> tuple[list[int], list[Lease], list[Any]]:
         """The batches queued, up to :data:`MAX_BATCH` leases (at least one batch),
