@@ -95,7 +95,7 @@ class LossNotices:
                 crew.threads += 1
                 return
         for lease, reason in inline:
-            _tell(lease, reason)
+            tell(lease, reason)
 
     def _run(self) -> None:
         counted = True
@@ -106,14 +106,15 @@ class LossNotices:
                         counted = False
                         return
                     lease, reason = self._queue.popleft()
-                _tell(lease, reason)
+                tell(lease, reason)
         finally:
             if counted:  # ended by an error of its own
                 with self._cond:
                     self._crew.threads -= 1
 
 
-def _tell(lease: BaseLease, reason: str) -> None:
+def tell(lease: BaseLease, reason: str) -> None:
+    """Run the notice of the loss of ``lease`` (it already ended lost)."""
     try:
         lease._notify_lost(reason)
     except Exception:  # it never raises; a bug must not end the thread's other notices

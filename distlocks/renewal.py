@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from distlocks.backends.base import BaseBackend
 from distlocks.exceptions import LockError
 from distlocks.lease import EXTEND, FREE_LOST, HELD, arelease_dropped, release_dropped
-from distlocks.notices import Crew, LossNotices
+from distlocks.notices import Crew, LossNotices, tell
 
 if TYPE_CHECKING:
     from distlocks.lease import AsyncLease, BaseLease, Lease
@@ -420,13 +420,16 @@ class Renewer:
         in :meth:`Lease._renew_once`, so a release cannot interleave. A lease whose mutex
         is busy (its holder is releasing or extending it) is looked at again soon."""
         # The losses found, told once every lease is recorded and its mutex free: the
-        # holder's on_lost must not keep the others' answers unrecorded.
+        # holder's on_lost must not keep the others' answers unrecorded. Told here, on
+        # this caller (as soon as can be after the loss is recorded): one that blocks
+        # makes this call look stuck, and another caller takes the next batches.
         lost: list[tuple[BaseLease, str]] = []
         alone: list[Lease] = []
         try:
             self._renew_groups(batch, lost, alone)
         finally:
-            self._notices.post(lost)
+            for lease, reason in lost:
+                tell(lease, reason)
         for lease in alone:  # not in a group's call: after it, each holding only its own
             self._renew_alone(lease)
 
