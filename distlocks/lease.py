@@ -19,7 +19,7 @@ gone, or that cannot reach the server before the lease runs out, marks it lost; 
 the renewer at the lease's deadline while a renewal or ``extend()`` call is still
 waiting for its answer (a late answer, even a success, leaves the lease lost).
 
-Why this is one module of about 700 lines (issue 28's size rule): the two lease classes
+Why this is one module of about 780 lines (issue 28's size rule): the two lease classes
 share one state machine (held, lost, released, given back at commit), and the rules of
 each transition must be read side by side for the thread and the asyncio holder.
 """
@@ -61,6 +61,9 @@ DEFER = "defer"
 
 #: Renew when this fraction of the ttl has passed.
 RENEW_FRACTION = 1 / 3
+
+#: Losses found but not yet told: (lease, reason) pairs (see BaseLease._still_held).
+Lost = list[tuple["BaseLease", str]]
 
 
 class BaseLease:
@@ -192,19 +195,36 @@ class BaseLease:
         if self._state != HELD or self._inherited():
             return False
         if self._valid_until is not None and (now := time.monotonic()) >= self._valid_until:
-            sent = self._renewing
-            if sent:
-                reason = (
-                    f"its {self.ttl:g}s lease ran out while its renewal, sent "
-                    f"{now - sent:.1f}s earlier, still had no answer from the server"
-                )
-            else:
-                reason = f"its {self.ttl:g}s lease ran out without being renewed"
-            if self._last_renew_error:
-                reason += f" (last renewal error: {self._last_renew_error})"
-            self._mark_lost(reason)
+            self._mark_lost(self._ran_out(now))
             return False
         return True
+
+    def _ran_out(self, now: float) -> str:
+        """Why a lease whose deadline has passed is lost."""
+        sent = self._renewing
+        if sent:
+            reason = (
+                f"its {self.ttl:g}s lease ran out while its renewal, sent "
+                f"{now - sent:.1f}s earlier, still had no answer from the server"
+            )
+        else:
+            reason = f"its {self.ttl:g}s lease ran out without being renewed"
+        if self._last_renew_error:
+            reason += f" (last renewal error: {self._last_renew_error})"
+        return reason
+
+    def _lost_at_deadline(self) -> str | None:
+        """:meth:`held` for a renewer's scheduler: a lease whose deadline passed is
+        marked lost, but the notice (log, signal, ``on_lost``) is left to the caller,
+        which has it run elsewhere: the holder's code must not hold up the scheduler.
+        Returns the reason when this call marked it lost."""
+        if self._state != HELD or self._inherited() or self._valid_until is None:
+            return None
+        now = time.monotonic()
+        if now < self._valid_until:
+            return None
+        reason = self._ran_out(now)
+        return reason if self._end_lost(reason) else None
 
     def _inherited(self) -> bool:
         """True in a process forked from the one that acquired the lease."""
@@ -238,16 +258,27 @@ class BaseLease:
 
     def _mark_lost(self, reason: str) -> None:
         """Record the loss once: log, signal, callback. Never raises."""
+        if self._end_lost(reason):
+            self._notify_lost(reason)
+
+    def _end_lost(self, reason: str) -> bool:
+        """The lease becomes lost, if it was held: True when this call did it. Runs
+        none of the holder's code (the notice is :meth:`_notify_lost`)."""
         with self._state_lock:
             if self._state != HELD:
-                return
+                return False
             self._state = LOST
             self._lost_reason = reason
+        self._on_finished()
+        return True
+
+    def _notify_lost(self, reason: str) -> None:
+        """Tell of the loss that :meth:`_end_lost` recorded: log, signal, callback (once,
+        as only the call that ended the lease calls this). Never raises."""
         logger.warning(
             "Lost lock %r on backend %r (fencing token %s): %s",
             self.name, self.backend, self.fencing_token, reason,
         )  # fmt: skip
-        self._on_finished()
         signals.lock_lost.send_robust(sender=type(self), lease=self, reason=reason)
         if self.on_lost is not None:
             try:
@@ -338,12 +369,13 @@ class BaseLease:
             if self._state == HELD:  # a loss noticed meanwhile stays reported
                 self._state = RELEASED
 
-    def _renew_step(self) -> tuple[str, float | None]:
+    def _renew_step(self, lost: Lost | None = None) -> tuple[str, float | None]:
         """What a renewal must do (``EXTEND``, ``FREE_LOST`` or ``NOTHING``) and, if
-        nothing, when to look again (None: never)."""
+        nothing, when to look again (None: never). A loss found here is told at once,
+        or with ``lost``, added to it (see :meth:`_still_held`)."""
         if self._inherited():
             return NOTHING, None
-        if self._renewal_allowed():
+        if self._renewal_allowed(lost):
             return EXTEND, None
         remaining = self.remaining() if self._state == HELD else None
         if remaining and not self._release_requested:
@@ -354,22 +386,27 @@ class BaseLease:
             return FREE_LOST, None
         return NOTHING, None
 
-    def _renew_result(self, started: float, outcome: bool | LockError) -> float | None:
+    def _renew_result(
+        self, started: float, outcome: bool | LockError, lost: Lost | None = None
+    ) -> float | None:
         """Record a renewal's answer; returns when to renew next (None: stop). After a
-        success, the caller asks :meth:`_give_back_late` whether the answer came too late."""
+        success, the caller asks :meth:`_give_back_late` whether the answer came too late.
+        A loss is told at once or, with ``lost``, added to it (see :meth:`_still_held`)."""
         if isinstance(outcome, LockError):
             self._renewing = 0.0
-            return self._renewal_failed(outcome)
+            return self._renewal_failed(outcome, lost)
         if not outcome:
             self._renewing = 0.0
-            self._mark_lost(
-                "the server no longer had it at renewal (expired, deleted or force-released)"
-            )
+            reason = "the server no longer had it at renewal (expired, deleted or force-released)"
+            if lost is None:
+                self._mark_lost(reason)
+            elif self._end_lost(reason):
+                lost.append((self, reason))
             self._freed_on_server = True
             return None
         # Checked while still in flight: a deadline that passed before this answer was
         # recorded is reported as a renewal with no answer in time.
-        held = self.held()
+        held = self._still_held(lost)
         self._renewing = 0.0
         if not held:
             # The loss has been reported (another holder may have been let in): the
@@ -412,8 +449,21 @@ class BaseLease:
         # the ttl (a ZooKeeper session shorter than the ttl): renewed in time either way.
         return time.monotonic() + self._backend.local_lease(self.ttl) * RENEW_FRACTION
 
-    def _renewal_allowed(self) -> bool:
-        if self._state != HELD or self._release_requested or not self.held():
+    def _still_held(self, lost: Lost | None) -> bool:
+        """:meth:`held`; with ``lost``, a loss found is added to it instead of being told
+        here: a renewer renewing a batch tells the losses once every lease of the batch
+        is recorded and its mutex free, so that the holder's code (``on_lost``) cannot
+        hold up the others' answers until their deadlines pass."""
+        if lost is None:
+            return self.held()
+        reason = self._lost_at_deadline()
+        if reason is not None:
+            lost.append((self, reason))
+            return False
+        return self._state == HELD and not self._inherited()
+
+    def _renewal_allowed(self, lost: Lost | None = None) -> bool:
+        if self._state != HELD or self._release_requested or not self._still_held(lost):
             return False
         if self.max_hold is not None and time.monotonic() - self._started >= self.max_hold:
             if not self._last_renew_error:
@@ -425,13 +475,13 @@ class BaseLease:
             return False
         return True
 
-    def _renewal_failed(self, exc: Exception) -> float | None:
+    def _renewal_failed(self, exc: Exception, lost: Lost | None = None) -> float | None:
         """A renewal could not reach the server: retry soon, while the lease lasts."""
         self._last_renew_error = f"{type(exc).__name__}: {exc}"
         logger.warning("Could not renew lock %r: %s", self.name, self._last_renew_error)
         remaining = self.remaining()
         if remaining is None or remaining <= 0:
-            self.held()  # marks it lost, with the error as the reason
+            self._still_held(lost)  # marks it lost, with the error as the reason
             return None
         # Retry quickly, and wake once more right at the deadline to report the loss.
         return time.monotonic() + min(max(0.05, self.ttl / 10), remaining)

@@ -23,7 +23,7 @@ The leases of ``alock()`` are renewed on their event loop instead, the same way:
 :class:`LoopRenewer` per loop, a heap and one pending timer of the loop for all of them;
 a renewal turn adds an entry at the lease's deadline, looked at then.
 
-Why this is one module of about 680 lines (issue 28's size rule): the thread renewer and
+Why this is one module of about 700 lines (issue 28's size rule): the thread renewer and
 the loop renewer keep the same heap discipline (weak entries, compaction, deadline
 watches, dropped leases), which must be read side by side.
 """
@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 from distlocks.backends.base import BaseBackend
 from distlocks.exceptions import LockError
-from distlocks.lease import EXTEND, FREE_LOST, arelease_dropped, release_dropped
+from distlocks.lease import EXTEND, FREE_LOST, HELD, arelease_dropped, release_dropped
+from distlocks.notices import Crew, LossNotices, tell
 
 if TYPE_CHECKING:
     from distlocks.lease import AsyncLease, BaseLease, Lease
@@ -104,14 +105,16 @@ class Renewer:
         # first one passes), how many of those were looked at] of each batch queued or
         # in flight.
         self._watched: dict[int, list[Any]] = {}
-        self._callers = 0
-        self._idle_callers = 0
+        self._callers = Crew()  # the threads making the calls
         # caller thread's id -> monotonic start of the call it is making.
         self._calls: dict[int, float] = {}
         #: Seconds by which recent renewals ran after they were due (see lateness()).
         self.late: collections.deque[float] = collections.deque(maxlen=LATENESS_SAMPLES)
         #: Renewal turns taken so far (a turn renews one lease or a batch).
         self.turns = 0
+        # The losses the scheduler finds are told there, never on the scheduler: the
+        # holder's on_lost may block (or wait for the mutex a stuck call holds).
+        self._notices = LossNotices(alias)
 
     def add(self, lease: Lease, due: float) -> None:
         """Renew ``lease`` at monotonic time ``due`` (and after that as it asks)."""
@@ -183,14 +186,16 @@ class Renewer:
             batch, dropped, checks, watches = step
             if batch or dropped:
                 self._hand_over(batch, dropped)
+            lost: list[tuple[BaseLease, str]] = []
             for lease in checks:
-                self._check_deadline(lease)
+                self._check_deadline(lease, lost)
             for lease, _ in watches:
                 try:
-                    if _watched(lease):
+                    if self._check_deadline(lease, lost) and lease._renewing:
                         self.watch(lease)  # renewed meanwhile, but a call is in flight
                 except Exception:  # a bug must not stop the other leases' renewal
                     logger.exception("Deadline check of lock %r failed", lease.name)
+            self._notices.post(lost)
 
     def _next_step(
         self,
@@ -289,11 +294,18 @@ class Renewer:
         return found
 
     @staticmethod
-    def _check_deadline(lease: BaseLease) -> None:
+    def _check_deadline(lease: BaseLease, lost: list[tuple[BaseLease, str]]) -> bool:
+        """Mark ``lease`` lost if its deadline passed (without its mutex), its notice
+        added to ``lost``; True if it is still held."""
         try:
-            lease.held()  # reports the loss if the deadline passed, without the mutex
+            reason = lease._lost_at_deadline()
         except Exception:  # a bug must not stop the other leases' renewal
             logger.exception("Deadline check of lock %r failed unexpectedly", lease.name)
+            return False
+        if reason is not None:
+            lost.append((lease, reason))
+            return False
+        return lease._state == HELD and not lease._inherited()
 
     def _hand_over(self, batch: list[Lease], dropped: list[Any]) -> None:
         key = next(self._seq)
@@ -301,7 +313,7 @@ class Renewer:
             self._queue.append((key, batch, dropped))
             if batch:
                 self._watched[key] = [_earliest(batch), batch, None, 0]
-            if self._idle_callers:
+            if self._callers.idle:
                 self._work.notify()
             else:
                 self._more_callers(time.monotonic())
@@ -312,10 +324,10 @@ class Renewer:
         every other lease; a merely busy caller is waited for: callers sharing a loaded
         CPU would all finish later). Returns when to look again (inf: no need). Called
         with the condition held."""
-        if not self._queue or self._idle_callers or self._callers >= MAX_CALLERS:
+        if not self._queue or self._callers.idle or self._callers.threads >= MAX_CALLERS:
             return math.inf
         calls = self._calls
-        if len(calls) < self._callers:
+        if len(calls) < self._callers.threads:
             return math.inf  # a caller is between two batches: it takes the next one
         youngest = max(calls.values(), default=-math.inf)
         if now - youngest < CALLER_STUCK:
@@ -324,7 +336,7 @@ class Renewer:
             target=self._call, name=f"distlocks-renewal-calls:{self.alias}", daemon=True
         )
         thread.start()
-        self._callers += 1
+        self._callers.threads += 1
         return math.inf
 
     # -- the callers -----------------------------------------------------------------
@@ -335,19 +347,9 @@ class Renewer:
         try:
             while True:
                 with self._cond:
-                    idle_since = time.monotonic()
-                    while not self._queue:
-                        if time.monotonic() - idle_since >= IDLE_EXIT:
-                            # Uncounted in the same step as the check: a batch handed
-                            # over later starts a caller of its own.
-                            self._callers -= 1
-                            counted = False
-                            return
-                        self._idle_callers += 1
-                        try:
-                            self._work.wait(IDLE_EXIT)
-                        finally:
-                            self._idle_callers -= 1
+                    if not self._callers.wait_for_work(self._work, self._queue):
+                        counted = False
+                        return
                     # Every batch waiting, in one call: batches queued behind a slow
                     # call are renewed together, as one thread renewing them would.
                     keys, batch, dropped = self._take_queued()
@@ -370,7 +372,7 @@ class Renewer:
         finally:
             if counted:  # ended by an error of its own
                 with self._cond:
-                    self._callers -= 1
+                    self._callers.threads -= 1
 
     def _take_queued(self) -> tuple[list[int], list[Lease], list[Any]]:
         """The batches queued, up to :data:`MAX_BATCH` leases (at least one batch),
@@ -417,17 +419,34 @@ class Renewer:
         Each lease's mutex is held from its decision to the bookkeeping of the answer, as
         in :meth:`Lease._renew_once`, so a release cannot interleave. A lease whose mutex
         is busy (its holder is releasing or extending it) is looked at again soon."""
+        # The losses found, told once every lease is recorded and its mutex free: the
+        # holder's on_lost must not keep the others' answers unrecorded. Told here, on
+        # this caller (as soon as can be after the loss is recorded): one that blocks
+        # makes this call look stuck, and another caller takes the next batches.
+        lost: list[tuple[BaseLease, str]] = []
+        alone: list[Lease] = []
+        try:
+            self._renew_groups(batch, lost, alone)
+        finally:
+            for lease, reason in lost:
+                tell(lease, reason)
+        for lease in alone:  # not in a group's call: after it, each holding only its own
+            self._renew_alone(lease)
+
+    def _renew_groups(
+        self, batch: list[Lease], lost: list[tuple[BaseLease, str]], alone: list[Lease]
+    ) -> None:
         groups: dict[int, tuple[BaseBackend, list[Lease]]] = {}
         for lease in batch:
             backend = lease._backend
             if not isinstance(backend, BaseBackend):
-                self._renew_alone(lease)
+                alone.append(lease)
                 continue
             if not lease._mutex.acquire(blocking=False):
                 self._schedule(lease, _busy_retry(lease))
                 continue
             try:
-                step, when = lease._renew_step()
+                step, when = lease._renew_step(lost)
                 if step == FREE_LOST:
                     backend.release_quietly(lease.name, lease.owner)
             except Exception:
@@ -456,7 +475,7 @@ class Renewer:
             late: list[Lease] = []
             for lease, outcome in zip(leases, outcomes, strict=True):
                 try:
-                    due = lease._renew_result(started, outcome)
+                    due = lease._renew_result(started, outcome, lost)
                     if outcome is True and lease._give_back_late():
                         late.append(lease)
                 except Exception:

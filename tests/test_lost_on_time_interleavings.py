@@ -42,6 +42,7 @@ from distlocks import get_backend, lock
 from distlocks.backends.locmem import LocMemBackend
 from distlocks.exceptions import LockBackendUnavailable, LockError, LockLost
 from distlocks.signals import lock_lost
+from distlocks.testing.contract import _in_child
 
 LIMIT = 30.0  # seconds any step may wait for a thread (generous; never reached)
 
@@ -253,18 +254,25 @@ def test_release_deadline_and_late_answer_interleavings(gated: str) -> None:
     )
 
 
+def _stuck_lease(gated: str, name: str, ttl: float, lost: list[str]) -> tuple[GatedLocMem, Any]:
+    """A lease of the gated backend whose every extension waits at the gate (until the
+    test sets ``unstuck``); its loss appends its name to ``lost``."""
+    backend = get_backend(gated)
+    assert isinstance(backend, GatedLocMem)
+    lease = lock(f"{name}:stuck", backend=gated, ttl=ttl, on_lost=lambda x: lost.append(x.name))
+    lease = lease.acquire()
+    backend.stuck.add(lease.name)
+    return backend, lease
+
+
 def test_one_stuck_call_does_not_hold_up_the_other_leases_of_its_backend(
     gated: str, name: str
 ) -> None:
     """The renewal of one lease is stuck in its backend call (its connection hangs); the
     other leases of the same backend, due at other times, are still renewed (by another
     caller thread), and the stuck one is reported lost at its deadline."""
-    backend = get_backend(gated)
-    assert isinstance(backend, GatedLocMem)
     lost: list[str] = []
-    stuck = lock(f"{name}:stuck", backend=gated, ttl=1, on_lost=lambda x: lost.append(x.name))
-    a = stuck.acquire()
-    backend.stuck.add(a.name)
+    backend, a = _stuck_lease(gated, name, 1, lost)
     assert backend.entered.wait(LIMIT)  # its renewal is stuck
     # Taken now, so renewed in turns of its own (a turn is what is due within 20 ms).
     b = lock(f"{name}:other", backend=gated, ttl=1, on_lost=lambda x: lost.append(x.name))
@@ -276,6 +284,11 @@ def test_one_stuck_call_does_not_hold_up_the_other_leases_of_its_backend(
             assert time.monotonic() < deadline, "the other lease is no longer renewed"
             time.sleep(0.01)
         assert b.held()
+        # Told on a notice thread: waited for, not assumed done.
+        deadline = time.monotonic() + LIMIT
+        while not lost:
+            assert time.monotonic() < deadline, "the stuck lease's loss was not told"
+            time.sleep(0.01)
         assert lost == [a.name]
         assert "no answer" in a.lost_reason
     finally:
@@ -290,12 +303,8 @@ def test_a_child_forked_while_a_renewal_is_stuck(gated: str, name: str) -> None:
     lease's mutex: in the child the inherited lease is not held, extend() refuses at
     once (it does not wait for that mutex), nothing reports the parent's lease lost, and
     a lease the child takes is renewed by the child's own renewer."""
-    backend = get_backend(gated)
-    assert isinstance(backend, GatedLocMem)
     lost: list[str] = []
-    a = lock(f"{name}:stuck", backend=gated, ttl=30, on_lost=lambda x: lost.append(x.name))
-    a = a.acquire()
-    backend.stuck.add(a.name)
+    backend, a = _stuck_lease(gated, name, 30, lost)
     # Its renewal is stuck: the renewer's caller thread holds its mutex (30 s lease,
     # renewed at 10 s: started by hand, as the caller does, not waited for).
     caller = threading.Thread(target=a._renew_once)
@@ -319,20 +328,7 @@ def test_a_child_forked_while_a_renewal_is_stuck(gated: str, name: str) -> None:
             seen.append(lost)
             return seen
 
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            os.close(read)
-            try:
-                text = repr(child())
-            except BaseException as exc:
-                text = f"raised {type(exc).__name__}: {exc}"
-            os.write(write, text.encode())
-            os._exit(0)
-        os.close(write)
-        with os.fdopen(read) as pipe:
-            text = pipe.read()
-        os.waitpid(pid, 0)
+        text = _in_child(child)
         assert text == "[False, 'LockLost', True, []]", text
     finally:
         backend.unstuck.set()
