@@ -24,6 +24,11 @@ live on two nodes, nor Sentinel) this module sends them together:
   leaves no marker (nothing is written at all).
 
 All return None where they cannot be used; the caller then makes the plain calls.
+
+It is one module because the three share what decides whether they can be used at
+all (the backend's topology, a server that refused a script naming two slots, the
+pinned connection and its resend after a lost reply); split, each part would import
+the others' private rules.
 """
 
 from __future__ import annotations
