@@ -887,11 +887,32 @@ def lock_many(
         on_lost=on_lost,
         release_on_commit=release_on_commit,
     )
+    check = getattr(template.backend, "check_lock_many", None)
+    if check is not None:
+        # A set the backend can never hold at once (PostgreSQL's session mode: more
+        # names than pooled connections) is refused now, not after its timeout.
+        check(ordered, ())
     return _hold_many(ordered, template)
+
+
+def _enclosing_owners(alias: str) -> list[str]:
+    """The owners of this context's leases on ``alias`` whose blocks enclose the call.
+    Only blocking leases: an asyncio task's may be released by its task meanwhile."""
+    return [
+        lease.owner
+        for lease in fencing._active.get()  # the stack fencing.enter() keeps
+        if isinstance(lease, Lease) and lease.backend == alias
+    ]
 
 
 @contextlib.contextmanager
 def _hold_many(ordered: list[str], template: Lock) -> Iterator[dict[str, Lease]]:
+    backend = template.backend
+    check = getattr(backend, "check_lock_many", None)
+    if check is not None:
+        # Again at entry, with the leases this caller holds around the block: those
+        # only it can give back, and it is waiting here.
+        check(ordered, _enclosing_owners(backend.alias))
     wait = template.timeout
     deadline = None if wait is None else time.monotonic() + wait
     held: list[Lease] = []
@@ -899,7 +920,7 @@ def _hold_many(ordered: list[str], template: Lock) -> Iterator[dict[str, Lease]]
         for name in ordered:
             held.append(
                 acquire_lease(
-                    template.backend,
+                    backend,
                     name,
                     ttl=template.ttl,
                     timeout=wait,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection, Sequence
 from typing import Any, NamedTuple
 
 import psycopg
@@ -22,6 +23,7 @@ from distlocks.backends.postgres.connections import NAMES_CACHED, Held, PooledBa
 from distlocks.backends.postgres.keys import key_parts
 from distlocks.backends.postgres.pool import Connection, NoAnswer
 from distlocks.backends.postgres.wire import Statement, is_true, to_int
+from distlocks.exceptions import LockError
 
 # The lock cycle's statements, on the fast path of :mod:`.wire` (prepared once per
 # connection). The unlock statements by the text a Held names (permits' too).
@@ -135,6 +137,51 @@ class SessionLocks(PooledBackend):
             if type(ttl) is float and ttl:
                 named.last[0] = (holder, ttl, args.copy())
         return args
+
+    @property
+    def pool_size(self) -> int:
+        """How many connections the pool may hold (without creating the pool)."""
+        pool = self._pool
+        if pool is not None:
+            return pool.max_size
+        size: int = self.options.get("pool_size", self.DEFAULT_POOL_SIZE)
+        return size
+
+    def check_lock_many(self, names: Sequence[str], enclosing: Collection[str]) -> None:
+        """Refuse a ``lock_many()`` that can never succeed, before it takes anything.
+
+        Each session-mode lease pins a pooled connection until it ends, so ``names``
+        need ``len(names)`` connections at once, beside those pinned by ``enclosing``
+        (the owners of the caller's own leases whose ``with`` blocks enclose the call:
+        only the caller can give them back, and it is busy waiting). Such a call would
+        otherwise wait out its whole timeout for a connection that cannot come. A call
+        that fits waits as before: other threads' leases end. Transaction mode takes
+        every lock on Django's connection, so it has no such bound."""
+        if self.mode != "session":
+            return
+        size, count = self.pool_size, len(names)
+        if count > size:
+            raise ValueError(
+                f"lock_many() of {count} names on backend {self.alias!r} can never succeed: "
+                f"in session mode each lock held pins a pooled connection of its own, and "
+                f"OPTIONS['pool_size'] is {size}. Raise OPTIONS['pool_size'] to at least "
+                f"{count} (within the server's max_connections), take fewer names at once, "
+                f"or use an alias with OPTIONS['mode'] = 'transaction' (every lock on "
+                f"Django's own connection, inside transaction.atomic())."
+            )
+        if not enclosing:
+            return
+        with self._held_lock:
+            mine = sum(1 for owner in set(enclosing) if owner in self._held)
+        if count + mine > size:
+            raise LockError(
+                f"lock_many() of {count} names on backend {self.alias!r} can never succeed "
+                f"here: {mine} lease(s) of this alias whose with blocks enclose the call "
+                f"pin {mine} of its {size} pooled connections (OPTIONS['pool_size']), and "
+                f"only this caller can give them back. Raise OPTIONS['pool_size'] to at "
+                f"least {count + mine}, or take these names with the enclosing ones in one "
+                f"lock_many(), or use an alias with OPTIONS['mode'] = 'transaction'."
+            )
 
     def _acquire_session(
         self, name: str, owner: str, ttl: float, holder: Holder, wait: float
