@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.test import Client
 
@@ -135,3 +137,27 @@ def test_list_editable_save_refused_when_a_newer_holder_wrote(staff: Client) -> 
     assert response.status_code == 200
     assert "newer lock holder" in response.content.decode()
     assert [row.balance for row in Account.objects.order_by("pk")] == [10, 10]
+
+
+def test_list_editable_with_more_rows_than_the_pool_can_lock_says_so(
+    staff: Client, settings: Any
+) -> None:
+    """On a PostgreSQL alias in session mode each row lock pins a pooled connection: a
+    list save of more rows than the pool holds can never lock them all. The page says
+    so and what to change (no error page, no wait for the timeout), and nothing is
+    written."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        "default": {
+            "BACKEND": "distlocks.backends.postgres.PostgresBackend",
+            "DATABASE": "default",
+            "OPTIONS": {"pool_size": 2},
+        },
+    }
+    rows = [make_account() for _ in range(3)]
+    response = _post_list(staff, {row: 50 + i for i, row in enumerate(rows)})
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert "Not saved" in page and "pool_size" in page, page[-3000:]
+    assert [row.balance for row in Account.objects.order_by("pk")] == [10, 10, 10]
+    assert all(get_backend().inspect(row.get_fencing_lock_name()) is None for row in rows)

@@ -90,15 +90,18 @@ class FencedModelAdmin(admin.ModelAdmin):
         names = [obj.get_fencing_lock_name() for obj in self._edited_rows(request)]
         if not names:  # nothing to lock: let the formset report what is wrong
             return super().changelist_view(request, extra_context)
-        with (
-            self._refusals(request, several=True),
-            lock_many(
-                names,
-                backend=self.fencing_backend,
-                ttl=self.fencing_ttl,
+        try:
+            row_locks = lock_many(
+                names, backend=self.fencing_backend, ttl=self.fencing_ttl,
                 timeout=self.fencing_timeout,
-            ),
-        ):
+            )  # fmt: skip
+        except ValueError as exc:
+            # More rows than the backend can ever lock at once (a PostgreSQL pool in
+            # session mode): nothing was taken or written; the message says what to change.
+            self.message_user(request, _("Not saved: %(reason)s") % {"reason": exc},
+                              messages.ERROR)  # fmt: skip
+            return HttpResponseRedirect(request.get_full_path())
+        with self._refusals(request, several=True), row_locks:
             return super().changelist_view(request, extra_context)
         return HttpResponseRedirect(request.get_full_path())
 
