@@ -72,8 +72,14 @@ def _assert_clear(exc: BaseException, port: int) -> None:
     assert PASSWORD not in text and PASSWORD not in repr(exc.__cause__), text
 
 
+#: Lock names: any printable text (the validation refuses control characters).
+NAMES = st.text(st.characters(blacklist_categories=("Cc", "Cs")), min_size=1, max_size=30).filter(
+    lambda s: s.strip() == s and bool(s)
+)
+
+
 @hsettings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-@given(name=st.text(min_size=1, max_size=30).filter(lambda s: s.strip() == s and s))
+@given(name=NAMES)
 def test_lock_on_a_cluster_node_named_as_one_server_fails_clearly_and_writes_nothing(
     node_backend: RedisBackend, one_node: RedisClusterSet, name: str
 ) -> None:

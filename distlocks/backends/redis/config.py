@@ -13,6 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from django.core.exceptions import ImproperlyConfigured
+
+from distlocks.exceptions import LockBackendUnavailable
 from distlocks.redaction import redact, redact_url
 from redis.cluster import RedisCluster
 from redis.connection import Connection, ConnectionPool, SSLConnection, parse_url
@@ -184,3 +187,47 @@ def _positive(options: Mapping[str, Any], key: str, problems: list[str]) -> None
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         problems.append(f"OPTIONS['{key}'] must be a number of seconds > 0, not {value!r}")
+
+
+class ClusterNodeAsServer(LockBackendUnavailable, ImproperlyConfigured):
+    """A node of a Redis Cluster named as one server (``redis://host:port``) refused a
+    call: its keys are in two hash slots (CROSSSLOT: with the listing index on, every
+    lock call names the lock's keys and the index's), or in a slot that another node
+    serves (MOVED, ASK). Nothing of the call ran.
+
+    Both a :class:`LockBackendUnavailable` (this LOCATION cannot serve locks, and every
+    ``except LockError`` of distlocks and its callers sees it) and an
+    ``ImproperlyConfigured`` (the fix is in the settings), as a bad LOCATION found at
+    the first use is."""
+
+
+def cluster_node_message(
+    action: str, name: str, detail: str, *, crossslot: bool, pool_kwargs: Mapping[str, Any],
+    tls: bool, setting: str,
+) -> str:  # fmt: skip
+    """What :class:`ClusterNodeAsServer` says: which server, why it refused, and the
+    LOCATION to use instead. Built from the pool's host and port, never from the URL,
+    so no credential can be quoted."""
+    host, port = pool_kwargs.get("host"), pool_kwargs.get("port")
+    where = f"{host}:{port}" if host else "host:port"
+    scheme = "rediss+cluster" if tls else "redis+cluster"
+    why = (
+        "runs no script whose keys are in two hash slots, and each lock call names the "
+        "lock's keys and the listing index's"
+        if crossslot
+        else "serves the slot of this lock's keys on another node"
+    )
+    fix = f"set LOCATION to {scheme}://{where}"
+    if setting == "CACHE":
+        fix = f"use LOCATION {scheme}://{where} instead of CACHE"
+    extra = (
+        " On a cluster of a single node, OPTIONS['listing_index'] = False works too."
+        if crossslot
+        else ""
+    )
+    return (
+        f"{action} {name!r} failed: the server at {setting} ({where}) is a node of a Redis "
+        f"Cluster, named as one server; it {why} ({detail}), and ran none of the call. "
+        f"To use the cluster, {fix}: the backend then sends each call to the node that "
+        f"serves its slot (see 'Redis Cluster' in docs/backends.md).{extra}"
+    )
