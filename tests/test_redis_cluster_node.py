@@ -200,3 +200,30 @@ def test_a_plain_server_pays_no_round_trip_per_call_for_the_detection(
     finally:
         backend.close()
         client.close()
+
+
+def test_with_the_index_off_renewing_leases_of_many_slots_at_once_works(
+    one_node: RedisClusterSet,
+) -> None:
+    """The renewal thread renews the leases due together with one extend_many call,
+    one script naming every lease's keys: a cluster node refuses it (two slots), so each
+    lease is renewed on its own, as on a cluster, instead of all reported as failed."""
+    backend = RedisBackend(
+        "many",
+        {"LOCATION": _url(one_node.nodes[0].port), "OPTIONS": {"listing_index": False}},
+    )
+    names = [f"many-{i}-{uuid.uuid4().hex}" for i in range(5)]
+    owners = [uuid.uuid4().hex for _ in names]
+    try:
+        for name, owner in zip(names, owners, strict=True):
+            assert backend.acquire(name, owner, 5, HOLDER).acquired
+        leases = [(name, owner, 30.0) for name, owner in zip(names, owners, strict=True)]
+        leases.append((names[0], "not-the-owner", 30.0))
+        assert backend.extend_many(leases) == [True] * len(names) + [False]
+        for name in names:
+            info = backend.inspect(name)
+            assert info is not None and info.expires_at is not None
+    finally:
+        for name, owner in zip(names, owners, strict=True):
+            backend.release_quietly(name, owner)
+        backend.close()

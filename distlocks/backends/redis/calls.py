@@ -279,6 +279,7 @@ class RedisCalls(RedisClients):
             pool_kwargs=pool.connection_kwargs,
             tls=issubclass(pool.connection_class, redis.SSLConnection),
             setting="LOCATION" if "LOCATION" in self.config else "CACHE",
+            index=self.listing_index,
         )
         return ClusterNodeAsServer(self.alias, message)
 

@@ -203,7 +203,7 @@ class ClusterNodeAsServer(LockBackendUnavailable, ImproperlyConfigured):
 
 def cluster_node_message(
     action: str, name: str, detail: str, *, crossslot: bool, pool_kwargs: Mapping[str, Any],
-    tls: bool, setting: str,
+    tls: bool, setting: str, index: bool,
 ) -> str:  # fmt: skip
     """What :class:`ClusterNodeAsServer` says: which server, why it refused, and the
     LOCATION to use instead. Built from the pool's host and port, never from the URL,
@@ -211,18 +211,17 @@ def cluster_node_message(
     host, port = pool_kwargs.get("host"), pool_kwargs.get("port")
     where = f"{host}:{port}" if host else "host:port"
     scheme = "rediss+cluster" if tls else "redis+cluster"
-    why = (
-        "runs no script whose keys are in two hash slots, and each lock call names the "
-        "lock's keys and the listing index's"
-        if crossslot
-        else "serves the slot of this lock's keys on another node"
-    )
+    why = "serves the slot of this lock's keys on another node"
+    if crossslot:
+        why = "runs no script whose keys are in two hash slots"
+        if index:
+            why += ", and each lock call names the lock's keys and the listing index's"
     fix = f"set LOCATION to {scheme}://{where}"
     if setting == "CACHE":
         fix = f"use LOCATION {scheme}://{where} instead of CACHE"
     extra = (
         " On a cluster of a single node, OPTIONS['listing_index'] = False works too."
-        if crossslot
+        if crossslot and index
         else ""
     )
     return (

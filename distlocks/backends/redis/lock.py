@@ -30,7 +30,7 @@ from distlocks.backends.redis.calls import (
 )
 from distlocks.backends.redis.scripts import RELEASE
 from distlocks.exceptions import LockError
-from redis.exceptions import NoScriptError
+from redis.exceptions import ClusterCrossSlotError, NoScriptError
 
 #: Numbers the release calls of this process, after a random id of the process. Not
 #: the pid: worker containers on many hosts share pids (each one's first process is
@@ -205,6 +205,17 @@ class RedisLocks(RedisCalls):
                 args += (owner, max(1, round(ttl * 1000)), name)
             try:
                 replies = self._run("extend_many", keys, args)
+            except ClusterCrossSlotError as exc:
+                if self.listing_index or len(chunk) < 2:
+                    error = self._error("renew", f"{len(chunk)} leases", exc)
+                    error.__cause__ = exc
+                    results += [error] * len(chunk)
+                    continue
+                # A cluster node named as one server, the index off: it serves each
+                # lease's slot, but no script of two slots (it ran none of this one).
+                # Each lease is renewed on its own, as on a cluster.
+                results += [self._extend_one(name, owner, ttl) for name, owner, ttl in chunk]
+                continue
             except _DRIVER_ERRORS as exc:
                 error = self._error("renew", f"{len(chunk)} leases", exc)
                 error.__cause__ = exc
@@ -214,6 +225,12 @@ class RedisLocks(RedisCalls):
                 # -1: this lease's own key holds a value of another type (see the script).
                 results.append(self._wrong_type_error(name) if reply == -1 else bool(reply))
         return results
+
+    def _extend_one(self, name: str, owner: str, ttl: float) -> bool | LockError:
+        try:
+            return self.extend(name, owner, ttl)
+        except LockError as exc:
+            return exc
 
     def _wrong_type_error(self, name: str) -> LockError:
         """The renewal error of a lease of the batch whose key holds a value of another
