@@ -26,16 +26,10 @@ from distlocks.backends.redis.clients import (
     _undo_command,
     _write_behind,
 )
-from distlocks.backends.redis.config import ClusterNodeAsServer, cluster_node_message
+from distlocks.backends.redis.config import cluster_node_error
 from distlocks.exceptions import LockBackendUnavailable, LockError
 from distlocks.logs import log_expected
-from redis.exceptions import (
-    AskError,
-    ClusterCrossSlotError,
-    NoScriptError,
-    RedisClusterException,
-    SlotNotCoveredError,
-)
+from redis.exceptions import NoScriptError, RedisClusterException, SlotNotCoveredError
 
 logger = logging.getLogger("distlocks.backends.redis")
 
@@ -45,6 +39,9 @@ _DRIVER_ERRORS = (redis.RedisError, RedisClusterException)
 #: before its connection is closed. Closing is safe at any time (see
 #: RedisCalls._give_back_behind); waiting only spares the server a reset connection.
 GIVE_BACK_DRAIN = 30.0
+
+# A Redis Cluster node's refusals of a call (keys of two slots, or of another node's).
+_CLUSTER_REPLIES = (redis.exceptions.ClusterCrossSlotError, redis.exceptions.AskError)
 
 _UNAVAILABLE = (
     redis.ConnectionError,  # includes "no primary found" from Sentinel
@@ -245,9 +242,9 @@ class RedisCalls(RedisClients):
         The acquire, release and extend paths call it from a plain ``except``: a
         generator-based context manager costs more than the rest of their Python work."""
         detail = f"{type(exc).__name__}: {exc}"
-        if self.mode == "server" and isinstance(exc, ClusterCrossSlotError | AskError):
+        if self.mode == "server" and isinstance(exc, _CLUSTER_REPLIES):
             # On the error path only: a plain server's calls pay nothing for it.
-            return self._cluster_node_error(action, name, exc, detail)
+            return cluster_node_error(self, action, name, exc, detail)
         if _is_unavailable(exc):
             return LockBackendUnavailable(self.alias, f"{action} {name!r} failed: {detail}")
         if "WRONGTYPE" in detail:
@@ -265,23 +262,6 @@ class RedisCalls(RedisClients):
             f"Redis error while trying to {action} lock {name!r} on backend "
             f"{self.alias!r}: {detail}"
         )
-
-    def _cluster_node_error(
-        self, action: str, name: str, exc: Exception, detail: str
-    ) -> ClusterNodeAsServer:
-        """The error of a call refused by a Redis Cluster node named as one server."""
-        pool = self.client.connection_pool
-        message = cluster_node_message(
-            action,
-            name,
-            detail,
-            crossslot=isinstance(exc, ClusterCrossSlotError),
-            pool_kwargs=pool.connection_kwargs,
-            tls=issubclass(pool.connection_class, redis.SSLConnection),
-            setting="LOCATION" if "LOCATION" in self.config else "CACHE",
-            index=self.listing_index,
-        )
-        return ClusterNodeAsServer(self.alias, message)
 
     def _expected_types(self, name: str) -> dict[str, tuple[str, str]]:
         """The keys of ``name`` (lock, semaphore and read-write lock) and of the listing

@@ -1,6 +1,7 @@
 """What the Redis backend reads of its settings: ``LOCATION`` parsed into a
 :class:`Location` (one server, a Redis Cluster or a Sentinel service), with errors
-that say what to change and never show a password.
+that say what to change and never show a password; and the error of a Redis Cluster
+node named as one server (:class:`ClusterNodeAsServer`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from distlocks.exceptions import LockBackendUnavailable
 from distlocks.redaction import redact, redact_url
 from redis.cluster import RedisCluster
 from redis.connection import Connection, ConnectionPool, SSLConnection, parse_url
+from redis.exceptions import ClusterCrossSlotError
 
 _SCHEMES = ("redis", "rediss", "unix")
 _CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -201,16 +203,20 @@ class ClusterNodeAsServer(LockBackendUnavailable, ImproperlyConfigured):
     the first use is."""
 
 
-def cluster_node_message(
-    action: str, name: str, detail: str, *, crossslot: bool, pool_kwargs: Mapping[str, Any],
-    tls: bool, setting: str, index: bool,
-) -> str:  # fmt: skip
-    """What :class:`ClusterNodeAsServer` says: which server, why it refused, and the
-    LOCATION to use instead. Built from the pool's host and port, never from the URL,
-    so no credential can be quoted."""
-    host, port = pool_kwargs.get("host"), pool_kwargs.get("port")
+def cluster_node_error(
+    backend: Any, action: str, name: str, exc: Exception, detail: str
+) -> ClusterNodeAsServer:
+    """The error of a call that ``backend`` (one server) had refused by a Redis Cluster
+    node: which server, why it refused, and the LOCATION to use instead. Built from
+    the pool's host and port, never from the URL, so no credential can be quoted."""
+    pool = backend.client.connection_pool
+    host, port = pool.connection_kwargs.get("host"), pool.connection_kwargs.get("port")
     where = f"{host}:{port}" if host else "host:port"
+    tls = issubclass(pool.connection_class, SSLConnection)
     scheme = "rediss+cluster" if tls else "redis+cluster"
+    crossslot = isinstance(exc, ClusterCrossSlotError)
+    index = backend.listing_index
+    setting = "LOCATION" if "LOCATION" in backend.config else "CACHE"
     why = "serves the slot of this lock's keys on another node"
     if crossslot:
         why = "runs no script whose keys are in two hash slots"
@@ -224,9 +230,10 @@ def cluster_node_message(
         if crossslot and index
         else ""
     )
-    return (
+    return ClusterNodeAsServer(
+        backend.alias,
         f"{action} {name!r} failed: the server at {setting} ({where}) is a node of a Redis "
         f"Cluster, named as one server; it {why} ({detail}), and ran none of the call. "
         f"To use the cluster, {fix}: the backend then sends each call to the node that "
-        f"serves its slot (see 'Redis Cluster' in docs/backends.md).{extra}"
+        f"serves its slot (see 'Redis Cluster' in docs/backends.md).{extra}",
     )
