@@ -8,6 +8,7 @@ every lock; a plain server pays no extra round trip for the detection.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -70,6 +71,9 @@ def _assert_clear(exc: BaseException, port: int) -> None:
     assert f"redis+cluster://127.0.0.1:{port}" in text, text
     assert "Redis Cluster" in text, text
     assert PASSWORD not in text and PASSWORD not in repr(exc.__cause__), text
+    # It keeps its type through a Celery result or a process pool.
+    copy = pickle.loads(pickle.dumps(exc))
+    assert type(copy) is type(exc) and str(copy) == text
 
 
 #: Lock names: any printable text (the validation refuses control characters).
