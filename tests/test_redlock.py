@@ -804,6 +804,60 @@ def test_a_release_wakes_the_waiter(masters: list[RedisServer], name: str) -> No
         assert backend.inspect(name) is None
 
 
+def test_a_woken_waiter_ahead_of_a_lagging_release_is_woken_again(
+    masters: list[RedisServer], name: str
+) -> None:
+    """A release reaches the masters one by one: a waiter woken by the first one may try
+    while the others still hold the lock, and fail. It must then listen on a master
+    that still holds it, whose part of the release wakes it: not on the master that
+    woke it, where nothing is left to wake it and it waits a whole blocking chunk."""
+    with redlock(masters, **PATIENT) as backend:
+        holder = lock(name, backend="rl", ttl=120, auto_renew=False).acquire()
+        assert lock_keys_present(backend, masters, name) == [0, 1, 2]
+        # Spies on the waiter's attempts and blocking waits (the masters are real).
+        failed = threading.Semaphore(0)
+        listened: list[int] = []
+        acquire = backend.acquire
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            result = acquire(*args, **kwargs)
+            if not result.acquired:
+                failed.release()
+            return result
+
+        backend.acquire = spy  # type: ignore[method-assign]
+        for index, master in enumerate(backend.masters):
+
+            def wait(*args: Any, index: int = index, _wait: Any = master.wait, **kw: Any) -> None:
+                listened.append(index)
+                _wait(*args, **kw)
+
+            master.wait = wait  # type: ignore[method-assign]
+        granted: list[int] = []
+
+        def waiter() -> None:
+            with lock(name, backend="rl", ttl=30, timeout=100) as lease:
+                granted.append(lease.fencing_token)
+
+        thread = threading.Thread(target=waiter, daemon=True)
+        thread.start()
+        assert failed.acquire(timeout=30)  # the first attempt: held everywhere
+        wait_for(lambda: listened == [0], what="the waiter to listen on master 0")
+        # The release's first step only: master 0.
+        assert backend.masters[0].release(name, holder.owner)
+        assert failed.acquire(timeout=30)  # woken, and refused by masters 1 and 2
+        wait_for(lambda: len(listened) == 2, what="the waiter to listen again")
+        # It listens where the lock is still held...
+        assert listened[1] in (1, 2), listened
+        # ...so the rest of the release wakes it.
+        assert backend.masters[1].release(name, holder.owner)
+        assert backend.masters[2].release(name, holder.owner)
+        thread.join(30)
+        assert not thread.is_alive()
+        assert granted and granted[0] > holder.fencing_token
+        wait_for(lambda: lock_keys_present(backend, masters, name) == [], what="release")
+
+
 def test_waiters_go_on_when_a_master_is_down(masters: list[RedisServer], name: str) -> None:
     with redlock(masters) as backend:
         masters[0].kill()  # the master waiters would listen on first
