@@ -8,7 +8,9 @@ the servers and the SQLite file of the test session.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,18 @@ def fenced_increments(
     model_label: str, pk: int, alias: str, name: str, rounds: int, log_path: str, using: str
 ) -> None:
     """Read, pause, write +1 under the lock; log "ok" or "stale" per write."""
+    try:
+        _fenced_increments(model_label, pk, alias, name, rounds, log_path, using)
+    except BaseException:
+        # The test reads why a worker failed from here (its stderr is not captured).
+        errors = Path(log_path).with_name(f"error-{os.getpid()}")
+        errors.write_text(traceback.format_exc())
+        raise
+
+
+def _fenced_increments(
+    model_label: str, pk: int, alias: str, name: str, rounds: int, log_path: str, using: str
+) -> None:
     setup_django()
     from django.apps import apps
 
@@ -28,7 +42,10 @@ def fenced_increments(
     model = apps.get_model(model_label)
     log = Path(log_path)
     for _ in range(rounds):
-        with lock(name, backend=alias, ttl=0.5, timeout=30) as lease:
+        # A ttl no stall of a loaded machine outlasts (renewed meanwhile): only the paused
+        # holder's lease is meant to run out; one of these lost inside the block would
+        # raise LockLost and end the worker with a lost increment.
+        with lock(name, backend=alias, ttl=30, timeout=60) as lease:
             row = model.objects.using(using).get(pk=pk)
             value = row.value
             time.sleep(0.01)
@@ -86,6 +103,13 @@ def paused_writer(
     (work / "outcome").write_text(outcome)
 
 
+def _failure(work: Path, proc: Any) -> str:
+    """Why worker ``proc`` failed: its traceback if it wrote one."""
+    errors = work / f"error-{proc.pid}"
+    detail = errors.read_text() if errors.exists() else "no traceback written"
+    return f"worker exit code {proc.exitcode}: {detail}"
+
+
 def run_workload(
     model: Any, name: str, work: Path, using: str, *, raw: bool = False
 ) -> dict[str, object]:
@@ -93,7 +117,6 @@ def run_workload(
     is paused past its TTL while three processes take the lock in turn and increment
     the row (8 times each); then it resumes and writes its stale value."""
     import multiprocessing
-    import os
     import signal
 
     from distlocks.fencing import unfenced
@@ -130,8 +153,8 @@ def run_workload(
         os.kill(victim.pid, signal.SIGCONT)  # type: ignore[arg-type]
     victim.join(30)
     for proc in others:
-        proc.join(60)
-        assert proc.exitcode == 0
+        proc.join(120)
+        assert proc.exitcode == 0, _failure(work, proc)
     outcomes = log.read_text().split()
     victim_outcome = (work / "outcome").read_text()
     successes = outcomes.count("ok") + (victim_outcome == "ok")

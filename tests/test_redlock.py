@@ -34,6 +34,9 @@ TIMEOUT = 0.5  # socket timeout of the backends built here
 #: For tests that pause no master but expect every master to take part: a master slow
 #: to answer on a loaded machine would otherwise be left out of the grant.
 PATIENT = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}
+#: Socket timeout of the hung-master test: a healthy master answers well inside it even
+#: on a loaded machine, and a hang (a paused master) lasts far longer.
+HUNG_TIMEOUT = 2.0
 
 
 def start_masters(base: Path, count: int) -> list[RedisServer]:
@@ -195,25 +198,33 @@ def test_a_hung_master_costs_at_most_the_socket_timeout(
 ) -> None:
     """A master that stops answering is waited for no longer than the socket timeout,
     and a dead one (connection refused) not at all."""
-    with redlock(masters):
+    # Not TIMEOUT (0.5 s): a healthy master slower than that on a loaded machine would
+    # count as failed too, and leave no quorum with one master hung. The claim needs no
+    # short timeout, only one far shorter than the hang (which lasts until the block ends).
+    timeout = HUNG_TIMEOUT
+    with redlock(masters, socket_timeout=timeout, socket_connect_timeout=timeout) as backend:
         with lock(name, backend="rl"):
             pass  # connections are open and pooled
+        # release() returns once a quorum confirmed; the last master's delete may still
+        # be on its way (a loaded machine). With master 1 hung, that master's old entry
+        # would refuse the try-once below: a split vote, LockNotAcquired.
+        wait_for(lambda: lock_keys_present(backend, masters, name) == [], what="release")
         with paused(masters[1]):
             start = time.monotonic()
             with lock(name, backend="rl", ttl=10, timeout=0) as lease:
                 acquired_after = time.monotonic() - start
                 assert lease.held()
             # The acquire waited for the hung master (a round waits for every master)...
-            assert acquired_after >= TIMEOUT
+            assert acquired_after >= timeout
             # ...but no longer than its socket timeout (never the hang itself, which lasts
             # until this block ends; the margin is for a loaded CI machine).
-            assert acquired_after < TIMEOUT + 5.0, acquired_after
+            assert acquired_after < timeout + 5.0, acquired_after
             # Two hung masters: no quorum, reported within the timeout too.
             with paused(masters[2]):
                 start = time.monotonic()
                 with pytest.raises(LockBackendUnavailable, match="only 1 of 3") as excinfo:
                     lock(name, backend="rl", timeout=10).acquire()
-                assert time.monotonic() - start < TIMEOUT + 5.0
+                assert time.monotonic() - start < timeout + 5.0
                 assert "TimeoutError" in str(excinfo.value) or "did not answer" in str(
                     excinfo.value
                 )
@@ -794,6 +805,51 @@ def test_a_release_wakes_the_waiter(masters: list[RedisServer], name: str) -> No
         thread.join(30)
         assert granted and granted[0] - released < 1.0
         assert backend.inspect(name) is None
+
+
+def test_a_woken_waiter_ahead_of_a_lagging_release_is_woken_again(
+    masters: list[RedisServer], name: str
+) -> None:
+    """A release reaches the masters one by one: a waiter woken by the first one may try
+    while the others still hold the lock, and fail. It must then listen on a master
+    that still holds it, whose part of the release wakes it: not on the master that
+    woke it, where nothing is left to wake it and it waits a whole blocking chunk."""
+    with redlock(masters, **PATIENT) as backend:
+        holder = lock(name, backend="rl", ttl=120, auto_renew=False).acquire()
+        assert lock_keys_present(backend, masters, name) == [0, 1, 2]
+        # A spy on the waiter's blocking waits (the masters are real): which master each
+        # one listens on, in order.
+        listened: list[int] = []
+        for index, master in enumerate(backend.masters):
+
+            def wait(*args: Any, index: int = index, _wait: Any = master.wait, **kw: Any) -> None:
+                listened.append(index)
+                _wait(*args, **kw)
+
+            master.wait = wait  # type: ignore[method-assign]
+        granted: list[int] = []
+
+        def waiter() -> None:
+            with lock(name, backend="rl", ttl=30, timeout=100) as lease:
+                granted.append(lease.fencing_token)
+
+        thread = threading.Thread(target=waiter, daemon=True)
+        thread.start()
+        # Held everywhere: it listens on a master that refused it (the first to, or
+        # master 0 if all three answered; a wait is one 4 s chunk at most).
+        wait_for(lambda: listened, 60, what="the waiter to listen")
+        # The release's first step only: master 0. Its wake-up (or a chunk's end)
+        # brings an attempt that masters 1 and 2 refuse; the waiter must listen on one
+        # of them, never only on master 0, where the lock is gone.
+        assert backend.masters[0].release(name, holder.owner)
+        wait_for(lambda: set(listened) & {1, 2}, 60, what="the waiter to listen on master 1 or 2")
+        # The rest of the release wakes it there.
+        assert backend.masters[1].release(name, holder.owner)
+        assert backend.masters[2].release(name, holder.owner)
+        thread.join(30)
+        assert not thread.is_alive()
+        assert granted and granted[0] > holder.fencing_token
+        wait_for(lambda: lock_keys_present(backend, masters, name) == [], what="release")
 
 
 def test_waiters_go_on_when_a_master_is_down(masters: list[RedisServer], name: str) -> None:

@@ -4,6 +4,7 @@ attempt got, and waiting for a release."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import itertools
 import logging
@@ -40,8 +41,22 @@ def _next_attempt() -> str:
         return str(next(_attempt_ids))
 
 
+#: How many callers' "masters that refused you last" :meth:`RedlockAttempts.wait` keeps
+#: (one entry per waiting acquisition; one that gave up leaves its entry behind).
+REFUSERS_KEPT = 1024
+
+
 class RedlockAttempts(RedlockMasters):
     """Acquire a lock on a quorum of masters, and wait for its release."""
+
+    def __init__(self, alias: str, config: Mapping[str, Any]) -> None:
+        super().__init__(alias, config)
+        # (name, owner) -> the masters that refused that caller's last attempt: where
+        # the lock is still held, so where its release will push a wake-up.
+        self._refusers: collections.OrderedDict[tuple[str, str], list[int]] = (
+            collections.OrderedDict()
+        )
+        self._refusers_lock = threading.Lock()
 
     def _acquire_on(
         self, index: int, name: str, owner: str, ttl: float, holder: Holder, wait: float,
@@ -110,6 +125,8 @@ class RedlockAttempts(RedlockMasters):
                     name, self.alias, time.monotonic() - started, ttl,
                 )  # fmt: skip
         self._give_back(name, owner, attempt, ttl, replies)
+        if wait > 0 or fair:
+            self._remember_refusers(name, owner, replies)
         if len(errors) > spare:
             raise self._no_quorum("acquire", name, _Replies(errors=errors))
         waits = [r.remaining for r in replies.results.values() if not r.acquired and r.remaining]
@@ -122,6 +139,14 @@ class RedlockAttempts(RedlockMasters):
         # A split vote (or a grant that came too late): nobody holds a quorum. Retry
         # after a random pause so that competing callers do not split again.
         return AcquireResult(False, 0, random.uniform(0.001, RETRY_JITTER))
+
+    def _remember_refusers(self, name: str, owner: str, replies: _Replies[AcquireResult]) -> None:
+        refusing = sorted(i for i, r in replies.results.items() if not r.acquired)
+        with self._refusers_lock:
+            self._refusers[(name, owner)] = refusing
+            self._refusers.move_to_end((name, owner))
+            while len(self._refusers) > REFUSERS_KEPT:
+                self._refusers.popitem(last=False)
 
     def _confirm(
         self,
@@ -202,9 +227,18 @@ class RedlockAttempts(RedlockMasters):
 
     def wait(self, name: str, timeout: float, *, owner: str = "", fair: bool = False) -> None:
         # Waiters block on one master's wake-up list (each release pushes one on every
-        # master that has waiters). Masters that answered last time are tried first.
+        # master that has waiters). Masters that answered last time are tried first,
+        # and of those the ones that refused this caller's last attempt: a release
+        # reaches the masters one by one, and a waiter woken by its first step may try
+        # before the others had theirs; listening where it woke, nothing would wake it
+        # again (that wake-up is spent) and it would wait a whole chunk.
         deadline = time.monotonic() + timeout
-        order = sorted(range(len(self.masters)), key=lambda i: (i in self._down, i))
+        with self._refusers_lock:
+            refusers = set(self._refusers.pop((name, owner), ()))
+        order = sorted(
+            range(len(self.masters)),
+            key=lambda i: (i in self._down, i not in refusers, i),
+        )
         for index in order:
             remaining = deadline - time.monotonic()
             if remaining <= 0.001:
