@@ -258,7 +258,9 @@ def test_a_fair_waiter_that_gives_up_does_not_block_the_next(waking_alias: str, 
 
     def impatient() -> None:
         try:
-            lock(name, backend=waking_alias, timeout=0.3, fair=True).acquire()
+            # Long enough for the patient one to queue behind it on a loaded machine
+            # (0.3 s: the impatient one had left before the patient one arrived).
+            lock(name, backend=waking_alias, timeout=3, fair=True).acquire()
         except LockNotAcquired as exc:
             outcome["impatient"] = exc
 
@@ -272,7 +274,7 @@ def test_a_fair_waiter_that_gives_up_does_not_block_the_next(waking_alias: str, 
     second = threading.Thread(target=patient)
     second.start()
     wait_for(lambda: (backend.inspect(name).waiters or 0) >= 2, what="patient queued")
-    first.join(10)
+    first.join(20)
     assert isinstance(outcome["impatient"], LockNotAcquired)
     released_at = time.monotonic()
     holder.release()
