@@ -379,14 +379,23 @@ def try_once(
     elif not backend.expires_on_server:
         # _Attempt.guard(): released if dropped unreleased, nothing renewing it.
         weakref.finalize(lease, _when_dropped, backend, name, owner, lease._ended)
+    announce_acquired(lease, began)
+    return lease
+
+
+def announce_acquired(lease: Lease, began: float) -> None:
+    """Tell ``lock_acquired`` receivers of a new ``lease`` (asked for at ``began``,
+    monotonic). A receiver that fails gives the lease back before its error goes on:
+    the caller never gets the lease, so nobody else would release it."""
+    # send() would return at once too; checking first skips building its arguments.
+    if not signals.lock_acquired.receivers:
+        return
     try:
-        if signals.lock_acquired.receivers:
-            signals.lock_acquired.send(sender=Lease, lease=lease, waited=time.monotonic() - began)
+        signals.lock_acquired.send(sender=Lease, lease=lease, waited=time.monotonic() - began)
     except BaseException:
         with contextlib.suppress(Exception):
             lease.release()
         raise
-    return lease
 
 
 def _not_acquired(backend: LeaseServer, name: str, began: float, error: LockError) -> None:

@@ -63,7 +63,7 @@ from uuid import UUID
 
 from django.core.exceptions import ImproperlyConfigured
 
-from distlocks import fencing, signals, transactions
+from distlocks import fencing, transactions
 from distlocks.backends.base import AcquireResult, BaseBackend
 from distlocks.contrib import celery_redis as _together
 from distlocks.exceptions import LockError, LockNotAcquired
@@ -72,7 +72,9 @@ from distlocks.lease import Lease
 from distlocks.locks import (
     Lock,
     _exit_problem,
+    _not_acquired,
     _when_dropped,
+    announce_acquired,
     current_holder,
     finish_lease,
     holder_extra,
@@ -717,7 +719,15 @@ class SingleExecutionTask(_TaskBase):
             held = _together.acquired(backend, marker_name, marker_owner, marker_reply)
             if held.acquired:
                 marker = _granted(backend, marker_name, marker_owner, ttl, held, began)
-        return _granted(backend, name, owner, ttl, result, began, signal=True), marker
+        try:
+            lease = _granted(backend, name, owner, ttl, result, began, signal=True)
+        except BaseException:
+            # A failing lock_acquired receiver gave the run lock back: the run never
+            # starts, so the marker taken over for it is let go too (else its renewal
+            # would keep it for as long as this process lives).
+            _end_marker(marker)
+            raise
+        return lease, marker
 
     def _hold_marker(self, name: str, task_id: str) -> Lease | None:
         """The queue marker of ``task_id``, held (renewed like the run lock) for as long
@@ -1127,24 +1137,9 @@ def _granted(
     if due is None and not backend.expires_on_server:
         # Dropped without a release, it is released then (as lock() guards it).
         weakref.finalize(lease, _when_dropped, backend, name, owner, lease._ended)
-    if signal and signals.lock_acquired.receivers:
-        try:
-            signals.lock_acquired.send(sender=Lease, lease=lease, waited=time.monotonic() - began)
-        except BaseException:
-            # A failing receiver must not leave a lease that nobody will release.
-            with contextlib.suppress(Exception):
-                lease.release()
-            raise
+    if signal:
+        announce_acquired(lease, began)
     return lease
-
-
-def _not_acquired(backend: BaseBackend, name: str, began: float, error: LockError) -> None:
-    """Tell ``lock_not_acquired`` receivers (metrics) that an attempt got no lease."""
-    if signals.lock_not_acquired.receivers:
-        signals.lock_not_acquired.send_robust(
-            sender=type(backend), name=name, backend=backend.alias,
-            waited=time.monotonic() - began, error=error,
-        )  # fmt: skip
 
 
 def _end_marker(marker: Lease | None, keep: float | None = None) -> None:
