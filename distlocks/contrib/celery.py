@@ -65,6 +65,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from distlocks import fencing, transactions
 from distlocks.backends.base import AcquireResult, BaseBackend
+from distlocks.conf import conf
 from distlocks.contrib import celery_redis as _together
 from distlocks.exceptions import LockError, LockNotAcquired
 from distlocks.handler import backends, check_alias
@@ -73,6 +74,7 @@ from distlocks.locks import (
     Lock,
     _exit_problem,
     _not_acquired,
+    _ttl_arg,
     _when_dropped,
     announce_acquired,
     current_holder,
@@ -289,9 +291,9 @@ class SingleExecution:
 
     @property
     def lease_ttl(self) -> float:
-        from distlocks.conf import conf
-
-        return self.ttl if self.ttl is not None else validate_ttl(conf.DEFAULT_TTL)
+        # The setting is read at every run (override_settings), checked by the shortcut
+        # lock() uses for the usual value.
+        return self.ttl if self.ttl is not None else _ttl_arg(conf.DEFAULT_TTL)
 
 
 class SingleExecutionTask(_TaskBase):
@@ -327,7 +329,7 @@ class SingleExecutionTask(_TaskBase):
         Raises ``TypeError``/``ValueError`` saying what to change when the arguments do
         not fit the task's signature or cannot be turned into a key.
         """
-        bound = self._bind(tuple(args or ()), dict(kwargs or {}))
+        bound = self._arguments(tuple(args or ()), kwargs or {})
         key = self._single.key
         if key is None:
             prefix = self.__dict__.get("_distlocks_key_prefix")
@@ -335,19 +337,19 @@ class SingleExecutionTask(_TaskBase):
                 prefix = self.__dict__["_distlocks_key_prefix"] = _default_prefix(self.name)
             if prefix:
                 # The prefix was checked once; a hex digest needs no check.
-                return prefix + _digest(self.name, bound.arguments)
+                return prefix + _digest(self.name, bound)
         # As the message carries them (tuples become lists, dict keys strings), so the
         # publisher and the worker make the same name whatever the serializer.
-        arguments = {} if key is None else {p: _as_sent(v) for p, v in bound.arguments.items()}
+        arguments = {} if key is None else {p: _as_sent(v) for p, v in bound.items()}
         if key is None:
-            name = _default_name(self.name, bound.arguments)
+            name = _default_name(self.name, bound)
         elif isinstance(key, str):
             try:
                 name = key.format_map(arguments)
             except (KeyError, AttributeError, IndexError) as exc:
                 raise ValueError(
                     f"The key template {key!r} of task {self.name!r} does not fit its "
-                    f"arguments ({', '.join(bound.arguments) or 'none'}): {exc!r}."
+                    f"arguments ({', '.join(bound) or 'none'}): {exc!r}."
                 ) from exc
         else:
             name = key(**arguments)
@@ -361,16 +363,17 @@ class SingleExecutionTask(_TaskBase):
         except (TypeError, ValueError) as exc:
             raise ValueError(f"Task {self.name!r} made an unusable lock name: {exc}") from exc
 
-    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> inspect.BoundArguments:
+    def _arguments(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The call's arguments by parameter name, bound to the task's signature with
+        its defaults applied; TypeError saying what is wrong when they do not fit."""
         signature = self.__dict__.get("_distlocks_signature")
         if signature is None:
             signature = self.__dict__["_distlocks_signature"] = inspect.signature(self.run)
+            self.__dict__["_distlocks_plain_params"] = _plain_params(signature)
         try:
-            bound = signature.bind(*args, **kwargs)
+            return _bound(signature, self.__dict__["_distlocks_plain_params"], args, kwargs)
         except TypeError as exc:
             raise TypeError(f"Task {self.name!r} cannot take these arguments: {exc}.") from exc
-        bound.apply_defaults()
-        return bound
 
     def _lock_backend(self, needs_expiry: str = "") -> BaseBackend:
         alias = self._single.backend
@@ -916,7 +919,7 @@ class SingleExecutionTask(_TaskBase):
         """Claim the rows the run will change, with the run lock's token."""
         claim = self._single.claim
         assert claim is not None
-        targets = claim(**self._bind(args, kwargs).arguments)
+        targets = claim(**self._arguments(args, kwargs))
         if targets is None:
             return
         if not isinstance(targets, list | tuple):
@@ -1199,6 +1202,48 @@ def _publish_delay(options: Mapping[str, Any]) -> float:
         return max(0.0, (eta - dt.datetime.now(dt.UTC)).total_seconds())
     countdown = options.get("countdown")
     return max(0.0, float(countdown)) if countdown else 0.0
+
+
+def _plain_params(signature: inspect.Signature) -> tuple[tuple[str, Any], ...] | None:
+    """(name, default) of each parameter where all are plain ones (positional or
+    keyword, the usual task signature), for :func:`_bound`; None otherwise."""
+    params = signature.parameters.values()
+    if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+        return None
+    return tuple((p.name, p.default) for p in params)
+
+
+def _bound(
+    signature: inspect.Signature,
+    plain: tuple[tuple[str, Any], ...] | None,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> dict[str, Any]:
+    """``signature.bind(*args, **kwargs)`` with its defaults applied, as a dict. A
+    signature of ``plain`` parameters is bound here, in a few microseconds where
+    ``bind()`` takes about ten (twice a run: publish and worker); any call it cannot
+    bind that way (too many arguments, one missing, unknown or given twice) goes to
+    ``bind()``, which binds it or raises its own TypeError."""
+    if plain is not None and len(args) <= len(plain):
+        out: dict[str, Any] = {}
+        given = len(args)
+        used = 0
+        for i, (name, default) in enumerate(plain):
+            if i < given:
+                out[name] = args[i]
+            elif name in kwargs:
+                out[name] = kwargs[name]
+                used += 1
+            elif default is not inspect.Parameter.empty:
+                out[name] = default
+            else:
+                break
+        else:
+            if used == len(kwargs):
+                return out
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
 
 
 def _as_sent(value: Any) -> Any:
