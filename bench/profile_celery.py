@@ -425,10 +425,22 @@ def main(argv: list[str] | None = None) -> int:
         pass_through = app.task(name="bench.celery.profile_pass_through", base=PassThrough)(
             _trivial
         )
+        ttl = single._single.lease_ttl
+
+        def locked_body(n: int) -> int:
+            with Lock(name, backend="default", ttl=ttl, timeout=0):
+                return n
+
+        # The run lock written by hand: the same lock() cycle as "run lock" below, run
+        # inside Celery's tracer. The cycle alone, in a tight loop, is no yardstick for
+        # a task: the same calls cost more inside a task's apply() (measured 70-110 us
+        # more), single_execution or not.
+        hand_locked = app.task(name="bench.celery.profile_hand_locked")(locked_body)
 
         layers: list[Layer] = [
             ("plain task.apply()", _once(by_name["celery-plain"].task.apply)),
             ("plain task, pass-through __call__", _once(pass_through.apply)),
+            ("plain task whose body takes lock()", _once(hand_locked.apply)),
             ("key: lock_name((n,))", lambda: single.lock_name((next(counter),))),
             ("run lock: Lock.acquire + finish_lease", run_lock),
             ("marker release at run start (release_quietly)", release_marker),
