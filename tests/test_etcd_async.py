@@ -84,8 +84,22 @@ def keys_under(backend: EtcdBackend, prefix: str) -> list[str]:
 # -- native --------------------------------------------------------------------------
 
 
+def _started_since(before: set[int | None]) -> list[str]:
+    """Threads started since ``before`` that the etcd asyncio path could have started.
+
+    Not a count of all threads: another test's background threads (a Redis give-back,
+    a renewal call thread of another alias) may start or end meanwhile in this process.
+    """
+    return [
+        thread.name
+        for thread in threading.enumerate()
+        if thread.ident not in before
+        and ("etcd" in thread.name or thread.name.startswith(("asyncio", "ThreadPoolExecutor")))
+    ]
+
+
 def test_alock_uses_no_worker_thread(etcd: EtcdBackend, name: str, no_threads: None) -> None:
-    threads = threading.active_count()
+    before = {thread.ident for thread in threading.enumerate()}
 
     async def main() -> None:
         async with alock(name, backend="etcd", ttl=10) as first:
@@ -93,7 +107,7 @@ def test_alock_uses_no_worker_thread(etcd: EtcdBackend, name: str, no_threads: N
             while etcd.queue(name) == []:
                 await asyncio.sleep(0.01)
             await first.extend(20)
-            assert threading.active_count() == threads
+            assert _started_since(before) == []
         second = await waiter  # woken by the release, through a watch
         assert second.fencing_token > first.fencing_token
         await second.release()
@@ -101,7 +115,7 @@ def test_alock_uses_no_worker_thread(etcd: EtcdBackend, name: str, no_threads: N
         assert await lease.release()
 
     run(main())
-    assert threading.active_count() == threads
+    assert _started_since(before) == []
     assert "_quick_executor" not in etcd.__dict__
     assert "_wait_executor" not in etcd.__dict__
     assert etcd.inspect(name) is None and etcd.queue(name) == []
