@@ -17,6 +17,8 @@ against each other (the write-path matrix in docs/fencing.md follows this file).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -137,6 +139,34 @@ class FencedQuerySet(models.QuerySet):
                 sender=self.model, model=self.model, pk=None, offered=token, stored=None
             )
         return FencedUpdate(updated=updated, stale=stale)
+
+    def __or__(self, other: Any) -> Any:
+        return self._fenced_combination(super().__or__(other))
+
+    def __xor__(self, other: Any) -> Any:
+        return self._fenced_combination(super().__xor__(other))
+
+    def _fenced_combination(self, combined: Any) -> Any:
+        # Django rebuilds a sliced left operand from the model's base manager, a plain
+        # QuerySet: its update() would write the rows with no token. Keep this class,
+        # and this queryset's database (the base manager's is the default one).
+        if isinstance(combined, FencedQuerySet):
+            return combined
+        return type(self)(
+            model=combined.model,
+            query=combined.query,
+            using=combined._db or getattr(self, "_db", None),  # _db: not in the stubs
+            hints=combined._hints,
+        )
+
+    @classmethod
+    def as_manager(cls) -> Any:
+        """A :class:`FencedManager` built from this queryset class."""
+        manager: Any = FencedManager.from_queryset(cls)()  # type: ignore[type-var]
+        manager._built_with_as_manager = True
+        return manager
+
+    as_manager.queryset_only = True  # type: ignore[attr-defined]
 
     def update(self, **kwargs: Any) -> int:
         if fencing.is_unfenced():
@@ -273,6 +303,49 @@ class FencedQuerySet(models.QuerySet):
     fenced_delete.queryset_only = True  # type: ignore[attr-defined]
 
 
+def _refuse_bulk_add(add: Any) -> Any:
+    """``add`` of a related manager, refusing ``bulk=True`` outside ``unfenced()``."""
+
+    @functools.wraps(add)
+    def fenced_add(self: Any, *objs: Any, bulk: bool = True) -> Any:
+        if bulk and not fencing.is_unfenced():
+            raise FencingTokenRequired(
+                f"{self.model.__name__} rows are fenced: add() with bulk=True (Django's "
+                f"default) would update them with QuerySet.update() and no token. Pass "
+                f"bulk=False inside each row's lock (each row's save then carries its "
+                f"lease's token), or wrap a maintenance write in "
+                f"distlocks.fencing.unfenced()."
+            )
+        return add(self, *objs, bulk=bulk)
+
+    return fenced_add
+
+
+_FencedManagerBase = models.Manager.from_queryset(FencedQuerySet)
+
+
+class FencedManager(_FencedManagerBase):
+    """The manager of a :class:`FencedModel`: :class:`FencedQuerySet`'s methods, and
+    related managers that do not write fenced rows without a token.
+
+    Django derives the manager of a reverse foreign key (``account.parcel_set``) and
+    of a generic relation from the related model's default manager. Their ``add()``
+    (and ``set()``, built on it) updates the rows through the model's *base* manager,
+    a plain ``QuerySet``, where no refusal applies; the trigger does not see it
+    either, since the token column is not written. So the related managers derived
+    from this class refuse ``add(bulk=True)``; ``bulk=False`` saves each row, which
+    carries the token of the row's lock.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        add = cls.__dict__.get("add")
+        # Only the add() that takes bulk= updates the related rows themselves; a
+        # many-to-many add() writes rows of the through table.
+        if add is not None and "bulk" in inspect.signature(add).parameters:
+            setattr(cls, "add", _refuse_bulk_add(add))  # noqa: B010 (not in the stubs)
+
+
 class FencedModel(models.Model):
     """Abstract model whose writes are fenced by lock tokens.
 
@@ -298,7 +371,7 @@ class FencedModel(models.Model):
     #: model_name.
     fencing_lock_name: ClassVar[str] = "{app_label}.{model_name}:{pk}"
 
-    objects = FencedQuerySet.as_manager()
+    objects = FencedManager()
 
     class Meta:
         abstract = True
