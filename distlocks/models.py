@@ -159,15 +159,6 @@ class FencedQuerySet(models.QuerySet):
             hints=combined._hints,
         )
 
-    @classmethod
-    def as_manager(cls) -> Any:
-        """A :class:`FencedManager` built from this queryset class."""
-        manager: Any = FencedManager.from_queryset(cls)()  # type: ignore[type-var]
-        manager._built_with_as_manager = True
-        return manager
-
-    as_manager.queryset_only = True  # type: ignore[attr-defined]
-
     def update(self, **kwargs: Any) -> int:
         if fencing.is_unfenced():
             return models.QuerySet.update(self, **kwargs)
@@ -321,12 +312,11 @@ def _refuse_bulk_add(add: Any) -> Any:
     return fenced_add
 
 
-_FencedManagerBase = models.Manager.from_queryset(FencedQuerySet)
-
-
-class FencedManager(_FencedManagerBase):
-    """The manager of a :class:`FencedModel`: :class:`FencedQuerySet`'s methods, and
-    related managers that do not write fenced rows without a token.
+class FencedManager(models.Manager[Any]):
+    """Base class of the managers of a :class:`FencedModel`, whose related managers do
+    not write fenced rows without a token. ``FencedModel.objects`` is built on it;
+    build a custom one with ``FencedManager.from_queryset(MyFencedQuerySet)()``
+    (``MyFencedQuerySet.as_manager()`` is built on Django's plain ``Manager``).
 
     Django derives the manager of a reverse foreign key (``account.parcel_set``) and
     of a generic relation from the related model's default manager. Their ``add()``
@@ -344,6 +334,10 @@ class FencedManager(_FencedManagerBase):
         # many-to-many add() writes rows of the through table.
         if add is not None and "bulk" in inspect.signature(add).parameters:
             setattr(cls, "add", _refuse_bulk_add(add))  # noqa: B010 (not in the stubs)
+
+
+#: The manager of ``FencedModel.objects``.
+FencedObjectsManager = FencedManager.from_queryset(FencedQuerySet)
 
 
 class FencedModel(models.Model):
@@ -371,7 +365,7 @@ class FencedModel(models.Model):
     #: model_name.
     fencing_lock_name: ClassVar[str] = "{app_label}.{model_name}:{pk}"
 
-    objects = FencedManager()
+    objects = FencedObjectsManager()
 
     class Meta:
         abstract = True
