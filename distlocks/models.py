@@ -220,7 +220,9 @@ class FencedQuerySet(models.QuerySet):
                     f"which distlocks does not install on {connection.vendor}: use "
                     f".fenced_update(fencing_token, ...) for existing rows."
                 )
-            kwargs["update_fields"] = [*(update_fields or ()), "fencing_token"]
+            # Once: a column assigned twice is an error on PostgreSQL.
+            named = [f for f in update_fields or () if f != "fencing_token"]
+            kwargs["update_fields"] = [*named, "fencing_token"]
         previous = [obj.fencing_token for obj in objs]
         for obj in objs:
             obj.fencing_token = token
@@ -406,6 +408,9 @@ class FencedModel(models.Model):
         if args:
             raise TypeError("FencedModel.save() takes keyword arguments only.")
         using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
+        forced_update = kwargs.get("force_update") or kwargs.get("update_fields")
+        if self.pk is None and not kwargs.get("force_insert") and forced_update:
+            raise ValueError("Cannot force an update in save() with no primary key.")
         if self.pk is None or kwargs.get("force_insert"):
             self._fenced_insert(token, **kwargs)
             return

@@ -19,7 +19,7 @@ import pytest
 from django.db import connections
 
 from distlocks import lock
-from distlocks.exceptions import FencingTokenRequired
+from distlocks.exceptions import FencingTokenRequired, StaleFencingToken
 from distlocks.fencing import unfenced
 from distlocks.models import FencedQuerySet
 from tests.testapp.models import Account, Parcel
@@ -114,3 +114,48 @@ class TestCombinedQuerySets:
             return  # MariaDB runs no sliced subquery: Django's own limit
         assert combined.fenced_update(9, balance=2).updated == 1
         assert rows.values_list("balance", "fencing_token").get() == (2, 9)
+
+
+class TestUpsertNamingTheTokenColumn:
+    """``update_fields`` naming ``fencing_token`` itself, with ``fencing_token=``: the
+    column was added a second time, and PostgreSQL refused the statement ("multiple
+    assignments to same column")."""
+
+    def test_the_token_column_is_written_once(self, using: str) -> None:
+        obj = Account(owner="ann", balance=1)
+        obj.save(using=using, fencing_token=5)
+        target = {}
+        if connections[using].features.supports_update_conflicts_with_target:
+            target["unique_fields"] = ["id"]
+        rows = Account.objects.using(using)
+        rows.bulk_create(
+            [Account(pk=obj.pk, owner="ann", balance=3)],
+            update_conflicts=True,
+            update_fields=["balance", "fencing_token"],
+            fencing_token=9,
+            **target,
+        )
+        assert rows.values_list("balance", "fencing_token").get() == (3, 9)
+        with pytest.raises(StaleFencingToken):
+            rows.bulk_create(
+                [Account(pk=obj.pk, owner="ann", balance=4)],
+                update_conflicts=True,
+                update_fields=("fencing_token", "balance"),
+                fencing_token=8,
+                **target,
+            )
+        assert rows.values_list("balance", "fencing_token").get() == (3, 9)
+
+
+class TestAnUpdateOfAnUnsavedObject:
+    """``save(update_fields=..., fencing_token=...)`` of an object with no primary key
+    is refused as Django refuses it, not as a forced insert ("Cannot force both
+    insert and updating"), and writes nothing."""
+
+    @pytest.mark.parametrize("forced", [{"update_fields": ["owner"]}, {"force_update": True}])
+    def test_it_says_there_is_no_primary_key(self, using: str, forced: dict[str, Any]) -> None:
+        obj = Account(owner="ann")
+        with pytest.raises(ValueError, match="no primary key"):
+            obj.save(using=using, fencing_token=5, **forced)
+        assert obj.pk is None and obj.fencing_token == 0
+        assert not Account.objects.using(using).exists()
