@@ -86,3 +86,64 @@ def test_markup_in_names_and_extras_is_escaped_everywhere(releaser: Client, name
         assert MARKUP not in history
     finally:
         lease.release()
+
+
+# -- FencedModelAdmin: a staff user who may only view the rows -------------------------
+
+
+@pytest.fixture
+def account_viewer(django_user_model: Any) -> Client:
+    from django.contrib.auth.models import Permission
+
+    user = django_user_model.objects.create_user("accounts7", password="pw", is_staff=True)
+    user.user_permissions.add(
+        Permission.objects.get(content_type__app_label="testapp", codename="view_account")
+    )
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("pg_ready")
+def test_a_view_only_user_takes_no_row_lock(account_viewer: Client) -> None:
+    """A POST of the change form or of the editable list by a user who may not
+    change the rows is refused (403) before any row lock is taken: it neither waits
+    for a worker's lock nor moves the rows' fencing counters."""
+    from distlocks.signals import lock_acquired
+    from tests.testapp.models import Account
+
+    obj = Account(owner="ann", balance=10)
+    obj.save(fencing_token=1)
+    taken: list[str] = []
+
+    def record(sender: Any, lease: Any = None, **kwargs: Any) -> None:
+        taken.append(getattr(lease, "name", ""))
+
+    backend = get_backend("default")
+    counter = backend.fencing_counter(obj.get_fencing_lock_name())
+    lock_acquired.connect(record)
+    try:
+        change = account_viewer.post(
+            f"/admin/testapp/account/{obj.pk}/change/", {"owner": "mallory", "balance": 0}
+        )
+        listed = account_viewer.post(
+            "/admin/testapp/account/",
+            {
+                "form-TOTAL_FORMS": "1",
+                "form-INITIAL_FORMS": "1",
+                "form-0-id": str(obj.pk),
+                "form-0-balance": "0",
+                "_save": "Save",
+            },
+        )
+    finally:
+        lock_acquired.disconnect(record)
+    assert (change.status_code, listed.status_code) == (403, 403)
+    assert obj.get_fencing_lock_name() not in taken
+    assert backend.fencing_counter(obj.get_fencing_lock_name()) == counter
+    assert Account.objects.values_list("owner", "balance", "fencing_token").get() == (
+        "ann",
+        10,
+        1,
+    )
