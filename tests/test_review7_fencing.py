@@ -12,6 +12,8 @@ did not try, on PostgreSQL, SQLite and MariaDB.
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -159,3 +161,66 @@ class TestAnUpdateOfAnUnsavedObject:
             obj.save(using=using, fencing_token=5, **forced)
         assert obj.pk is None and obj.fencing_token == 0
         assert not Account.objects.using(using).exists()
+
+
+# -- a forked child that inherited the lease ---------------------------------------------
+
+
+def _child_writes(obj: Account, lease: Any) -> dict[str, str]:
+    """Every fenced write path a forked child could take with the lease it inherited
+    (found in the context, or passed): the name of what each raised."""
+    rows = Account.objects.using("sqlite").filter(pk=obj.pk)
+    attempts: dict[str, Any] = {
+        "save in the block": lambda: obj.save(using="sqlite"),
+        "save with the lease": lambda: obj.save(using="sqlite", fencing_token=lease),
+        "update_fields": lambda: obj.save(
+            using="sqlite", fencing_token=lease, update_fields=["balance"]
+        ),
+        "fenced_update": lambda: rows.fenced_update(lease, balance=1),
+        "fenced_delete": lambda: rows.fenced_delete(lease),
+        "delete in the block": lambda: obj.delete(using="sqlite"),
+        "claim": lambda: lease.claim(obj),
+        "upsert": lambda: Account.objects.using("sqlite").bulk_create(
+            [Account(pk=obj.pk, owner="child")],
+            update_conflicts=True,
+            update_fields=["owner"],
+            unique_fields=["id"],
+            fencing_token=lease,
+        ),
+    }
+    outcome = {}
+    for what, attempt in attempts.items():
+        try:
+            attempt()
+            outcome[what] = "written"
+        except Exception as exc:
+            outcome[what] = type(exc).__name__
+    return outcome
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.django_db(databases=["sqlite"], transaction=True)
+def test_a_forked_child_cannot_write_with_its_parents_lease() -> None:
+    """The fork rule on the storage side: every fenced write in the child refuses
+    the inherited lease (LockLost) before any SQL, found in the context or passed."""
+    obj = Account(owner="ann", balance=10)
+    obj.save(using="sqlite", fencing_token=3)
+    obj.refresh_from_db(using="sqlite")
+    with lock(obj.get_fencing_lock_name(), backend="locmem", ttl=60) as lease:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report, and leave without running the parent's code
+            try:
+                os.close(read)
+                obj.balance = 99
+                os.write(write, json.dumps(_child_writes(obj, lease)).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as reader:
+            report = json.loads(reader.read() or "{}")
+        os.waitpid(pid, 0)
+        assert report and set(report.values()) == {"LockLost"}, report
+        assert lease.held()
+    row = Account.objects.using("sqlite").values_list("owner", "balance", "fencing_token")
+    assert row.get() == ("ann", 10, 3)
