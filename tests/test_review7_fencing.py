@@ -224,3 +224,36 @@ def test_a_forked_child_cannot_write_with_its_parents_lease() -> None:
         assert lease.held()
     row = Account.objects.using("sqlite").values_list("owner", "balance", "fencing_token")
     assert row.get() == ("ann", 10, 3)
+
+
+# -- shared leases are not the row's lock ------------------------------------------------
+
+
+@pytest.mark.parametrize("shared", ["semaphore", "read"])
+def test_a_shared_lease_on_the_rows_name_does_not_fence_a_save(using: str, shared: str) -> None:
+    """A semaphore permit or a read lease named like the row carries token 0 and is
+    held by several holders at once: a save inside it without a token is refused
+    (FencingTokenRequired), as inside any other lock. It was taken as the row's lease,
+    and with a row at token 0 (created without one, as the admin's add form does) two
+    permit holders' saves both landed."""
+    from distlocks import rwlock, semaphore
+
+    obj = Account(owner="ann", balance=1)
+    obj.save(using=using)  # an insert without a token: token 0
+    name = obj.get_fencing_lock_name()
+    side = (
+        semaphore(name, limit=2, backend="locmem", ttl=30)
+        if shared == "semaphore"
+        else rwlock(name, backend="locmem").read(ttl=30)
+    )
+    with side:
+        obj.balance = 2
+        with pytest.raises(FencingTokenRequired):
+            obj.save(using=using)
+        with pytest.raises(FencingTokenRequired):
+            obj.delete(using=using)
+    assert Account.objects.using(using).values_list("balance", "fencing_token").get() == (1, 0)
+    with rwlock(name, backend="locmem").write(ttl=30) as lease:  # the exclusive side counts
+        obj.save(using=using)
+    row = Account.objects.using(using).values_list("balance", "fencing_token").get()
+    assert row == (2, lease.fencing_token)
