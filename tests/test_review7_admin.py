@@ -10,11 +10,16 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
+from django.conf import settings
 from django.contrib.admin.models import LogEntry
-from django.test import Client
+from django.test import Client, override_settings
 
 from distlocks import get_backend, lock
 from distlocks.locks import holder_extra
@@ -147,3 +152,94 @@ def test_a_view_only_user_takes_no_row_lock(account_viewer: Client) -> None:
         10,
         1,
     )
+
+
+# -- a backend that accepts connections and never answers --------------------------------
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A TCP port whose server accepts connections and never answers (a hung Redis, a
+    network that drops replies): only the client's socket timeout ends a call."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield int(server.getsockname()[1])
+    finally:
+        stop.set()
+        thread.join()
+        for each in held:
+            each.close()
+        server.close()
+
+
+def test_a_silent_backend_is_named_and_the_others_listed(
+    releaser: Client, name: str, silent_port: int
+) -> None:
+    backends = {
+        **settings.DISTLOCKS_BACKENDS,
+        "hung": {
+            "BACKEND": "distlocks.backends.redis.RedisBackend",
+            "LOCATION": f"redis://:hunter2@127.0.0.1:{silent_port}/0",
+            "OPTIONS": {"socket_timeout": 0.5, "socket_connect_timeout": 0.5},
+        },
+    }
+    with override_settings(DISTLOCKS_BACKENDS=backends), lock(name, backend="redis", ttl=30):
+        response = releaser.get(LIST_URL, {"q": name, "fresh": "1"})
+        assert response.status_code == 200
+        page = response.content.decode()
+        assert "Backend “hung” cannot be read" in page
+        assert name in page
+        assert "hunter2" not in page
+        detail = releaser.get(LOCK_URL, {"backend": "hung", "name": name}, follow=True)
+        assert detail.status_code == 200
+        assert "cannot be read" in detail.content.decode()
+        assert "hunter2" not in detail.content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("pg_ready")
+def test_a_silent_lock_server_makes_an_admin_edit_a_message(
+    admin_client: Client, silent_port: int
+) -> None:
+    from tests.testapp.admin import AccountAdmin
+    from tests.testapp.models import Account
+
+    obj = Account(owner="ann", balance=10)
+    obj.save(fencing_token=1)
+    backends = {
+        **settings.DISTLOCKS_BACKENDS,
+        "hung": {
+            "BACKEND": "distlocks.backends.redis.RedisBackend",
+            "LOCATION": f"redis://:hunter2@127.0.0.1:{silent_port}/0",
+            "OPTIONS": {"socket_timeout": 0.5, "socket_connect_timeout": 0.5},
+        },
+    }
+    with (
+        override_settings(DISTLOCKS_BACKENDS=backends),
+        mock.patch.object(AccountAdmin, "fencing_backend", "hung"),
+    ):
+        response = admin_client.post(
+            f"/admin/testapp/account/{obj.pk}/change/",
+            {"owner": "ann", "balance": 0},
+            follow=True,
+        )
+    page = response.content.decode()
+    assert response.status_code == 200
+    assert "Not saved: the lock server cannot be reached." in page
+    assert "hunter2" not in page
+    assert Account.objects.values_list("balance", "fencing_token").get() == (10, 1)
