@@ -69,7 +69,7 @@ def test_markup_in_names_and_extras_is_escaped_everywhere(releaser: Client, name
         holder_extra.reset(reset)
     try:
         pages = {
-            "list": releaser.get(LIST_URL, {"q": name}),
+            "list": releaser.get(LIST_URL, {"q": name, "fresh": "1"}),
             "lock": releaser.get(LOCK_URL, {"backend": "locmem", "name": evil}),
             "confirm": releaser.get(RELEASE_URL, {"backend": "locmem", "name": evil}),
         }
