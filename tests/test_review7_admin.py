@@ -20,6 +20,8 @@ import pytest
 from django.conf import settings
 from django.contrib.admin.models import LogEntry
 from django.test import Client, override_settings
+from hypothesis import given
+from hypothesis import strategies as st
 
 from distlocks import get_backend, lock
 from distlocks.locks import holder_extra
@@ -243,3 +245,30 @@ def test_a_silent_lock_server_makes_an_admin_edit_a_message(
     assert "Not saved: the lock server cannot be reached." in page
     assert "hunter2" not in page
     assert Account.objects.values_list("balance", "fencing_token").get() == (10, 1)
+
+
+@given(
+    st.one_of(
+        st.text(max_size=40),
+        # Digits of every script, superscripts and fractions, with spaces around.
+        st.text(st.characters(categories=("Nd", "No", "Zs")), min_size=1, max_size=25),
+        st.integers().map(str),
+        st.none(),
+        st.integers(),
+    )
+)
+def test_the_forms_token_is_ascii_digits_within_64_bits_or_none(value: Any) -> None:
+    """Whatever a hand-made form sends, reading its token never raises, and only the
+    decimal ASCII text of a token a lock can have names one."""
+    from distlocks.admin.live_locks import _token_of
+
+    token = _token_of(value)
+    text = value.strip() if isinstance(value, str) else None
+    valid = (
+        text is not None
+        and text.isascii()
+        and text.isdigit()
+        and len(text) <= 19
+        and int(text) <= 2**63 - 1
+    )
+    assert token == (int(text) if valid and text is not None else None)
