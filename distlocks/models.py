@@ -148,16 +148,14 @@ class FencedQuerySet(models.QuerySet):
 
     def _fenced_combination(self, combined: Any) -> Any:
         # Django rebuilds a sliced left operand from the model's base manager, a plain
-        # QuerySet: its update() would write the rows with no token. Keep this class,
-        # and this queryset's database (the base manager's is the default one).
-        if isinstance(combined, FencedQuerySet):
-            return combined
-        return type(self)(
-            model=combined.model,
-            query=combined.query,
-            using=combined._db or getattr(self, "_db", None),  # _db: not in the stubs
-            hints=combined._hints,
-        )
+        # QuerySet: its update() would write the rows with no token. Keep this class
+        # (all else as Django built it), and this queryset's database (the base
+        # manager's is the default one).
+        if not isinstance(combined, FencedQuerySet):
+            combined.__class__ = type(self)
+            if combined._db is None:
+                combined._db = getattr(self, "_db", None)  # _db: not in the stubs
+        return combined
 
     def update(self, **kwargs: Any) -> int:
         if fencing.is_unfenced():
