@@ -20,7 +20,8 @@ import pytest
 from django.conf import settings
 from django.contrib.admin.models import LogEntry
 from django.test import Client, override_settings
-from hypothesis import given
+from hypothesis import HealthCheck, given
+from hypothesis import settings as examples
 from hypothesis import strategies as st
 
 from distlocks import get_backend, lock
@@ -272,3 +273,39 @@ def test_the_forms_token_is_ascii_digits_within_64_bits_or_none(value: Any) -> N
         and int(text) <= 2**63 - 1
     )
     assert token == (int(text) if valid and text is not None else None)
+
+
+_PARAMS = ["backend", "name", "kind", "owner", "fencing_token", "q", "status", "o", "p", "refresh"]
+_VALUES = st.one_of(
+    st.text(max_size=30),
+    st.sampled_from(["locmem", "redis", "read", "write", "semaphore", "-name", "0", "-1"]),
+    st.text(st.characters(categories=("Nd", "No")), min_size=1, max_size=3),
+    st.text(min_size=190, max_size=260),
+    st.just("x" * 10_000),
+)
+
+
+@examples(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    view=st.sampled_from(["list", "lock", "confirm", "release"]),
+    params=st.dictionaries(st.sampled_from([*_PARAMS, "_changelist_filters"]), _VALUES),
+)
+def test_hand_made_requests_never_fail_the_page(
+    releaser: Client, view: str, params: dict[str, str]
+) -> None:
+    """Any query or form a hand-edited link or script sends to the live-locks views is
+    answered with the page, a redirect with a message, or a refusal: never an error."""
+    url = {"list": LIST_URL, "lock": LOCK_URL, "confirm": RELEASE_URL, "release": RELEASE_URL}
+    # A well-formed reference unless the example replaces it: the other values then
+    # reach what reads them (a free lock: nothing can be released).
+    data = {"backend": "locmem", "name": "review7-never-held", **params}
+    if view == "release":
+        response = releaser.post(url[view], data)
+    else:
+        response = releaser.get(url[view], data)
+    assert response.status_code in (200, 302), (view, data, response.status_code)
+    assert not LogEntry.objects.exists()
