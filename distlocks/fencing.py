@@ -61,10 +61,15 @@ def leave(token: contextvars.Token[tuple[BaseLease, ...]]) -> None:
     _active.reset(token)
 
 
+#: Kinds of lease that several holders have at once (token 0): no licence to write.
+SHARED_KINDS = frozenset({"semaphore", "read"})
+
+
 def active_lease(name: str) -> BaseLease | None:
-    """The innermost lease on ``name`` held by the current context, if any."""
+    """The innermost exclusive lease on ``name`` (a lock or the write side of a
+    read-write lock) held by the current context, if any."""
     for lease in reversed(_active.get()):
-        if lease.name == name:
+        if lease.name == name and getattr(lease, "kind", "lock") not in SHARED_KINDS:
             return lease
     return None
 

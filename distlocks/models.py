@@ -17,6 +17,8 @@ against each other (the write-path matrix in docs/fencing.md follows this file).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -138,6 +140,23 @@ class FencedQuerySet(models.QuerySet):
             )
         return FencedUpdate(updated=updated, stale=stale)
 
+    def __or__(self, other: Any) -> Any:
+        return self._fenced_combination(super().__or__(other))
+
+    def __xor__(self, other: Any) -> Any:
+        return self._fenced_combination(super().__xor__(other))
+
+    def _fenced_combination(self, combined: Any) -> Any:
+        # Django rebuilds a sliced left operand from the model's base manager, a plain
+        # QuerySet: its update() would write the rows with no token. Keep this class
+        # (all else as Django built it), and this queryset's database (the base
+        # manager's is the default one).
+        if not isinstance(combined, FencedQuerySet):
+            combined.__class__ = type(self)
+            if combined._db is None:
+                combined._db = getattr(self, "_db", None)  # _db: not in the stubs
+        return combined
+
     def update(self, **kwargs: Any) -> int:
         if fencing.is_unfenced():
             return models.QuerySet.update(self, **kwargs)
@@ -199,7 +218,9 @@ class FencedQuerySet(models.QuerySet):
                     f"which distlocks does not install on {connection.vendor}: use "
                     f".fenced_update(fencing_token, ...) for existing rows."
                 )
-            kwargs["update_fields"] = [*(update_fields or ()), "fencing_token"]
+            # Once: a column assigned twice is an error on PostgreSQL.
+            named = [f for f in update_fields or () if f != "fencing_token"]
+            kwargs["update_fields"] = [*named, "fencing_token"]
         previous = [obj.fencing_token for obj in objs]
         for obj in objs:
             obj.fencing_token = token
@@ -273,6 +294,52 @@ class FencedQuerySet(models.QuerySet):
     fenced_delete.queryset_only = True  # type: ignore[attr-defined]
 
 
+def _refuse_bulk_add(add: Any) -> Any:
+    """``add`` of a related manager, refusing ``bulk=True`` outside ``unfenced()``."""
+
+    @functools.wraps(add)
+    def fenced_add(self: Any, *objs: Any, bulk: bool = True) -> Any:
+        if bulk and not fencing.is_unfenced():
+            raise FencingTokenRequired(
+                f"{self.model.__name__} rows are fenced: add() with bulk=True (Django's "
+                f"default) would update them with QuerySet.update() and no token. Pass "
+                f"bulk=False inside each row's lock (each row's save then carries its "
+                f"lease's token), or wrap a maintenance write in "
+                f"distlocks.fencing.unfenced()."
+            )
+        return add(self, *objs, bulk=bulk)
+
+    return fenced_add
+
+
+class FencedManager(models.Manager[Any]):
+    """Base class of the managers of a :class:`FencedModel`, whose related managers do
+    not write fenced rows without a token. ``FencedModel.objects`` is built on it;
+    build a custom one with ``FencedManager.from_queryset(MyFencedQuerySet)()``
+    (``MyFencedQuerySet.as_manager()`` is built on Django's plain ``Manager``).
+
+    Django derives the manager of a reverse foreign key (``account.parcel_set``) and
+    of a generic relation from the related model's default manager. Their ``add()``
+    (and ``set()``, built on it) updates the rows through the model's *base* manager,
+    a plain ``QuerySet``, where no refusal applies; the trigger does not see it
+    either, since the token column is not written. So the related managers derived
+    from this class refuse ``add(bulk=True)``; ``bulk=False`` saves each row, which
+    carries the token of the row's lock.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        add = cls.__dict__.get("add")
+        # Only the add() that takes bulk= updates the related rows themselves; a
+        # many-to-many add() writes rows of the through table.
+        if add is not None and "bulk" in inspect.signature(add).parameters:
+            setattr(cls, "add", _refuse_bulk_add(add))  # noqa: B010 (not in the stubs)
+
+
+#: The manager of ``FencedModel.objects``.
+FencedObjectsManager = FencedManager.from_queryset(FencedQuerySet)
+
+
 class FencedModel(models.Model):
     """Abstract model whose writes are fenced by lock tokens.
 
@@ -298,7 +365,7 @@ class FencedModel(models.Model):
     #: model_name.
     fencing_lock_name: ClassVar[str] = "{app_label}.{model_name}:{pk}"
 
-    objects = FencedQuerySet.as_manager()
+    objects = FencedObjectsManager()
 
     class Meta:
         abstract = True
@@ -339,6 +406,9 @@ class FencedModel(models.Model):
         if args:
             raise TypeError("FencedModel.save() takes keyword arguments only.")
         using = kwargs.get("using") or router.db_for_write(type(self), instance=self)
+        forced_update = kwargs.get("force_update") or kwargs.get("update_fields")
+        if self.pk is None and not kwargs.get("force_insert") and forced_update:
+            raise ValueError("Cannot force an update in save() with no primary key.")
         if self.pk is None or kwargs.get("force_insert"):
             self._fenced_insert(token, **kwargs)
             return

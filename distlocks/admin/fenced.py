@@ -67,7 +67,9 @@ class FencedModelAdmin(admin.ModelAdmin):
         obj = None
         if request.method == "POST" and object_id is not None:
             obj = self.get_object(request, unquote(object_id))
-        if obj is None:
+        if obj is None or not self.has_change_permission(request, obj):
+            # Nothing to lock, or Django refuses the POST (403): a user who may not
+            # change the row must not wait for, nor take, the lock a worker needs.
             return super().changeform_view(request, object_id, form_url, extra_context)
         # The lock is held around the admin's whole transaction and released after
         # COMMIT, so no holder can read the row before the edit is visible.
@@ -85,7 +87,12 @@ class FencedModelAdmin(admin.ModelAdmin):
     ) -> HttpResponse:
         """The list, and saves of ``list_editable`` rows: the locks of every row in the
         submitted form are taken together (all or none), and held until COMMIT."""
-        if not (request.method == "POST" and self.list_editable and "_save" in request.POST):
+        if not (
+            request.method == "POST"
+            and self.list_editable
+            and "_save" in request.POST
+            and self.has_change_permission(request)  # else Django refuses it, unlocked
+        ):
             return super().changelist_view(request, extra_context)
         names = [obj.get_fencing_lock_name() for obj in self._edited_rows(request)]
         if not names:  # nothing to lock: let the formset report what is wrong

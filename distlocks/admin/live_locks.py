@@ -5,6 +5,7 @@ list, a page per lock, and a confirmed, audited force release for holders of the
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
@@ -592,7 +593,8 @@ def _filters_of(request: HttpRequest) -> str:
 def _token_of(value: Any) -> int | None:
     """The fencing token a force-release form names, or None when it names none that
     a lock can have (missing, not an integer, negative, beyond 64 bits)."""
-    if not isinstance(value, str) or not value.strip().isdigit() or len(value.strip()) > 19:
+    # ASCII digits: isdigit() takes "²", a 500 in int(), and other scripts' digits.
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9]{1,19}", value.strip()):
         return None
     token = int(value)
     return token if token <= 2**63 - 1 else None
