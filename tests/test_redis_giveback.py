@@ -48,6 +48,9 @@ class _Link:
         self.sent: list[tuple[int, bytes]] = []  # (sequence, chunk) the client sent
         self.replies = 0  # chunks the server sent back
         self.swallow = False  # the server's replies are not passed on
+        #: The server closed its side: it ran everything the client sent before its
+        #: end of stream (Redis reads a connection's commands in order).
+        self.server_done = False
 
 
 class HoldingProxy:
@@ -177,8 +180,10 @@ class HoldingProxy:
             try:
                 chunk = link.server.recv(65536)
             except OSError:
+                link.server_done = True
                 return
             if not chunk:
+                link.server_done = True
                 with contextlib.suppress(OSError):
                     link.client.shutdown(socket.SHUT_WR)
                 return

@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
+import queue
 import threading
 import weakref
 from collections.abc import Iterator
@@ -93,10 +95,68 @@ def _drain(conn: Any, replies: int, slot: Any, pool: Any) -> None:
         del slot
 
 
+#: Threads of this process that read the replies of give-backs sent behind a request
+#: (:func:`_drain`), and threads that send give-backs on another connection. Bounded: a
+#: burst of timed-out acquires (a stalled server) queues its drains rather than start
+#: a thread each. A queued drain loses nothing: its give-back is on the wire already,
+#: and its connection stays open until it is read (the server runs what it received).
+GIVE_BACK_THREADS = 4
+
+
+class _Workers:
+    """A bounded set of daemon threads of this process for one kind of background
+    work, started as the work comes (never more than :data:`GIVE_BACK_THREADS`), fed
+    from one queue. Daemon threads, unlike a ThreadPoolExecutor's: the interpreter's
+    exit does not wait for a drain of a server that does not answer. A forked child
+    has none of its parent's threads: it starts its own."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.after_fork()
+
+    def after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[Any, tuple[Any, ...]]] = queue.SimpleQueue()
+        #: Threads started, and those waiting for work that no submit has claimed.
+        self.threads = self._idle = 0
+
+    def submit(self, func: Any, *args: Any) -> None:
+        with self._lock:
+            self._queue.put((func, args))
+            if self._idle > 0:
+                self._idle -= 1  # an idle thread takes it
+                return
+            if self.threads >= GIVE_BACK_THREADS:
+                return  # queued: the next thread to finish takes it
+            self.threads += 1
+        threading.Thread(target=self._work, daemon=True, name=f"distlocks-{self.kind}").start()
+
+    def _work(self) -> None:
+        work = self._queue
+        while True:
+            func, args = work.get()
+            try:
+                func(*args)
+            except Exception:  # each job reports its own failures; never lose the thread
+                logger.exception("distlocks background %s failed", self.kind)
+            with self._lock:
+                self._idle += 1
+
+
+#: Drains, and give-backs on another connection: apart, so that drains waiting on a
+#: stalled server do not hold up give-backs to a server that answers.
+_drains, _give_backs = _Workers("give-back-drain"), _Workers("give-back")
+for _workers in (_drains, _give_backs):
+    os.register_at_fork(after_in_child=_workers.after_fork)
+
+
 def _start_drain(conn: Any, replies: int, slot: Any, pool: Any) -> None:
-    threading.Thread(
-        target=_drain, args=(conn, replies, slot, pool), daemon=True, name="distlocks-give-back"
-    ).start()
+    _drains.submit(_drain, conn, replies, slot, pool)
+
+
+def _background(func: Any, *args: Any) -> None:
+    """Run ``func(*args)`` on one of the process's give-back threads."""
+    _give_backs.submit(func, *args)
 
 
 def _unpinned(backend_ref: Any, pool: Any) -> None:
@@ -314,13 +374,20 @@ class RedisCalls(RedisClients):
             "(DEL) and try again; this call changed nothing it reports."
         )
 
-    def _acquire_error(self, name: str, owner: str, exc: Exception) -> LockError:
-        """:meth:`_error` for an acquire, which a timeout leaves in doubt."""
+    def _acquire_error(
+        self, name: str, owner: str, exc: Exception, undo: Undo | None = None
+    ) -> LockError:
+        """:meth:`_error` for an acquire, which a timeout leaves in doubt. ``undo``: the
+        give-back of that very request (see :meth:`_give_back_elsewhere`); without it
+        (a caller that has none), the owner's release."""
         if isinstance(exc, redis.TimeoutError):
             # The script may have run and only the reply was lost: give the lock
             # back rather than leave it held by a lease nobody knows about. In the
             # background, so the caller hears of the outage after one timeout.
-            threading.Thread(target=self.release_quietly, args=(name, owner), daemon=True).start()
+            if undo is not None:
+                self._give_back_elsewhere(undo)
+            else:
+                _background(self.release_quietly, name, owner)
         return self._error("acquire", name, exc)
 
     def _demoted(self, exc: redis.ResponseError) -> bool:
@@ -417,23 +484,23 @@ class RedisCalls(RedisClients):
                 raise
 
     def _give_back_elsewhere(self, undo: Undo | None) -> None:
-        """Give back, in the background and on a new connection, what a request may
-        have taken before its connection broke (its retry broke too): the server may
+        """Give back, in the background and on another connection, what a request may
+        have taken: after its connection broke (its retry broke too: the server may
         still run what it had received, but nothing written on the broken connection
-        can follow it any more."""
-        if undo is None:
-            return
+        can follow it any more), and after a timeout or a cancellation, besides the
+        give-back sent behind it. The give-back names its request (see GIVE_BACK), so
+        it takes back nothing another request was granted, whenever it runs."""
+        if undo is not None:
+            _background(self._give_back_now, undo)
 
-        def give_back() -> None:
-            command = _undo_command(undo)
-            try:
-                with self._errors("give back", str(command[3] if len(command) > 3 else "")):
-                    self.client.execute_command(*command)
-            except Exception as exc:
-                log_expected(logger, exc, "Could not give back after a broken connection "
-                             "on backend %r; it lapses with its ttl", self.alias)  # fmt: skip
-
-        threading.Thread(target=give_back, daemon=True, name="distlocks-give-back").start()
+    def _give_back_now(self, undo: Undo) -> None:
+        command = _undo_command(undo)
+        try:
+            with self._errors("give back", str(command[3] if len(command) > 3 else "")):
+                self.client.execute_command(*command)
+        except Exception as exc:
+            log_expected(logger, exc, "Could not give back an acquire left unanswered "
+                         "on backend %r; it lapses with its ttl", self.alias)  # fmt: skip
 
     def _give_back_behind(self, conn: Any, undo: Undo, pending: int) -> None:
         """Give back what the request(s) on ``conn`` whose ``pending`` replies have not

@@ -41,7 +41,7 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   local t = redis.call('TIME')
   local t_ms = t[1] * 1000 + math.floor(t[2] / 1000)
   keep_fence(KEYS[2], t_ms + tonumber(ARGV[2]), t_ms)
-  if tonumber(ARGV[8]) > 0 or ARGV[9] == '1' then
+  if tonumber(ARGV[8]) > 0 or string.sub(ARGV[9], 1, 1) == '1' then
     -- As a fresh grant does: the owner is no longer waiting here.
     redis.call('ZREM', KEYS[3], ARGV[1])
     redis.call('ZREM', KEYS[4], ARGV[1])
