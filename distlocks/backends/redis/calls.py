@@ -385,7 +385,7 @@ class RedisCalls(RedisClients):
             # back rather than leave it held by a lease nobody knows about. In the
             # background, so the caller hears of the outage after one timeout.
             if undo is not None:
-                self._give_back_elsewhere(undo)
+                self._give_back_elsewhere(undo, "after a reply that did not come")
             else:
                 _background(self.release_quietly, name, owner)
         return self._error("acquire", name, exc)
@@ -483,7 +483,9 @@ class RedisCalls(RedisClients):
                     self._give_back_behind(conn, undo, 1)
                 raise
 
-    def _give_back_elsewhere(self, undo: Undo | None) -> None:
+    def _give_back_elsewhere(
+        self, undo: Undo | None, why: str = "after a broken connection"
+    ) -> None:
         """Give back, in the background and on another connection, what a request may
         have taken: after its connection broke (its retry broke too: the server may
         still run what it had received, but nothing written on the broken connection
@@ -491,16 +493,17 @@ class RedisCalls(RedisClients):
         give-back sent behind it. The give-back names its request (see GIVE_BACK), so
         it takes back nothing another request was granted, whenever it runs."""
         if undo is not None:
-            _background(self._give_back_now, undo)
+            _background(self._give_back_now, undo, why)
 
-    def _give_back_now(self, undo: Undo) -> None:
+    def _give_back_now(self, undo: Undo, why: str) -> None:
         command = _undo_command(undo)
+        key = str(command[3] if len(command) > 3 else "")
         try:
-            with self._errors("give back", str(command[3] if len(command) > 3 else "")):
+            with self._errors("give back", key):
                 self.client.execute_command(*command)
         except Exception as exc:
-            log_expected(logger, exc, "Could not give back an acquire left unanswered "
-                         "on backend %r; it lapses with its ttl", self.alias)  # fmt: skip
+            log_expected(logger, exc, "Could not give back %s (key %r) on backend %r; it "
+                         "lapses with its ttl", why, key, self.alias)  # fmt: skip
 
     def _give_back_behind(self, conn: Any, undo: Undo, pending: int) -> None:
         """Give back what the request(s) on ``conn`` whose ``pending`` replies have not

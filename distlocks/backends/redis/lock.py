@@ -146,7 +146,7 @@ class RedisLocks(RedisCalls):
             # knows, to renew or release. Give it back, in the background so the
             # cancellation goes on at once (a give-back of a request never granted
             # changes nothing).
-            self._give_back_elsewhere(undo)
+            self._give_back_elsewhere(undo, "after a cancelled acquire")
             raise
         return self._acquire_result(reply)
 
@@ -480,7 +480,7 @@ class RedisLocks(RedisCalls):
             # it on this connection, and on another in case this one is broken.
             _write_behind(conn, undo)
             await conn.disconnect(nowait=True)
-            self._give_back_elsewhere(undo)
+            self._give_back_elsewhere(undo, "after a cancelled acquire")
             raise
         finally:
             side.idle.append(conn)

@@ -189,7 +189,7 @@ class RedisPermits(RedisLocks):
             if isinstance(exc.__cause__, redis.TimeoutError):
                 # The script may have run and only the reply was lost: give the permit
                 # back rather than leave it to a lease nobody knows about.
-                self._give_back_elsewhere(undo)
+                self._give_back_elsewhere(undo, "after a reply that did not come")
             raise
         remaining = None if remaining_ms < 0 else remaining_ms / 1000
         return AcquireResult(bool(granted), int(token), remaining)
