@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from distlocks.backends.redis import _NEXT_TOKEN, RELEASE
 from distlocks.backends.redis import ACQUIRE as SINGLE_ACQUIRE
+from distlocks.backends.redis.scripts import _KINDS
 
 # Every request of an acquisition attempt carries the attempt's id, and every entry
 # records the id of the step of its owner that last made it its own: an attempt
@@ -29,6 +30,7 @@ end
 # must then miss it), while a stale request leaves it as it is and is refused.
 ACQUIRE = (
     _OURS
+    + _KINDS
     + _NEXT_TOKEN
     + """
 local attempt = ARGV[#ARGV]
@@ -36,12 +38,16 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
   if not ours(KEYS[1], ARGV[1], attempt) then
     return {0, 0, redis.call('PTTL', KEYS[1])}
   end
-  -- What can fail (a key of the wrong type) first, the entry taken over last (see
-  -- "Half-written" in distlocks.backends.redis.scripts).
+  -- What can fail (a key of the wrong type) first, before the first write, the entry
+  -- taken over last (see "Half-written" in distlocks.backends.redis.scripts): the
+  -- registrations' keys probed, the counter read and checked by keep_fence() before
+  -- its own write.
+  local waiting = tonumber(ARGV[8]) > 0 or string.sub(ARGV[9], 1, 1) == '1'
+  if waiting then kinds(KEYS[3], 'zset', KEYS[4], 'zset') end
   local t = redis.call('TIME')
   local t_ms = t[1] * 1000 + math.floor(t[2] / 1000)
   keep_fence(KEYS[2], t_ms + tonumber(ARGV[2]), t_ms)
-  if tonumber(ARGV[8]) > 0 or string.sub(ARGV[9], 1, 1) == '1' then
+  if waiting then
     -- As a fresh grant does: the owner is no longer waiting here.
     redis.call('ZREM', KEYS[3], ARGV[1])
     redis.call('ZREM', KEYS[4], ARGV[1])
@@ -119,7 +125,11 @@ return 1
 # KEYS: lock hashes, then their fence counters in the same order. ARGV: owner, expiry
 # ms, ttl ms, for each lock hash in turn.
 # EXTEND for the renewer's batch: one call per master; each entry is still
-# compare-and-expire on its own. Returns 1 or 0 per key.
+# compare-and-expire on its own. Returns 1 or 0 per key, or -1 for an entry whose own
+# keys hold a value of another type (or a counter that is no number): as the
+# single-node EXTEND_MANY, such an entry is answered on its own, before anything of it
+# is written, where an error would fail the batch after the entries before it were
+# renewed.
 EXTEND_MANY = (
     _NEXT_TOKEN
     + """
@@ -127,9 +137,14 @@ local out = {}
 local n = #KEYS / 2
 local t = redis.call('TIME')
 local now_ms = t[1] * 1000 + math.floor(t[2] / 1000)
+local function wrong(reply) return type(reply) == 'table' and reply.err ~= nil end
 for i = 1, n do
   local at = 3 * (i - 1)
-  if redis.call('HGET', KEYS[i], 'owner') == ARGV[at + 1] then
+  local holder = redis.pcall('HGET', KEYS[i], 'owner')
+  local fence = holder == ARGV[at + 1] and redis.pcall('GET', KEYS[n + i])
+  if wrong(holder) or wrong(fence) or (fence and tonumber(fence) == nil) then
+    out[i] = -1
+  elseif holder == ARGV[at + 1] then
     keep_fence(KEYS[n + i], now_ms + tonumber(ARGV[at + 2]), now_ms)
     redis.call('PEXPIRE', KEYS[i], ARGV[at + 2])
     redis.call('HSET', KEYS[i], 'ttl', ARGV[at + 3], 'attempt', 'lease')
