@@ -411,7 +411,7 @@ def test_a_burst_of_timed_out_acquires_shares_a_few_threads(
     threads, not a thread or two per acquire; queued ones are not lost: once the server
     answers again, every lock is given back."""
     from distlocks.backends.base import Holder
-    from distlocks.backends.redis.calls import GIVE_BACK_THREADS
+    from distlocks.backends.redis.background import GIVE_BACK_THREADS
 
     holder = Holder(host="test", pid=1, thread="t", extra={})
     burst = 4 * GIVE_BACK_THREADS
@@ -449,7 +449,7 @@ def test_a_burst_of_timed_out_acquires_shares_a_few_threads(
 
 
 def test_the_give_back_threads_are_bounded_and_lose_no_work() -> None:
-    from distlocks.backends.redis.calls import GIVE_BACK_THREADS, _Workers
+    from distlocks.backends.redis.background import GIVE_BACK_THREADS, _Workers
 
     workers = _Workers("test-bounded")
     gate = threading.Event()

@@ -15,6 +15,8 @@ wait-and-acquire pipeline, asyncio, and the semaphore's and read-write lock's pe
 from __future__ import annotations
 
 import asyncio
+import itertools
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +45,14 @@ def _take(backend: RedisBackend, path: str, name: str, owner: str) -> bool:
         assert found is not None
         return found.acquired
     return backend.acquire(name, owner, 60, HOLDER).acquired
+
+
+def _held_give_back(proxy: HoldingProxy, name: str) -> bool:  # noqa: F811
+    """The give-back (it names the release tombstone) is held behind the acquire."""
+    link = proxy.held_link()
+    return link is not None and any(
+        name.encode() in chunk and b"released:" in chunk for chunk in link.held or ()
+    )
 
 
 def _holders(backend: RedisBackend, path: str, name: str) -> set[str]:
@@ -98,3 +108,56 @@ def test_a_give_back_leaves_a_later_acquire_of_the_same_owner(
         finally:
             _release(direct, path, name, "task-1")
             direct.close()
+
+
+def test_redlock_a_late_attempt_of_another_process_leaves_the_newer_grant(
+    settings: Any, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redlock orders the attempts of one process by their ids; an owner reused by
+    another process (a task retried on another worker) numbers its attempts from its
+    own counter. A failed attempt's request held up on one master reaches it after the
+    other process's grant there, with a larger id: it took the entry over, and its
+    give-back behind it then freed that master's part of the other process's lease."""
+    from django.test import override_settings
+
+    from distlocks import get_backend
+    from distlocks.backends.redis import lock as single
+    from distlocks.backends.redlock import attempts
+
+    port = int(settings.REDLOCK_URLS[0].rsplit(":", 1)[1].split("/")[0])
+    relay = HoldingProxy(port)
+    alias = f"reuse-{uuid.uuid4().hex[:8]}"
+    options = {"socket_timeout": 0.5, "key_prefix": alias}
+    slow_config = {"BACKEND": "distlocks.backends.redlock.RedlockBackend",
+                   "LOCATION": [relay.url(), *settings.REDLOCK_URLS[1:]], "OPTIONS": options}
+    direct_config = {**slow_config, "LOCATION": settings.REDLOCK_URLS}  # fmt: skip
+    backends = {**settings.DISTLOCKS_BACKENDS, alias: slow_config, f"{alias}-d": direct_config}
+    try:
+        with override_settings(DISTLOCKS_BACKENDS=backends):
+            slow, direct = get_backend(alias), get_backend(f"{alias}-d")
+            masters = direct.masters  # type: ignore[attr-defined]
+            assert slow.acquire(f"{name}:warm", "warm", 5, HOLDER).acquired
+            # Held elsewhere on the two other masters: the attempt fails without master 0.
+            for master in masters[1:]:
+                assert master.acquire(name, "other", 60, HOLDER).acquired
+            relay.hold(_holds_acquire(name))
+            assert not slow.acquire(name, "task-1", 60, HOLDER).acquired
+            # Master 0's request timed out: its give-back is held behind it.
+            _settle(lambda: _held_give_back(relay, name), "the give-back sent behind")
+            for master in masters[1:]:
+                assert master.release(name, "other")
+            # The task retried in another process: its own process id, its own count.
+            monkeypatch.setattr(single, "_process_id", [uuid.uuid4().hex[:16]])
+            monkeypatch.setattr(attempts, "_attempt_ids", itertools.count(1))
+            assert direct.acquire(name, "task-1", 60, HOLDER).acquired
+            link = relay.held_link()
+            assert link is not None
+            relay.let_go()
+            _settle(lambda: link.server_done, "the late acquire and its give-back run")
+            info = masters[0].inspect(name)
+            assert info is not None and info.owner == "task-1", "the newer grant was freed"
+            direct.release(name, "task-1")
+            slow.close()
+            direct.close()
+    finally:
+        relay.close()

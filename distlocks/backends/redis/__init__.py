@@ -65,6 +65,8 @@ from distlocks.backends.redis.config import Location, parse_location
 from distlocks.backends.redis.keys import Keys
 from distlocks.backends.redis.permits import RedisPermits
 from distlocks.backends.redis.scripts import (
+    _ATTEMPTS,
+    _KINDS,
     _NEXT_TOKEN,
     ACQUIRE,
     EXTEND,
@@ -97,6 +99,8 @@ __all__ = [
     "LIST",
     "RELEASE",
     "SCRIPTS",
+    "_ATTEMPTS",
+    "_KINDS",
     "_NEXT_TOKEN",
     "Keys",
     "Location",

@@ -8,9 +8,8 @@ grant, the give-back of a failed attempt, and renewals that make an entry the le
 
 from __future__ import annotations
 
-from distlocks.backends.redis import _NEXT_TOKEN, RELEASE
+from distlocks.backends.redis import _ATTEMPTS, _KINDS, _NEXT_TOKEN, RELEASE
 from distlocks.backends.redis import ACQUIRE as SINGLE_ACQUIRE
-from distlocks.backends.redis.scripts import _KINDS
 
 # Every request of an acquisition attempt carries the attempt's id, and every entry
 # records the id of the step of its owner that last made it its own: an attempt
@@ -24,12 +23,18 @@ local function ours(lock, owner, attempt)
 end
 """
 
-# KEYS and ARGV as the single-node acquire, plus a last ARGV: the attempt id.
+# KEYS and ARGV as the single-node acquire, plus a last ARGV: the attempt id; the
+# request id after the fair flag is the attempt's (see _attempt_request).
 # The single-node script, except for an entry its owner holds already: a newer attempt
-# takes it over (the older attempt failed, and its late give-back and confirmation
-# must then miss it), while a stale request leaves it as it is and is refused.
+# takes it over (the older attempt failed, and its late confirmation must then miss
+# it; its give-back takes back only its own request's grant, see GIVE_BACK), while a
+# stale request leaves it as it is and is refused. Attempts are ordered within one
+# process only: an owner reused by another process (a task retried on another
+# worker) counts its own, so a late attempt of one process may take over the entry of
+# a newer one of the other; its give-back then still leaves that one's grant.
 ACQUIRE = (
     _OURS
+    + _ATTEMPTS
     + _KINDS
     + _NEXT_TOKEN
     + """
@@ -52,7 +57,8 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
     redis.call('ZREM', KEYS[3], ARGV[1])
     redis.call('ZREM', KEYS[4], ARGV[1])
   end
-  redis.call('HSET', KEYS[1], 'attempt', attempt)
+  redis.call('HSET', KEYS[1], 'attempt', attempt, 'attempts',
+             attempts_with(redis.call('HGET', KEYS[1], 'attempts'), string.sub(ARGV[9], 2)))
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, tonumber(redis.call('HGET', KEYS[1], 'token')), tonumber(ARGV[2])}
 end
@@ -89,15 +95,26 @@ return 1
 """
 )
 
-# KEYS and ARGV as the single-node release, plus ARGV[3]: an attempt id.
+# KEYS and ARGV as the single-node release, plus ARGV[3]: an attempt id, and ARGV[4]:
+# the attempt's request id (taken off ARGV here: RELEASE sees no request id, and
+# leaves no tombstone: it releases no lease).
 # The release of what an attempt got and does not count on, which may reach a master
-# late (its request was still running, or timed out). By then the owner's next
-# attempt may have taken the entry over, or the lease renewed it: those are left. It
-# sends no request id, so it leaves no tombstone: it releases no lease.
+# late (its request was still running, or timed out). By then the lease may have
+# renewed the entry, or another attempt of the owner been granted it (this process's
+# next one, another process's: see ACQUIRE): those are left, as the single-node
+# GIVE_BACK leaves them (the entry goes once no request it was granted by is left).
 GIVE_BACK = (
-    _OURS
+    _ATTEMPTS
     + """
-if not ours(KEYS[1], ARGV[1], ARGV[3]) then return 0 end
+local rid = table.remove(ARGV)
+local entry = redis.call('HMGET', KEYS[1], 'owner', 'attempt', 'attempts')
+if entry[1] ~= ARGV[1] or entry[2] == 'lease' then return 0 end
+local left = attempts_without(entry[3], rid)
+if left == nil then return 0 end
+if left ~= '' then
+  redis.call('HSET', KEYS[1], 'attempts', left)
+  return 0
+end
 """
     + RELEASE
 )
