@@ -25,8 +25,34 @@ from __future__ import annotations
 INDEX_SWEEP_EVERY = 8
 INDEX_SWEEP_COUNT = 16
 INDEX_PRUNE_AFTER_MS = 1000
+# One step of a sweep (the lock index's hash here, the permits set in .permit_scripts):
+# ``scan`` (HSCAN or SSCAN) reads the next INDEX_SWEEP_COUNT or so entries of ``index``
+# from the cursor kept in the string '<index>:sweep', ``gone`` picks those to drop from
+# what it read, ``remove`` (HDEL or SREM) drops them. A sweep runs after the grant is
+# written: an error there would fail a script whose lock stays held, by an owner whose
+# caller was told it failed. So its reads are pcall()s, and a cursor that is not one
+# (lost, rewritten, of another type) starts the pass again instead.
+_SWEEP = """
+local function sweep_step(index, scan, remove, gone)
+  local state = index .. ':sweep'
+  local cursor = redis.pcall('GET', state)
+  if type(cursor) ~= 'string' or #cursor > 19 or not string.match(cursor, '^%d+$') then
+    cursor = '0'
+  end
+  local found = redis.pcall(scan, index, cursor, 'COUNT', INDEX_SWEEP_COUNT)
+  if found.err then
+    redis.pcall('SET', state, '0')
+    return
+  end
+  local drop = gone(found[2])
+  if #drop > 0 then redis.call(remove, index, unpack(drop)) end
+  redis.call('SET', state, found[1])
+end
+""".replace("INDEX_SWEEP_COUNT", str(INDEX_SWEEP_COUNT))
+
 _INDEX_SWEEP = (
-    """
+    _SWEEP
+    + """
 local function entry_expiry(value)
   local at = 0
   for _ = 1, 6 do
@@ -39,29 +65,17 @@ local function entry_expiry(value)
 end
 local function index_sweep(index, now_ms, token)
   if token % INDEX_SWEEP_EVERY ~= 0 then return end
-  local state = index .. ':sweep'
-  -- This runs after the grant is written: an error here would fail a script whose lock
-  -- stays held, by an owner whose caller was told it failed. So a cursor that is not
-  -- one (lost, rewritten, of another type: pcall) starts the pass again instead.
-  local cursor = redis.pcall('GET', state)
-  if type(cursor) ~= 'string' or #cursor > 19 or not string.match(cursor, '^%d+$') then
-    cursor = '0'
-  end
-  local found = redis.pcall('HSCAN', index, cursor, 'COUNT', INDEX_SWEEP_COUNT)
-  if found.err then
-    redis.pcall('SET', state, '0')
-    return
-  end
-  local before, gone = now_ms - INDEX_PRUNE_AFTER_MS, {}
-  local fields = found[2]
-  for i = 1, #fields, 2 do
-    local expires = entry_expiry(fields[i + 1])
-    if expires and expires < before then gone[#gone + 1] = fields[i] end
-  end
-  if #gone > 0 then redis.call('HDEL', index, unpack(gone)) end
-  redis.call('SET', state, found[1])
+  local before = now_ms - INDEX_PRUNE_AFTER_MS
+  sweep_step(index, 'HSCAN', 'HDEL', function(fields)
+    local gone = {}
+    for i = 1, #fields, 2 do
+      local expires = entry_expiry(fields[i + 1])
+      if expires and expires < before then gone[#gone + 1] = fields[i] end
+    end
+    return gone
+  end)
 end
-""".replace("INDEX_PRUNE_AFTER_MS", str(INDEX_PRUNE_AFTER_MS))
-    .replace("INDEX_SWEEP_EVERY", str(INDEX_SWEEP_EVERY))
-    .replace("INDEX_SWEEP_COUNT", str(INDEX_SWEEP_COUNT))
+""".replace("INDEX_PRUNE_AFTER_MS", str(INDEX_PRUNE_AFTER_MS)).replace(
+        "INDEX_SWEEP_EVERY", str(INDEX_SWEEP_EVERY)
+    )
 )

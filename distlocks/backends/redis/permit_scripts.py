@@ -5,18 +5,18 @@ docstring.
 
 from __future__ import annotations
 
+from distlocks.backends.redis.index_scripts import _SWEEP, INDEX_SWEEP_EVERY
 from distlocks.backends.redis.scripts import (
     _ATTEMPTS,
     _COUNTER,
     _KINDS,
     FENCE_GRACE_MS,
-    INDEX_SWEEP_COUNT,
-    INDEX_SWEEP_EVERY,
 )
 
 _COMMON = (
     _KINDS
     + _ATTEMPTS
+    + _SWEEP
     + """
 local now = redis.call('TIME')
 local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
@@ -81,31 +81,20 @@ end
 -- all the same, so that nothing here fails a grant already written.
 local function permits_sweep(index)
   if now[2] % INDEX_SWEEP_EVERY ~= 0 then return end
-  local state = index .. ':sweep'
-  local cursor = redis.pcall('GET', state)
-  if type(cursor) ~= 'string' or #cursor > 19 or not string.match(cursor, '^%d+$') then
-    cursor = '0'
-  end
-  local found = redis.pcall('SSCAN', index, cursor, 'COUNT', INDEX_SWEEP_COUNT)
-  if found.err then
-    redis.pcall('SET', state, '0')
-    return
-  end
-  local gone = {}
-  for _, info in ipairs(found[2]) do
-    -- Members other than info hashes (the index's epoch) are the listing's.
-    local suffix = string.match(info, ':(%a+):info$')
-    if (suffix == 'sem' or suffix == 'rw')
-        and redis.call('EXISTS', info, string.sub(info, 1, -6)) == 0 then
-      gone[#gone + 1] = info
+  sweep_step(index, 'SSCAN', 'SREM', function(members)
+    local gone = {}
+    for _, info in ipairs(members) do
+      -- Members other than info hashes (the index's epoch) are the listing's.
+      local suffix = string.match(info, ':(%a+):info$')
+      if (suffix == 'sem' or suffix == 'rw')
+          and redis.call('EXISTS', info, string.sub(info, 1, -6)) == 0 then
+        gone[#gone + 1] = info
+      end
     end
-  end
-  if #gone > 0 then redis.call('SREM', index, unpack(gone)) end
-  redis.call('SET', state, found[1])
+    return gone
+  end)
 end
 
--- ``rid``: the id of the request that grants it (see _ATTEMPTS in .scripts), kept
--- with the holder's details (nil or '': none).
 local function holder_json(raw, kind, token, ttl, rid)
   local h = cjson.decode(raw)
   h.attempts = (rid == nil or rid == '') and '*' or rid
@@ -163,9 +152,9 @@ local function listing(holders, info, waiting)
   end
   return out
 end
-""".replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
-    .replace("INDEX_SWEEP_EVERY", str(INDEX_SWEEP_EVERY))
-    .replace("INDEX_SWEEP_COUNT", str(INDEX_SWEEP_COUNT))
+""".replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS)).replace(
+        "INDEX_SWEEP_EVERY", str(INDEX_SWEEP_EVERY)
+    )
 )
 
 # -- semaphores. KEYS: holders, info, waiters, signal. ------------------------------

@@ -323,13 +323,15 @@ return 1
 # takes back only what that request was granted, so it releases the lock only if no
 # other request of the owner was granted it too (a retry with another id, the same
 # owner acquiring again); it leaves no tombstone (it releases no lease anyone counts
-# on). Returns 1 if it released the lock.
+# on). Returns 1 if it released the lock. Redlock's masters run it too (ARGV[3]: the
+# attempt's id, unused here), where an entry its lease renewed ('attempt' = 'lease')
+# is never given back.
 GIVE_BACK = (
     _ATTEMPTS
     + """
 local rid = table.remove(ARGV)
-local entry = redis.call('HMGET', KEYS[1], 'owner', 'attempts')
-if entry[1] ~= ARGV[1] then return 0 end
+local entry = redis.call('HMGET', KEYS[1], 'owner', 'attempts', 'attempt')
+if entry[1] ~= ARGV[1] or entry[3] == 'lease' then return 0 end
 local left = attempts_without(entry[2], rid)
 if left == nil then return 0 end
 if left ~= '' then

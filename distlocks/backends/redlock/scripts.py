@@ -8,8 +8,9 @@ grant, the give-back of a failed attempt, and renewals that make an entry the le
 
 from __future__ import annotations
 
-from distlocks.backends.redis import _ATTEMPTS, _KINDS, _NEXT_TOKEN, RELEASE
+from distlocks.backends.redis import _ATTEMPTS, _KINDS, _NEXT_TOKEN
 from distlocks.backends.redis import ACQUIRE as SINGLE_ACQUIRE
+from distlocks.backends.redis import GIVE_BACK as SINGLE_GIVE_BACK
 
 # Every request of an acquisition attempt carries the attempt's id, and every entry
 # records the id of the step of its owner that last made it its own: an attempt
@@ -96,28 +97,13 @@ return 1
 )
 
 # KEYS and ARGV as the single-node release, plus ARGV[3]: an attempt id, and ARGV[4]:
-# the attempt's request id (taken off ARGV here: RELEASE sees no request id, and
-# leaves no tombstone: it releases no lease).
+# the attempt's request id: the single-node give-back, which leaves no tombstone.
 # The release of what an attempt got and does not count on, which may reach a master
 # late (its request was still running, or timed out). By then the lease may have
 # renewed the entry, or another attempt of the owner been granted it (this process's
-# next one, another process's: see ACQUIRE): those are left, as the single-node
-# GIVE_BACK leaves them (the entry goes once no request it was granted by is left).
-GIVE_BACK = (
-    _ATTEMPTS
-    + """
-local rid = table.remove(ARGV)
-local entry = redis.call('HMGET', KEYS[1], 'owner', 'attempt', 'attempts')
-if entry[1] ~= ARGV[1] or entry[2] == 'lease' then return 0 end
-local left = attempts_without(entry[3], rid)
-if left == nil then return 0 end
-if left ~= '' then
-  redis.call('HSET', KEYS[1], 'attempts', left)
-  return 0
-end
-"""
-    + RELEASE
-)
+# next one, another process's: see ACQUIRE): those are left (the entry goes once no
+# request it was granted by is left).
+GIVE_BACK = SINGLE_GIVE_BACK
 
 # KEYS: lock hash, fence counter. ARGV: owner, expiry ms, ttl ms.
 # Compare-and-expire, as the single-node script, but the server keeps the lock for
