@@ -64,6 +64,36 @@ def _is_unavailable(exc: Exception) -> bool:
     return any(word in str(exc) for word in _UNAVAILABLE_REPLIES)
 
 
+# What distlocks keeps at each key of a name (the key after the name's base, see
+# .keys and .permits), for the error that names a key of the wrong type: the suffix,
+# the type, and what it is.
+_KEY_KINDS = {
+    suffix: (kind, what.strip())
+    for suffix, kind, what in (
+        line.split(None, 2)
+        for line in """
+        lock          hash    the lock
+        fence         string  the fencing counter
+        waiters       zset    the waiters
+        queue         zset    the fair queue
+        signal        list    the wake-ups
+        sem           zset    the semaphore's permits
+        sem:info      hash    the semaphore's holders
+        sem:waiters   zset    the semaphore's waiters
+        sem:signal    list    the semaphore's wake-ups
+        rw            zset    the read-write lock's leases
+        rw:info       hash    the read-write lock's holders
+        rw:writer     string  the read-write lock's writer
+        rw:wwait      zset    the read-write lock's waiting writers
+        rw:rwait      zset    the read-write lock's waiting readers
+        rw:wsig       list    the writers' wake-ups
+        rw:rsig       list    the readers' wake-ups
+        rw:fence      string  the write fencing counter
+        """.strip().splitlines()
+    )
+}
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -235,25 +265,8 @@ class RedisCalls(RedisClients):
     def _expected_types(self, name: str) -> dict[str, tuple[str, str]]:
         """The keys of ``name`` (lock, semaphore and read-write lock) and of the listing
         index, each with the type distlocks keeps there and what it is."""
-        k = self.all_keys(name)
-        base = k.lock.removesuffix(":lock")
-        found = {
-            k.lock: ("hash", "the lock"), k.fence: ("string", "the fencing counter"),
-            k.waiters: ("zset", "the waiters"), k.queue: ("zset", "the fair queue"),
-            k.signal: ("list", "the wake-ups"),
-            f"{base}:sem": ("zset", "the semaphore's permits"),
-            f"{base}:sem:info": ("hash", "the semaphore's holders"),
-            f"{base}:sem:waiters": ("zset", "the semaphore's waiters"),
-            f"{base}:sem:signal": ("list", "the semaphore's wake-ups"),
-            f"{base}:rw": ("zset", "the read-write lock's leases"),
-            f"{base}:rw:info": ("hash", "the read-write lock's holders"),
-            f"{base}:rw:writer": ("string", "the read-write lock's writer"),
-            f"{base}:rw:wwait": ("zset", "the read-write lock's waiting writers"),
-            f"{base}:rw:rwait": ("zset", "the read-write lock's waiting readers"),
-            f"{base}:rw:wsig": ("list", "the writers' wake-ups"),
-            f"{base}:rw:rsig": ("list", "the readers' wake-ups"),
-            f"{base}:rw:fence": ("string", "the write fencing counter"),
-        }  # fmt: skip
+        base = self.all_keys(name).lock.removesuffix(":lock")
+        found = {f"{base}:{suffix}": kind for suffix, kind in _KEY_KINDS.items()}
         if self.listing_index:
             found[self.index_key] = ("hash", "the listing index")
             found[self.index_permits_key] = ("set", "the listing index's permits set")
