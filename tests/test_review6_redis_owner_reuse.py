@@ -128,9 +128,12 @@ def test_redlock_a_late_attempt_of_another_process_leaves_the_newer_grant(
     relay = HoldingProxy(port)
     alias = f"reuse-{uuid.uuid4().hex[:8]}"
     options = {"socket_timeout": 0.5, "key_prefix": alias}
-    slow_config = {"BACKEND": "distlocks.backends.redlock.RedlockBackend",
-                   "LOCATION": [relay.url(), *settings.REDLOCK_URLS[1:]], "OPTIONS": options}
-    direct_config = {**slow_config, "LOCATION": settings.REDLOCK_URLS}  # fmt: skip
+    slow_config = {
+        "BACKEND": "distlocks.backends.redlock.RedlockBackend",
+        "LOCATION": [relay.url(), *settings.REDLOCK_URLS[1:]],
+        "OPTIONS": options,
+    }
+    direct_config = {**slow_config, "LOCATION": settings.REDLOCK_URLS}
     backends = {**settings.DISTLOCKS_BACKENDS, alias: slow_config, f"{alias}-d": direct_config}
     try:
         with override_settings(DISTLOCKS_BACKENDS=backends):
