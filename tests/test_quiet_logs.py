@@ -124,8 +124,10 @@ def test_a_permit_given_back_in_the_background_while_redis_is_down(
     from distlocks.backends.base import SEMAPHORE
 
     caplog.set_level(logging.DEBUG, logger="distlocks")
-    get_backend(down_alias)._permit_release_quietly(SEMAPHORE, "sem", "me")
-    _check_one_line(caplog, "Could not give back a semaphore permit of 'sem'")
+    backend = get_backend(down_alias)
+    undo = backend._permit_acquire_call(SEMAPHORE, "sem", "me", 60, _holder(), 1, 0.0)[3]
+    backend._give_back_now(undo, "after a reply that did not come")  # what the thread runs
+    _check_one_line(caplog, "Could not give back after a reply that did not come (key '")
 
 
 def test_a_quiet_permit_release_while_redis_is_down(

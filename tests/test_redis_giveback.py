@@ -48,6 +48,9 @@ class _Link:
         self.sent: list[tuple[int, bytes]] = []  # (sequence, chunk) the client sent
         self.replies = 0  # chunks the server sent back
         self.swallow = False  # the server's replies are not passed on
+        #: The server closed its side: it ran everything the client sent before its
+        #: end of stream (Redis reads a connection's commands in order).
+        self.server_done = False
 
 
 class HoldingProxy:
@@ -177,8 +180,10 @@ class HoldingProxy:
             try:
                 chunk = link.server.recv(65536)
             except OSError:
+                link.server_done = True
                 return
             if not chunk:
+                link.server_done = True
                 with contextlib.suppress(OSError):
                     link.client.shutdown(socket.SHUT_WR)
                 return
@@ -392,3 +397,77 @@ def test_a_lock_not_granted_late_is_left_to_its_holder(
         info = backend.inspect(name)
         assert info is not None and info.owner == holder.owner
         holder.release()
+
+
+def _give_back_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("distlocks-give-back"))
+
+
+def test_a_burst_of_timed_out_acquires_shares_a_few_threads(
+    settings: Any, redis_client: redis.Redis, name: str
+) -> None:
+    """A stalled server times out many acquires at once: their give-backs (sent behind
+    each, and once more on another connection) are drained and sent by a bounded set of
+    threads, not a thread or two per acquire; queued ones are not lost: once the server
+    answers again, every lock is given back."""
+    from distlocks.backends.base import Holder
+    from distlocks.backends.redis.background import GIVE_BACK_THREADS
+
+    holder = Holder(host="test", pid=1, thread="t", extra={})
+    burst = 4 * GIVE_BACK_THREADS
+    names = [f"{name}:{i}" for i in range(burst)]
+    with _alias(settings, settings.REDIS_URL) as backend:
+        assert backend.acquire(f"{name}:warm", "warm", 5, holder).acquired  # scripts loaded
+        errors: list[BaseException] = []
+
+        def take(lock_name: str) -> None:
+            try:
+                backend.acquire(lock_name, "me", 60, holder)
+            except BaseException as exc:
+                errors.append(exc)
+
+        # Every script waits (a write may follow) until unpaused; the pause is long,
+        # and lifted as soon as every acquire has timed out.
+        redis_client.execute_command("CLIENT", "PAUSE", 120_000, "WRITE")
+        try:
+            threads = [threading.Thread(target=take, args=(n,)) for n in names]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert len(errors) == burst, errors
+            assert all(isinstance(e, LockBackendUnavailable) for e in errors), errors
+            # Drains and give-backs on another connection: one bounded set each.
+            assert _give_back_threads() <= 2 * GIVE_BACK_THREADS, _give_back_threads()
+        finally:
+            redis_client.execute_command("CLIENT", "UNPAUSE")
+        _settle(
+            lambda: all(backend.inspect(n) is None for n in names),
+            "every lock given back",
+            within=60.0,
+        )
+
+
+def test_the_give_back_threads_are_bounded_and_lose_no_work() -> None:
+    from distlocks.backends.redis.background import GIVE_BACK_THREADS, _Workers
+
+    workers = _Workers("test-bounded")
+    gate = threading.Event()
+    done: list[int] = []
+    lock_done = threading.Lock()
+
+    def job(n: int) -> None:
+        gate.wait(30)
+        with lock_done:
+            done.append(n)
+
+    for n in range(10 * GIVE_BACK_THREADS):
+        workers.submit(job, n)
+    assert workers.threads == GIVE_BACK_THREADS
+    gate.set()
+    _settle(lambda: len(done) == 10 * GIVE_BACK_THREADS, "every job run")
+    assert sorted(done) == list(range(10 * GIVE_BACK_THREADS))
+    # Idle threads take new work: no thread more.
+    workers.submit(job, -1)
+    _settle(lambda: -1 in done, "the next job run")
+    assert workers.threads == GIVE_BACK_THREADS

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from distlocks import get_backend
 from distlocks.backends.base import READ, SEMAPHORE, WRITE, Holder
 from distlocks.backends.redis import RedisBackend
+from distlocks.backends.redis.clients import _undo_command
 from distlocks.exceptions import LockError
 
 pytestmark = pytest.mark.django_db(transaction=False)
@@ -101,12 +102,31 @@ RW_ROLES = ("info", "writer", "wwait", "rwait", "wsig", "rsig", "fence", "permit
 CASES = [
     *(Case(op, "lock", LOCK_ROLES) for op in
       ("acquire", "acquire_fair", "acquire_again", "release", "extend", "keep", "extend_many",
-       "force_release")),
+       "force_release", "give_back", "give_back_kept")),
     *(Case(op, SEMAPHORE, SEM_ROLES) for op in
-      ("acquire", "acquire_again", "release", "extend", "force_release")),
+      ("acquire", "acquire_again", "release", "extend", "force_release", "give_back",
+       "give_back_kept")),
     *(Case(op, kind, RW_ROLES) for kind in (READ, WRITE) for op in
-      ("acquire", "acquire_again", "release", "extend", "force_release")),
+      ("acquire", "acquire_again", "release", "extend", "force_release", "give_back",
+       "give_back_kept")),
 ]  # fmt: skip
+
+
+def _granted_undo(backend: RedisBackend, family: str, name: str) -> Any:
+    """Acquire ``name`` for "me" by one request of its own; return its give-back."""
+    if family == "lock":
+        keys, args = backend._indexed_acquire_call(name, "me", 30, HOLDER, 0.0, False)
+        assert backend._run("acquire", keys, args)[0] == 1
+        return backend._acquire_undo(name, "me", args)
+    script, keys, args, undo = backend._permit_acquire_call(family, name, "me", 30, HOLDER, 1, 0)
+    assert script(backend.client, keys, args)[0] == 1
+    return undo
+
+
+def _give_back(backend: RedisBackend, name: str, undo: Any) -> None:
+    """Run the give-back ``undo``, as the background give-back does."""
+    with backend._errors("give back", name):
+        backend.client.execute_command(*_undo_command(undo))
 
 
 def _key(backend: RedisBackend, name: str, family: str, role: str) -> str:
@@ -152,6 +172,13 @@ def _run(backend: RedisBackend, case: Case, name: str) -> Callable[[], Any]:
                 backend.release(name, "first")
                 return lambda: backend.acquire(name, "waiter", 30, HOLDER, wait=5, fair=True)
             return lambda: backend.acquire(name, "me", 30, HOLDER)
+        if op in ("give_back", "give_back_kept"):
+            # Granted by one request, or by two (its give-back leaves it held).
+            undo = _granted_undo(backend, family, name)
+            if op == "give_back_kept":
+                _granted_undo(backend, family, name)
+            backend.acquire(name, "waiter", 30, HOLDER, wait=5)  # refused: registered
+            return lambda: _give_back(backend, name, undo)
         assert backend.acquire(name, "me", 30, HOLDER).acquired
         backend.acquire(name, "waiter", 30, HOLDER, wait=5)  # refused: registered
         return {
@@ -165,7 +192,9 @@ def _run(backend: RedisBackend, case: Case, name: str) -> Callable[[], Any]:
     kind = family
     if op == "acquire":
         return lambda: backend.permit_acquire(kind, name, "me", 30, HOLDER, limit=1)
-    assert backend.permit_acquire(kind, name, "me", 30, HOLDER, limit=1).acquired
+    undo = _granted_undo(backend, kind, name)
+    if op == "give_back_kept":
+        _granted_undo(backend, kind, name)
     other = READ if kind == WRITE else WRITE
     if kind != SEMAPHORE:  # a waiter of the other kind registered
         backend.permit_acquire(other, name, "waiter", 30, HOLDER, wait=5)
@@ -176,6 +205,8 @@ def _run(backend: RedisBackend, case: Case, name: str) -> Callable[[], Any]:
         "release": lambda: backend.permit_release(kind, name, "me"),
         "extend": lambda: backend.permit_extend(kind, name, "me", 300),
         "force_release": lambda: backend.permit_force_release(kind, name, "me"),
+        "give_back": lambda: _give_back(backend, name, undo),
+        "give_back_kept": lambda: _give_back(backend, name, undo),
     }[op]
 
 

@@ -47,10 +47,14 @@ HARMLESS = {
     ("lock", "acquire"): ("fence", "waiters", "queue"),
     ("lock", "acquire_fair"): ("fence", "waiters", "queue"),
     ("lock", "release"): ("signal",),
+    ("lock", "give_back"): ("signal",),
     **{(kind, "acquire"): ("permits", "fence") for kind in (SEMAPHORE, READ, WRITE)},
     (SEMAPHORE, "release"): ("signal",),
     (READ, "release"): ("wsig", "rsig"),
     (WRITE, "release"): ("wsig", "rsig"),
+    (SEMAPHORE, "give_back"): ("signal",),
+    (READ, "give_back"): ("wsig", "rsig"),
+    (WRITE, "give_back"): ("wsig", "rsig"),
 }
 
 

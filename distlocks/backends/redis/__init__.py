@@ -65,12 +65,15 @@ from distlocks.backends.redis.config import Location, parse_location
 from distlocks.backends.redis.keys import Keys
 from distlocks.backends.redis.permits import RedisPermits
 from distlocks.backends.redis.scripts import (
+    _ATTEMPTS,
+    _KINDS,
     _NEXT_TOKEN,
     ACQUIRE,
     EXTEND,
     EXTEND_MANY,
     FENCE_GRACE_MS,
     FORCE_RELEASE,
+    GIVE_BACK,
     INDEX,
     INDEX_BEGIN,
     INDEX_DONE,
@@ -88,6 +91,7 @@ __all__ = [
     "EXTEND_MANY",
     "FENCE_GRACE_MS",
     "FORCE_RELEASE",
+    "GIVE_BACK",
     "INDEX",
     "INDEX_BEGIN",
     "INDEX_DONE",
@@ -97,6 +101,8 @@ __all__ = [
     "LIST",
     "RELEASE",
     "SCRIPTS",
+    "_ATTEMPTS",
+    "_KINDS",
     "_NEXT_TOKEN",
     "Keys",
     "Location",

@@ -10,13 +10,13 @@ import asyncio
 import contextlib
 import logging
 import math
-import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import redis
 from distlocks import process
+from distlocks.backends.redis.background import _background, _start_drain
 from distlocks.backends.redis.clients import (
     RedisClients,
     Undo,
@@ -34,11 +34,6 @@ from redis.exceptions import NoScriptError, RedisClusterException, SlotNotCovere
 logger = logging.getLogger("distlocks.backends.redis")
 
 _DRIVER_ERRORS = (redis.RedisError, RedisClusterException)
-
-#: How long a give-back sent behind an unanswered request waits for the two replies
-#: before its connection is closed. Closing is safe at any time (see
-#: RedisCalls._give_back_behind); waiting only spares the server a reset connection.
-GIVE_BACK_DRAIN = 30.0
 
 # A Redis Cluster node's refusals of a call (keys of two slots, or of another node's).
 _CLUSTER_REPLIES = (redis.exceptions.ClusterCrossSlotError, redis.exceptions.AskError)
@@ -69,34 +64,38 @@ def _is_unavailable(exc: Exception) -> bool:
     return any(word in str(exc) for word in _UNAVAILABLE_REPLIES)
 
 
+# What distlocks keeps at each key of a name (the key after the name's base, see
+# .keys and .permits), for the error that names a key of the wrong type: the suffix,
+# the type, and what it is.
+_KEY_KINDS = {
+    suffix: (kind, what.strip())
+    for suffix, kind, what in (
+        line.split(None, 2)
+        for line in """
+        lock          hash    the lock
+        fence         string  the fencing counter
+        waiters       zset    the waiters
+        queue         zset    the fair queue
+        signal        list    the wake-ups
+        sem           zset    the semaphore's permits
+        sem:info      hash    the semaphore's holders
+        sem:waiters   zset    the semaphore's waiters
+        sem:signal    list    the semaphore's wake-ups
+        rw            zset    the read-write lock's leases
+        rw:info       hash    the read-write lock's holders
+        rw:writer     string  the read-write lock's writer
+        rw:wwait      zset    the read-write lock's waiting writers
+        rw:rwait      zset    the read-write lock's waiting readers
+        rw:wsig       list    the writers' wake-ups
+        rw:rsig       list    the readers' wake-ups
+        rw:fence      string  the write fencing counter
+        """.strip().splitlines()
+    )
+}
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _drain(conn: Any, replies: int, slot: Any, pool: Any) -> None:
-    """Read the ``replies`` still due on ``conn`` (the unanswered request's, then its
-    give-back's), then close it and give it back: to ``pool`` (if it was checked out of
-    it), or with ``slot`` (its pinned slot, if it was one, dropped when this ends)."""
-    try:
-        for _ in range(replies):
-            # An error reply (the script's, NOSCRIPT) is a reply all the same.
-            with contextlib.suppress(redis.ResponseError):
-                conn.read_response(timeout=GIVE_BACK_DRAIN, disconnect_on_error=False)
-    except Exception as exc:
-        # Closing now is safe: what was written goes out before the FIN, and the
-        # server runs it in order (or drops the rest of it with the connection).
-        logger.debug("Stopped waiting for the give-back's reply: %s", exc)
-    finally:
-        conn.disconnect()
-        if pool is not None:
-            pool.release(conn)
-        del slot
-
-
-def _start_drain(conn: Any, replies: int, slot: Any, pool: Any) -> None:
-    threading.Thread(
-        target=_drain, args=(conn, replies, slot, pool), daemon=True, name="distlocks-give-back"
-    ).start()
 
 
 def _unpinned(backend_ref: Any, pool: Any) -> None:
@@ -266,25 +265,8 @@ class RedisCalls(RedisClients):
     def _expected_types(self, name: str) -> dict[str, tuple[str, str]]:
         """The keys of ``name`` (lock, semaphore and read-write lock) and of the listing
         index, each with the type distlocks keeps there and what it is."""
-        k = self.all_keys(name)
-        base = k.lock.removesuffix(":lock")
-        found = {
-            k.lock: ("hash", "the lock"), k.fence: ("string", "the fencing counter"),
-            k.waiters: ("zset", "the waiters"), k.queue: ("zset", "the fair queue"),
-            k.signal: ("list", "the wake-ups"),
-            f"{base}:sem": ("zset", "the semaphore's permits"),
-            f"{base}:sem:info": ("hash", "the semaphore's holders"),
-            f"{base}:sem:waiters": ("zset", "the semaphore's waiters"),
-            f"{base}:sem:signal": ("list", "the semaphore's wake-ups"),
-            f"{base}:rw": ("zset", "the read-write lock's leases"),
-            f"{base}:rw:info": ("hash", "the read-write lock's holders"),
-            f"{base}:rw:writer": ("string", "the read-write lock's writer"),
-            f"{base}:rw:wwait": ("zset", "the read-write lock's waiting writers"),
-            f"{base}:rw:rwait": ("zset", "the read-write lock's waiting readers"),
-            f"{base}:rw:wsig": ("list", "the writers' wake-ups"),
-            f"{base}:rw:rsig": ("list", "the readers' wake-ups"),
-            f"{base}:rw:fence": ("string", "the write fencing counter"),
-        }  # fmt: skip
+        base = self.all_keys(name).lock.removesuffix(":lock")
+        found = {f"{base}:{suffix}": kind for suffix, kind in _KEY_KINDS.items()}
         if self.listing_index:
             found[self.index_key] = ("hash", "the listing index")
             found[self.index_permits_key] = ("set", "the listing index's permits set")
@@ -314,13 +296,20 @@ class RedisCalls(RedisClients):
             "(DEL) and try again; this call changed nothing it reports."
         )
 
-    def _acquire_error(self, name: str, owner: str, exc: Exception) -> LockError:
-        """:meth:`_error` for an acquire, which a timeout leaves in doubt."""
+    def _acquire_error(
+        self, name: str, owner: str, exc: Exception, undo: Undo | None = None
+    ) -> LockError:
+        """:meth:`_error` for an acquire, which a timeout leaves in doubt. ``undo``: the
+        give-back of that very request (see :meth:`_give_back_elsewhere`); without it
+        (a caller that has none), the owner's release."""
         if isinstance(exc, redis.TimeoutError):
             # The script may have run and only the reply was lost: give the lock
             # back rather than leave it held by a lease nobody knows about. In the
             # background, so the caller hears of the outage after one timeout.
-            threading.Thread(target=self.release_quietly, args=(name, owner), daemon=True).start()
+            if undo is not None:
+                self._give_back_elsewhere(undo, "after a reply that did not come")
+            else:
+                _background(self.release_quietly, name, owner)
         return self._error("acquire", name, exc)
 
     def _demoted(self, exc: redis.ResponseError) -> bool:
@@ -416,24 +405,27 @@ class RedisCalls(RedisClients):
                     self._give_back_behind(conn, undo, 1)
                 raise
 
-    def _give_back_elsewhere(self, undo: Undo | None) -> None:
-        """Give back, in the background and on a new connection, what a request may
-        have taken before its connection broke (its retry broke too): the server may
+    def _give_back_elsewhere(
+        self, undo: Undo | None, why: str = "after a broken connection"
+    ) -> None:
+        """Give back, in the background and on another connection, what a request may
+        have taken: after its connection broke (its retry broke too: the server may
         still run what it had received, but nothing written on the broken connection
-        can follow it any more."""
-        if undo is None:
-            return
+        can follow it any more), and after a timeout or a cancellation, besides the
+        give-back sent behind it. The give-back names its request (see GIVE_BACK), so
+        it takes back nothing another request was granted, whenever it runs."""
+        if undo is not None:
+            _background(self._give_back_now, undo, why)
 
-        def give_back() -> None:
-            command = _undo_command(undo)
-            try:
-                with self._errors("give back", str(command[3] if len(command) > 3 else "")):
-                    self.client.execute_command(*command)
-            except Exception as exc:
-                log_expected(logger, exc, "Could not give back after a broken connection "
-                             "on backend %r; it lapses with its ttl", self.alias)  # fmt: skip
-
-        threading.Thread(target=give_back, daemon=True, name="distlocks-give-back").start()
+    def _give_back_now(self, undo: Undo, why: str) -> None:
+        command = _undo_command(undo)
+        key = str(command[3] if len(command) > 3 else "")
+        try:
+            with self._errors("give back", key):
+                self.client.execute_command(*command)
+        except Exception as exc:
+            log_expected(logger, exc, "Could not give back %s (key %r) on backend %r; it "
+                         "lapses with its ttl", why, key, self.alias)  # fmt: skip
 
     def _give_back_behind(self, conn: Any, undo: Undo, pending: int) -> None:
         """Give back what the request(s) on ``conn`` whose ``pending`` replies have not

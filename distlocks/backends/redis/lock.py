@@ -10,7 +10,6 @@ import itertools
 import json
 import os
 import secrets
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,12 +22,13 @@ from distlocks.backends.base import (
 from distlocks.backends.redis.calls import (
     _DRIVER_ERRORS,
     RedisCalls,
+    Undo,
     _asend,
     _hiredis_pack,
     _HiredisPacker,
     _write_behind,
 )
-from distlocks.backends.redis.scripts import RELEASE
+from distlocks.backends.redis.scripts import GIVE_BACK
 from distlocks.exceptions import LockError
 from redis.exceptions import ClusterCrossSlotError, NoScriptError
 
@@ -53,6 +53,11 @@ def release_id() -> str:
     return f"{_process_id[0]}.{next(_release_ids)}"
 
 
+#: Acquire requests are numbered the same way: the id a grant records, which the
+#: give-back of that request names (see _ATTEMPTS in :mod:`.scripts`).
+request_id = release_id
+
+
 def _extra_json(extra: Mapping[str, Any]) -> str:
     return json.dumps(dict(extra), separators=(",", ":")) if extra else "{}"
 
@@ -67,9 +72,10 @@ class RedisLocks(RedisCalls):
         # A waiter's registration outlives one blocking wait by a margin; it is
         # renewed at every attempt, and dropped by the others once it lapses.
         register_ms = round((min(wait, self.wait_chunk) + 1.0) * 1000) if wait > 0 else 0
+        # The fair flag, then this request's id (what its give-back names).
         args = [
             owner, max(1, round(ttl * 1000)), name, holder.host, holder.pid, holder.thread,
-            _extra_json(holder.extra), register_ms, int(fair),
+            _extra_json(holder.extra), register_ms, f"{int(fair)}{request_id()}",
         ]  # fmt: skip
         return [keys.lock, keys.fence, keys.waiters, keys.queue], args
 
@@ -81,6 +87,10 @@ class RedisLocks(RedisCalls):
     ) -> tuple[list[str], list[Any]]:
         keys, args = self._acquire_call(name, owner, ttl, holder, wait, fair)
         return keys + self._index, args
+
+    def _acquire_undo(self, name: str, owner: str, args: list[Any]) -> Undo:
+        """The give-back of the acquire call ``args`` (see calls.Undo)."""
+        return (self._lock_undo, name, owner, args[8][1:])
 
     @staticmethod
     def _acquire_result(reply: list[int]) -> AcquireResult:
@@ -99,16 +109,18 @@ class RedisLocks(RedisCalls):
         fair: bool = False,
     ) -> AcquireResult:
         keys, args = self._indexed_acquire_call(name, owner, ttl, holder, wait, fair)
+        undo = self._acquire_undo(name, owner, args)
         try:
-            reply = self._run_taking("acquire", keys, args, (self._lock_undo, name, owner))
+            reply = self._run_taking("acquire", keys, args, undo)
         except _DRIVER_ERRORS as exc:
-            raise self._acquire_error(name, owner, exc) from exc
+            raise self._acquire_error(name, owner, exc, undo) from exc
         return self._acquire_result(reply)
 
-    def _lock_undo(self, name: str, owner: str) -> tuple[str, list[str], list[Any]]:
-        """The give-back of an acquire of ``name`` by ``owner`` left unanswered: its
-        release (see calls.Undo)."""
-        return (RELEASE, *self._indexed_release_call(name, owner))
+    def _lock_undo(self, name: str, owner: str, rid: str) -> tuple[str, list[str], list[Any]]:
+        """The give-back of the acquire request ``rid`` of ``name`` by ``owner``, left
+        unanswered: what that request was granted, and only that (see GIVE_BACK)."""
+        keys, args = self._release_call(name, owner)
+        return GIVE_BACK, keys + self._index, [*args, name, rid]
 
     async def aacquire(
         self,
@@ -121,18 +133,20 @@ class RedisLocks(RedisCalls):
         fair: bool = False,
     ) -> AcquireResult:
         keys, args = self._indexed_acquire_call(name, owner, ttl, holder, wait, fair)
+        undo = self._acquire_undo(name, owner, args)
         # A plain except, as in acquire(): a generator-based context manager per call
         # costs more than the rest of this method's Python work.
         try:
-            reply = await self._arun("acquire", keys, args, (self._lock_undo, name, owner))
+            reply = await self._arun("acquire", keys, args, undo)
         except _DRIVER_ERRORS as exc:
-            raise self._acquire_error(name, owner, exc) from exc
+            raise self._acquire_error(name, owner, exc, undo) from exc
         except asyncio.CancelledError:
             # Cancelled (a timeout or task group around alock()) with the script maybe
             # sent: the server may still run it and grant a lock whose owner nobody
-            # knows, to renew or release. Give it back, in a worker so the cancellation
-            # goes on at once (a release of a lock never taken changes nothing).
-            self._executor(False).submit(self.release_quietly, name, owner)
+            # knows, to renew or release. Give it back, in the background so the
+            # cancellation goes on at once (a give-back of a request never granted
+            # changes nothing).
+            self._give_back_elsewhere(undo, "after a cancelled acquire")
             raise
         return self._acquire_result(reply)
 
@@ -359,6 +373,7 @@ class RedisLocks(RedisCalls):
         if conn is None:
             return None
         keys, args = self._indexed_acquire_call(name, owner, ttl, holder, wait, fair)
+        undo = self._acquire_undo(name, owner, args)
         registered = self._scripts["acquire"]
         pop = ("BLPOP", self._wait_key(name, owner, fair), f"{seconds:.3f}")
         run = ("EVALSHA", registered.sha, len(keys), *keys, *args)
@@ -387,16 +402,16 @@ class RedisLocks(RedisCalls):
             return None
         except redis.TimeoutError as exc:
             # A reply is late: the attempt may still run. Give it back behind it.
-            self._give_back_behind(conn, (self._lock_undo, name, owner), pending)
-            raise self._acquire_error(name, owner, exc) from exc
+            self._give_back_behind(conn, undo, pending)
+            raise self._acquire_error(name, owner, exc, undo) from exc
         except _DRIVER_ERRORS as exc:
             # A reply may still be unread: this connection cannot be trusted any more.
             conn.disconnect()
-            raise self._acquire_error(name, owner, exc) from exc
+            raise self._acquire_error(name, owner, exc, undo) from exc
         except BaseException:
             # Interrupted with the attempt sent: it may have taken the lock for an owner
             # nobody will release. Give it back, behind it, as after a timeout.
-            self._give_back_behind(conn, (self._lock_undo, name, owner), pending)
+            self._give_back_behind(conn, undo, pending)
             raise
         result = self._acquire_result(reply)
         if wake_error is not None and not result.acquired:
@@ -432,6 +447,7 @@ class RedisLocks(RedisCalls):
         try:
             left = max(0.01, seconds - (time.monotonic() - started))
             keys, args = self._indexed_acquire_call(name, owner, ttl, holder, wait, fair)
+            undo = self._acquire_undo(name, owner, args)
             registered = side.scripts["acquire"]
             await _asend(
                 conn,
@@ -453,18 +469,18 @@ class RedisLocks(RedisCalls):
             return None  # the caller's plain acquire reconnects (safe to repeat, by owner)
         except redis.TimeoutError as exc:
             # A reply is late: the attempt may still run. Give it back behind it.
-            _write_behind(conn, (self._lock_undo, name, owner))
+            _write_behind(conn, undo)
             await conn.disconnect(nowait=True)
-            raise self._acquire_error(name, owner, exc) from exc
+            raise self._acquire_error(name, owner, exc, undo) from exc
         except _DRIVER_ERRORS as exc:
             await conn.disconnect(nowait=True)
-            raise self._acquire_error(name, owner, exc) from exc
+            raise self._acquire_error(name, owner, exc, undo) from exc
         except BaseException:
             # Cancelled with the attempt sent: give back what it may have taken, behind
             # it on this connection, and on another in case this one is broken.
-            _write_behind(conn, (self._lock_undo, name, owner))
+            _write_behind(conn, undo)
             await conn.disconnect(nowait=True)
-            threading.Thread(target=self.release_quietly, args=(name, owner), daemon=True).start()
+            self._give_back_elsewhere(undo, "after a cancelled acquire")
             raise
         finally:
             side.idle.append(conn)

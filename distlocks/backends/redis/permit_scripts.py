@@ -5,16 +5,18 @@ docstring.
 
 from __future__ import annotations
 
+from distlocks.backends.redis.index_scripts import _SWEEP, INDEX_SWEEP_EVERY
 from distlocks.backends.redis.scripts import (
+    _ATTEMPTS,
     _COUNTER,
     _KINDS,
     FENCE_GRACE_MS,
-    INDEX_SWEEP_COUNT,
-    INDEX_SWEEP_EVERY,
 )
 
 _COMMON = (
     _KINDS
+    + _ATTEMPTS
+    + _SWEEP
     + """
 local now = redis.call('TIME')
 local now_ms = now[1] * 1000 + math.floor(now[2] / 1000)
@@ -79,31 +81,23 @@ end
 -- all the same, so that nothing here fails a grant already written.
 local function permits_sweep(index)
   if now[2] % INDEX_SWEEP_EVERY ~= 0 then return end
-  local state = index .. ':sweep'
-  local cursor = redis.pcall('GET', state)
-  if type(cursor) ~= 'string' or #cursor > 19 or not string.match(cursor, '^%d+$') then
-    cursor = '0'
-  end
-  local found = redis.pcall('SSCAN', index, cursor, 'COUNT', INDEX_SWEEP_COUNT)
-  if found.err then
-    redis.pcall('SET', state, '0')
-    return
-  end
-  local gone = {}
-  for _, info in ipairs(found[2]) do
-    -- Members other than info hashes (the index's epoch) are the listing's.
-    local suffix = string.match(info, ':(%a+):info$')
-    if (suffix == 'sem' or suffix == 'rw')
-        and redis.call('EXISTS', info, string.sub(info, 1, -6)) == 0 then
-      gone[#gone + 1] = info
+  sweep_step(index, 'SSCAN', 'SREM', function(members)
+    local gone = {}
+    for _, info in ipairs(members) do
+      -- Members other than info hashes (the index's epoch) are the listing's.
+      local suffix = string.match(info, ':(%a+):info$')
+      if (suffix == 'sem' or suffix == 'rw')
+          and redis.call('EXISTS', info, string.sub(info, 1, -6)) == 0 then
+        gone[#gone + 1] = info
+      end
     end
-  end
-  if #gone > 0 then redis.call('SREM', index, unpack(gone)) end
-  redis.call('SET', state, found[1])
+    return gone
+  end)
 end
 
-local function holder_json(raw, kind, token, ttl)
+local function holder_json(raw, kind, token, ttl, rid)
   local h = cjson.decode(raw)
+  h.attempts = (rid == nil or rid == '') and '*' or rid
   h.kind = kind
   -- Strings: cjson would round numbers of more than 14 digits.
   h.token = string.format('%d', token)
@@ -111,6 +105,31 @@ local function holder_json(raw, kind, token, ttl)
   h.ttl = ttl
   h.renewals = 0
   return cjson.encode(h)
+end
+
+-- A permit granted again to its owner (``raw``: its details, read before the call's
+-- first write): the request ``rid`` is one more it was granted by.
+local function granted_again(info, owner, raw, rid)
+  if not raw then return end
+  local h = cjson.decode(raw)
+  h.attempts = attempts_with(h.attempts, rid or '')
+  redis.call('HSET', info, owner, cjson.encode(h))
+end
+
+-- The give-back of the acquire request ``rid`` of a permit of ``owner`` (see GIVE_BACK
+-- in .scripts): true when the permit is to be released (no other request it was
+-- granted by is left); otherwise it writes the requests left, if any changed.
+local function giving_back(info, owner, rid, kind)
+  local raw = redis.call('HGET', info, owner)
+  if not raw then return false end
+  local h = cjson.decode(raw)
+  if kind and h.kind ~= kind then return false end
+  local left = attempts_without(h.attempts, rid)
+  if left == nil then return false end
+  if left == '' then return true end
+  h.attempts = left
+  redis.call('HSET', info, owner, cjson.encode(h))
+  return false
 end
 
 local function renewed(info, owner, ttl)
@@ -133,14 +152,15 @@ local function listing(holders, info, waiting)
   end
   return out
 end
-""".replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
-    .replace("INDEX_SWEEP_EVERY", str(INDEX_SWEEP_EVERY))
-    .replace("INDEX_SWEEP_COUNT", str(INDEX_SWEEP_COUNT))
+""".replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS)).replace(
+        "INDEX_SWEEP_EVERY", str(INDEX_SWEEP_EVERY)
+    )
 )
 
 # -- semaphores. KEYS: holders, info, waiters, signal. ------------------------------
 
-# ARGV: owner, ttl ms, limit, holder JSON, registration ms (0: not waiting).
+# ARGV: owner, ttl ms, limit, holder JSON, registration ms (0: not waiting), the
+# request's id (see _ATTEMPTS in .scripts).
 # Returns {1, 0, ttl ms} when granted; {0, 0, ms until the first permit ends} when not.
 SEM_ACQUIRE = (
     _COMMON
@@ -150,8 +170,11 @@ local owner, ttl = ARGV[1], tonumber(ARGV[2])
 -- Each command that can fail (a key of the wrong type) runs before the permit is
 -- written (see "Half-written" in .scripts): a failure grants nothing.
 if redis.call('ZSCORE', KEYS[1], owner) then
-  -- A retried request whose first reply was lost: it is ours.
+  -- A retried request whose first reply was lost, or the owner acquiring again: it
+  -- is ours, and this request is one more it was granted by.
+  local raw = redis.call('HGET', KEYS[2], owner)
   if KEYS[5] then redis.call('SADD', KEYS[5], KEYS[2]) end
+  granted_again(KEYS[2], owner, raw, ARGV[6])
   redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
   tidy(KEYS[1], KEYS[2])
   if KEYS[5] then permits_sweep(KEYS[5]) end
@@ -160,7 +183,7 @@ end
 if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3]) then
   if KEYS[5] then redis.call('SADD', KEYS[5], KEYS[2]) end
   redis.call('ZREM', KEYS[3], owner)
-  redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], 'semaphore', 0, ttl))
+  redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], 'semaphore', 0, ttl, ARGV[6]))
   redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
   tidy(KEYS[1], KEYS[2])
   if KEYS[5] then permits_sweep(KEYS[5]) end
@@ -199,6 +222,21 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 tidy(KEYS[1], KEYS[2])
 return 1
 """
+)
+
+# KEYS as SEM_RELEASE's. ARGV: owner, then the id of the acquire request to give back.
+# The give-back of a permit acquire left unanswered: it releases the permit only if no
+# other request of the owner was granted it too (see GIVE_BACK in .scripts); no
+# tombstone. The request's id is taken off ARGV first: SEM_RELEASE sees no request id.
+SEM_GIVE_BACK = (
+    """
+local rid = table.remove(ARGV)
+"""
+    + _COMMON
+    + """
+if not giving_back(KEYS[2], ARGV[1], rid) then return 0 end
+"""
+    + SEM_RELEASE.removeprefix(_COMMON)
 )
 
 # ARGV: owner, ttl ms.
@@ -335,7 +373,8 @@ end
 """.replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
 )
 
-# ARGV: kind ('read' or 'write'), owner, ttl ms, holder JSON, registration ms.
+# ARGV: kind ('read' or 'write'), owner, ttl ms, holder JSON, registration ms, the
+# request's id (see _ATTEMPTS in .scripts).
 # Returns {1, token, ttl ms} when granted (token 0 for a reader); {0, 0, ms until the
 # lease in the way ends, or -3 when a waiting writer is in the way} when not.
 RW_ACQUIRE = (
@@ -346,13 +385,16 @@ local kind, owner, ttl, reg = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV
 -- Each command that can fail (a key of the wrong type) runs before the lease is
 -- written (see "Half-written" in .scripts): a failure grants nothing.
 if redis.call('ZSCORE', KEYS[1], owner) then
-  -- A retried request whose first reply was lost: it is ours.
+  -- A retried request whose first reply was lost, or the owner acquiring again: it
+  -- is ours, and this request is one more it was granted by.
   local fence = read_fence()
+  local raw = redis.call('HGET', KEYS[2], owner)
   if KEYS[9] then redis.call('SADD', KEYS[9], KEYS[2]) end
   local token = 0
   if writer == owner then
-    token = tonumber(cjson.decode(redis.call('HGET', KEYS[2], owner)).token)
+    token = tonumber(cjson.decode(raw).token)
   end
+  granted_again(KEYS[2], owner, raw, ARGV[6])
   redis.call('ZADD', KEYS[1], now_ms + ttl, owner)
   tidy(KEYS[1], KEYS[2], KEYS[3])
   keep_fence(fence)
@@ -388,7 +430,7 @@ if kind == 'write' then
   token = next_token(KEYS[8], fence)
   fence = string.format('%d', token)
 end
-redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], kind, token, ttl))
+redis.call('HSET', KEYS[2], owner, holder_json(ARGV[4], kind, token, ttl, ARGV[6]))
 if kind == 'write' then
   redis.call('SET', KEYS[3], owner)
   redis.call('ZREM', KEYS[4], owner)
@@ -431,6 +473,19 @@ tidy(KEYS[1], KEYS[2], KEYS[3])
 keep_fence(fence)  -- down to the leases left: a long released one no longer counts
 return 1
 """
+)
+
+# KEYS as RW_RELEASE's. ARGV: kind, owner, then the id of the acquire request to give
+# back: SEM_GIVE_BACK for a read-write lock.
+RW_GIVE_BACK = (
+    """
+local rid = table.remove(ARGV)
+"""
+    + _RW
+    + """
+if not giving_back(KEYS[2], ARGV[2], rid, ARGV[1]) then return 0 end
+"""
+    + RW_RELEASE.removeprefix(_RW)
 )
 
 # ARGV: kind, owner, ttl ms.

@@ -41,7 +41,6 @@ import datetime as dt
 import hashlib
 import json
 import logging
-import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -58,24 +57,26 @@ from distlocks.backends.base import (
     moment,
     permit_family,
 )
-from distlocks.backends.redis.lock import RedisLocks, release_id
+from distlocks.backends.redis.calls import Undo
+from distlocks.backends.redis.lock import RedisLocks, release_id, request_id
 from distlocks.backends.redis.permit_scripts import (
     PERMITS_TIDY,
     RW_ACQUIRE,
     RW_EXTEND,
     RW_FORCE,
+    RW_GIVE_BACK,
     RW_LEAVE,
     RW_LIST,
     RW_RELEASE,
     SEM_ACQUIRE,
     SEM_EXTEND,
     SEM_FORCE,
+    SEM_GIVE_BACK,
     SEM_LEAVE,
     SEM_LIST,
     SEM_RELEASE,
 )
 from distlocks.exceptions import LockBackendUnavailable
-from distlocks.logs import log_expected
 
 logger = logging.getLogger("distlocks.backends.redis")
 
@@ -100,12 +101,14 @@ class _Script:
 _SCRIPTS = {
     (SEMAPHORE, "acquire"): _Script(SEM_ACQUIRE),
     (SEMAPHORE, "release"): _Script(SEM_RELEASE),
+    (SEMAPHORE, "give_back"): _Script(SEM_GIVE_BACK),
     (SEMAPHORE, "extend"): _Script(SEM_EXTEND),
     (SEMAPHORE, "leave"): _Script(SEM_LEAVE),
     (SEMAPHORE, "force"): _Script(SEM_FORCE),
     (SEMAPHORE, "list"): _Script(SEM_LIST),
     (RWLOCK, "acquire"): _Script(RW_ACQUIRE),
     (RWLOCK, "release"): _Script(RW_RELEASE),
+    (RWLOCK, "give_back"): _Script(RW_GIVE_BACK),
     (RWLOCK, "extend"): _Script(RW_EXTEND),
     (RWLOCK, "leave"): _Script(RW_LEAVE),
     (RWLOCK, "force"): _Script(RW_FORCE),
@@ -174,6 +177,27 @@ class RedisPermits(RedisLocks):
         wait: float = 0.0,
     ) -> AcquireResult:
         self.check_permit_kind(kind)
+        script, keys, args, undo = self._permit_acquire_call(
+            kind, name, owner, ttl, holder, limit, wait
+        )
+        # On a connection in hand: a reply that does not come has the permit's give-back
+        # sent behind the request, on the same connection (see _run_taking).
+        try:
+            with self._errors("acquire", name):
+                granted, token, remaining_ms = self._run_taking(script, keys, args, undo)
+        except LockBackendUnavailable as exc:
+            if isinstance(exc.__cause__, redis.TimeoutError):
+                # The script may have run and only the reply was lost: give the permit
+                # back rather than leave it to a lease nobody knows about.
+                self._give_back_elsewhere(undo, "after a reply that did not come")
+            raise
+        remaining = None if remaining_ms < 0 else remaining_ms / 1000
+        return AcquireResult(bool(granted), int(token), remaining)
+
+    def _permit_acquire_call(
+        self, kind: str, name: str, owner: str, ttl: float, holder: Holder, limit: int, wait: float
+    ) -> tuple[_Script, list[str], list[Any], Undo]:
+        """The acquire script of a permit, its keys and arguments, and its give-back."""
         about = {
             "name": name,
             "host": holder.host,
@@ -185,34 +209,22 @@ class RedisPermits(RedisLocks):
         keys = self._permit_keys(kind, name)
         if self.listing_index:
             keys.append(self.index_permits_key)
+        # The request's id, last: what its give-back names (see SEM_GIVE_BACK).
+        rid = request_id()
         if kind == SEMAPHORE:
             about["limit"] = limit
-            op_args: list[Any] = [owner, ttl_ms, limit, json.dumps(about), self._register_ms(wait)]
+            args: list[Any] = [
+                owner,
+                ttl_ms,
+                limit,
+                json.dumps(about),
+                self._register_ms(wait),
+                rid,
+            ]
         else:
-            op_args = [kind, owner, ttl_ms, json.dumps(about), self._register_ms(wait)]
-        # On a connection in hand: a reply that does not come has the permit's release
-        # sent behind the request, on the same connection (see _run_taking).
-        script = _SCRIPTS[permit_family(kind), "acquire"]
-        undo = (self._permit_undo, kind, name, owner)
-        try:
-            with self._errors("acquire", name):
-                granted, token, remaining_ms = self._run_taking(script, keys, op_args, undo)
-        except LockBackendUnavailable as exc:
-            if isinstance(exc.__cause__, redis.TimeoutError):
-                # The script may have run and only the reply was lost: give the permit
-                # back rather than leave it to a lease nobody knows about.
-                threading.Thread(
-                    target=self._permit_release_quietly, args=(kind, name, owner), daemon=True
-                ).start()
-            raise
-        remaining = None if remaining_ms < 0 else remaining_ms / 1000
-        return AcquireResult(bool(granted), int(token), remaining)
-
-    def _permit_release_quietly(self, kind: str, name: str, owner: str) -> None:
-        try:
-            self.permit_release(kind, name, owner)
-        except Exception as exc:
-            log_expected(logger, exc, "Could not give back a %s permit of %r", kind, name)
+            args = [kind, owner, ttl_ms, json.dumps(about), self._register_ms(wait), rid]
+        undo = (self._permit_undo, kind, name, owner, rid)
+        return _SCRIPTS[permit_family(kind), "acquire"], keys, args, undo
 
     def _owner_args(self, kind: str, owner: str, *more: Any) -> list[Any]:
         return [owner, *more] if kind == SEMAPHORE else [kind, owner, *more]
@@ -226,10 +238,14 @@ class RedisPermits(RedisLocks):
             keys.append(self.index_permits_key)  # the name leaves it with its last permit
         return keys, self._owner_args(kind, owner, release_id())
 
-    def _permit_undo(self, kind: str, name: str, owner: str) -> tuple[str, list[str], list[Any]]:
-        """The give-back of a permit acquire left unanswered: its release."""
-        return (_SCRIPTS[permit_family(kind), "release"].lua,
-                *self._permit_release_call(kind, name, owner))  # fmt: skip
+    def _permit_undo(
+        self, kind: str, name: str, owner: str, rid: str
+    ) -> tuple[str, list[str], list[Any]]:
+        """The give-back of the permit acquire request ``rid``, left unanswered: what
+        that request was granted, and only that (see SEM_GIVE_BACK)."""
+        keys, args = self._permit_release_call(kind, name, owner)
+        args[-1] = rid  # in the release's id's place: the give-back leaves no tombstone
+        return _SCRIPTS[permit_family(kind), "give_back"].lua, keys, args
 
     def permit_release(self, kind: str, name: str, owner: str) -> bool:
         self.check_permit_kind(kind)

@@ -5,6 +5,14 @@ run by :mod:`.calls` (the key layout they expect is in :mod:`.keys`).
 
 from __future__ import annotations
 
+# The sweep's numbers are also read from here (the permits' scripts, tests).
+from distlocks.backends.redis.index_scripts import (  # noqa: F401
+    _INDEX_SWEEP,
+    INDEX_PRUNE_AFTER_MS,
+    INDEX_SWEEP_COUNT,
+    INDEX_SWEEP_EVERY,
+)
+
 #: How long a fencing counter is kept past its last change at the least (ms), by the
 #: plain lock's scripts below and the read-write lock's (:mod:`.permit_scripts`).
 FENCE_GRACE_MS = 5000
@@ -108,6 +116,41 @@ end
 # release repeated on purpose (or of a later lease of the same owner that was lost) is
 # still answered "not held". The key is declared (KEYS) like the lock's others.
 
+# The requests a lock or permit was granted by: a grant records the id of its request
+# (ARGV[9] after the fair flag: the argument list is the one the Celery scripts extend),
+# a grant to the owner that holds it already (a retry, or the same owner acquiring
+# again: owners are reused, a queue marker's is the task id) adds its own, and the
+# give-back of an acquire left unanswered (GIVE_BACK) takes back only its request's:
+# the entry goes only when no request it was granted by is left. So a late acquire,
+# and its give-back behind it, cannot release what a newer request of the same owner
+# was told it holds, whichever of them reaches the server first, and a request sent
+# again with its id (its first reply lost) is answered as granted, as before. '*' (kept
+# with the others) stands for the requests no longer listed: past ATTEMPTS_KEPT ids
+# (the same owner acquiring again and again) and entries written without ids; with it
+# the entry never goes by a give-back (its ttl or a release ends it).
+ATTEMPTS_KEPT = 8
+_ATTEMPTS = """
+local function attempts_with(ids, rid)
+  if rid == '' then rid = '*' end
+  local n = 0
+  for id in string.gmatch(ids or '*', '%S+') do
+    if id == rid then return ids end
+    n = n + 1
+  end
+  if n >= ATTEMPTS_KEPT then return '*' end
+  return (ids or '*') .. ' ' .. rid
+end
+-- The ids left once ``rid`` is taken back (nil when it was not among them).
+local function attempts_without(ids, rid)
+  local left, found = {}, false
+  for id in string.gmatch(ids or '*', '%S+') do
+    if id == rid then found = true else left[#left + 1] = id end
+  end
+  if not found then return nil end
+  return table.concat(left, ' ')
+end
+""".replace("ATTEMPTS_KEPT", str(ATTEMPTS_KEPT))
+
 # Forget waiters whose registration expired (they crashed or gave up silently).
 _PRUNE = """
 local function prune(waiters, queue, now_ms)
@@ -169,71 +212,10 @@ local function ms_now()
 end
 """
 
-# The listing index's sweep: about one grant in INDEX_SWEEP_EVERY (those whose fencing
-# token is a multiple of it: tokens follow the server clock in microseconds, so which
-# grants sweep is as good as random, and costs no counter) reads the next
-# INDEX_SWEEP_COUNT or so entries of the index (HSCAN, from the cursor kept in the string
-# ``<index>:sweep``) and drops those whose expiry (the entry's seventh field) is more than
-# INDEX_PRUNE_AFTER_MS past, so that a server whose leases expire unreleased and are never
-# listed does not keep an entry per lease ever taken. A full pass over N entries takes
-# about N * EVERY / COUNT grants and drops every entry that had expired when the pass
-# reached it; the entries of leases that expired since are dropped by the next pass. With
-# COUNT twice EVERY, a grant adds one entry while the sweep reads two on average: the
-# index holds at most about twice the leases live during the last two passes, plus those
-# that expired within the margin. The cost is a few microseconds in one grant out of EVERY,
-# where an expiry sorted set cost a ZADD and a range read per grant and a ZREM per release.
-# The lock's own key ends at the entry's expiry, give or take the time a script runs (the
-# same script set both, from the same clock): the margin makes sure it is gone, so the
-# entry dropped is one a listing would drop too. An entry without an expiry ('' for a lock
-# without one, or a whole entry '' for a lock whose fields hold a NUL) and the index's
-# epoch field are left to the listing, which checks each against its lock.
-INDEX_SWEEP_EVERY = 8
-INDEX_SWEEP_COUNT = 16
-INDEX_PRUNE_AFTER_MS = 1000
-_INDEX_SWEEP = (
-    """
-local function entry_expiry(value)
-  local at = 0
-  for _ = 1, 6 do
-    at = string.find(value, '\\0', at + 1, true)
-    if not at then return nil end
-  end
-  local stop = string.find(value, '\\0', at + 1, true)
-  if not stop then return nil end
-  return tonumber(string.sub(value, at + 1, stop - 1))
-end
-local function index_sweep(index, now_ms, token)
-  if token % INDEX_SWEEP_EVERY ~= 0 then return end
-  local state = index .. ':sweep'
-  -- This runs after the grant is written: an error here would fail a script whose lock
-  -- stays held, by an owner whose caller was told it failed. So a cursor that is not
-  -- one (lost, rewritten, of another type: pcall) starts the pass again instead.
-  local cursor = redis.pcall('GET', state)
-  if type(cursor) ~= 'string' or #cursor > 19 or not string.match(cursor, '^%d+$') then
-    cursor = '0'
-  end
-  local found = redis.pcall('HSCAN', index, cursor, 'COUNT', INDEX_SWEEP_COUNT)
-  if found.err then
-    redis.pcall('SET', state, '0')
-    return
-  end
-  local before, gone = now_ms - INDEX_PRUNE_AFTER_MS, {}
-  local fields = found[2]
-  for i = 1, #fields, 2 do
-    local expires = entry_expiry(fields[i + 1])
-    if expires and expires < before then gone[#gone + 1] = fields[i] end
-  end
-  if #gone > 0 then redis.call('HDEL', index, unpack(gone)) end
-  redis.call('SET', state, found[1])
-end
-""".replace("INDEX_PRUNE_AFTER_MS", str(INDEX_PRUNE_AFTER_MS))
-    .replace("INDEX_SWEEP_EVERY", str(INDEX_SWEEP_EVERY))
-    .replace("INDEX_SWEEP_COUNT", str(INDEX_SWEEP_COUNT))
-)
-
 # KEYS: lock hash, fence counter, waiters, queue[, listing index].
-# ARGV: owner, ttl ms, name, host, pid, thread, extra (JSON), wait ms, fair (0/1).
-# ARGV[3] (the name) is also the index field.
+# ARGV: owner, ttl ms, name, host, pid, thread, extra (JSON), wait ms, fair (0/1) and
+# the request's id right after it (see _ATTEMPTS). ARGV[3] (the name) is also the
+# index field.
 # Returns {1, token, ttl ms} when granted; {0, 0, holder's pttl or -3} when not.
 ACQUIRE = (
     _NOW
@@ -241,18 +223,23 @@ ACQUIRE = (
     + _PRUNE
     + _ENTRY
     + _INDEX_SWEEP
+    + _ATTEMPTS
     + """
+local rid = string.sub(ARGV[9], 2)
 local holder = redis.call('HGET', KEYS[1], 'owner')
 if holder == ARGV[1] then
-  -- Same owner: a retried request whose first reply was lost. It is ours.
+  -- Same owner: a retried request whose first reply was lost, or the owner acquiring
+  -- again. It is ours, and this request is one the entry was granted by.
   keep_fence(KEYS[2], now_ms + tonumber(ARGV[2]), now_ms)
   if KEYS[5] then
     reindex(KEYS[5], KEYS[1], ARGV[3], string.format('%d', now_ms + tonumber(ARGV[2])))
   end
+  redis.call('HSET', KEYS[1], 'attempts',
+             attempts_with(redis.call('HGET', KEYS[1], 'attempts'), rid))
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, tonumber(redis.call('HGET', KEYS[1], 'token')), tonumber(ARGV[2])}
 end
-local fair = ARGV[9] == '1'
+local fair = string.sub(ARGV[9], 1, 1) == '1'
 local wait_ms = tonumber(ARGV[8])
 local turn = not holder
 if turn and fair then
@@ -294,7 +281,7 @@ end
 redis.call('HSET', KEYS[1],
   'owner', ARGV[1], 'token', token, 'name', ARGV[3], 'host', ARGV[4], 'pid', ARGV[5],
   'thread', ARGV[6], 'extra', ARGV[7], 'ttl', ARGV[2], 'renewals', 0,
-  'acquired_at', now_ms)
+  'acquired_at', now_ms, 'attempts', rid == '' and '*' or rid)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 if KEYS[5] then index_sweep(KEYS[5], now_ms, token) end
 return {1, token, tonumber(ARGV[2])}
@@ -328,6 +315,31 @@ redis.call('DEL', KEYS[1])
 if ARGV[4] then redis.call('SET', KEYS[6], ARGV[4], 'PX', FENCE_GRACE_MS) end
 return 1
 """.replace("FENCE_GRACE_MS", str(FENCE_GRACE_MS))
+)
+
+# KEYS as RELEASE's. ARGV: owner, wake key prefix, name (as RELEASE's), then the id of
+# the acquire request to give back (see _ATTEMPTS). The give-back of an acquire left
+# unanswered, sent behind it on its connection (or on another one if that broke): it
+# takes back only what that request was granted, so it releases the lock only if no
+# other request of the owner was granted it too (a retry with another id, the same
+# owner acquiring again); it leaves no tombstone (it releases no lease anyone counts
+# on). Returns 1 if it released the lock. Redlock's masters run it too (ARGV[3]: the
+# attempt's id, unused here), where an entry its lease renewed ('attempt' = 'lease')
+# is never given back.
+GIVE_BACK = (
+    _ATTEMPTS
+    + """
+local rid = table.remove(ARGV)
+local entry = redis.call('HMGET', KEYS[1], 'owner', 'attempts', 'attempt')
+if entry[1] ~= ARGV[1] or entry[3] == 'lease' then return 0 end
+local left = attempts_without(entry[2], rid)
+if left == nil then return 0 end
+if left ~= '' then
+  redis.call('HSET', KEYS[1], 'attempts', left)
+  return 0
+end
+"""
+    + RELEASE
 )
 
 # KEYS: lock hash, fence counter[, listing index]. ARGV: owner, ttl ms[, name].
@@ -561,6 +573,7 @@ return 1
 SCRIPTS = {
     "acquire": ACQUIRE,
     "release": RELEASE,
+    "give_back": GIVE_BACK,
     "extend": EXTEND,
     "keep": KEEP,
     "extend_many": EXTEND_MANY,

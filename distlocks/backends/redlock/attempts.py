@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from distlocks.backends.base import AcquireResult, Holder
+from distlocks.backends.redis import lock as single
 from distlocks.backends.redlock.masters import RedlockMasters, _quietly
 from distlocks.backends.redlock.quorum import _Replies
 from distlocks.backends.redlock.scripts import GIVE_BACK
@@ -28,6 +29,12 @@ RETRY_JITTER = 0.03
 
 _attempt_ids = itertools.count(1)
 _attempt_ids_lock = threading.Lock()
+
+
+def _attempt_request(attempt: str) -> str:
+    """The request id of ``attempt`` on every master (see the single-node GIVE_BACK):
+    unique across processes, where attempt ids are only ordered within one."""
+    return f"{single._process_id[0]}.a{attempt}"
 
 
 def _next_attempt() -> str:
@@ -66,6 +73,7 @@ class RedlockAttempts(RedlockMasters):
         # timeout: here a failed attempt cleans up with GIVE_BACK.
         master = self.masters[index]
         keys, args = master._acquire_call(name, owner, ttl, holder, wait, fair)
+        args[8] = f"{int(fair)}{_attempt_request(attempt)}"  # the attempt's request id
         # On a connection in hand: a reply that does not come has this attempt's
         # GIVE_BACK sent behind the request on the same connection, so it runs after
         # the request however late that reaches the master (see _run_taking).
@@ -78,7 +86,7 @@ class RedlockAttempts(RedlockMasters):
         self, index: int, name: str, owner: str, attempt: str
     ) -> tuple[str, list[str], list[Any]]:
         keys, args = self.masters[index]._release_call(name, owner)
-        return GIVE_BACK, keys, [*args, attempt]
+        return GIVE_BACK, keys, [*args, attempt, _attempt_request(attempt)]
 
     def acquire(
         self,
@@ -176,7 +184,8 @@ class RedlockAttempts(RedlockMasters):
     def _give_back_on(self, index: int, name: str, owner: str, attempt: str) -> bool:
         master = self.masters[index]
         keys, args = master._release_call(name, owner)
-        return bool(self._run(index, "give_back", "release", name, keys, [*args, attempt]))
+        args += (attempt, _attempt_request(attempt))
+        return bool(self._run(index, "give_back", "release", name, keys, args))
 
     def _give_back(
         self, name: str, owner: str, attempt: str, ttl: float, replies: _Replies[AcquireResult]

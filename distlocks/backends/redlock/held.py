@@ -75,7 +75,9 @@ class RedlockHeld(RedlockMasters):
 
             replies = self._round(extend)
             for at in range(len(chunk)):
-                yes = sum(1 for answers in replies.results.values() if answers[at])
+                # -1: that master's keys of the lease hold values of another type (see
+                # EXTEND_MANY): not renewed there, as a master without the entry.
+                yes = sum(1 for answers in replies.results.values() if answers[at] == 1)
                 outcome = verdict(yes, len(replies.results) - yes, len(self.masters))
                 if outcome is None:
                     results.append(self._unconfirmed("renew", chunk[at][0], yes, replies))
