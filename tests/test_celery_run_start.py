@@ -103,6 +103,10 @@ def _raw(backend: Any, client: Any, name: str) -> dict[str, Any]:
                     field: (field in _VARYING) or value.replace(name.encode(), b"<name>")
                     for field, value in client.hgetall(key).items()
                 }
+                if b"attempts" in data:
+                    # The ids of the requests the entry was granted by: one per call,
+                    # so only how many are kept can match.
+                    data[b"attempts"] = len(client.hget(key, "attempts").split())
             elif kind == "string":
                 data = True if key.decode() == keys.fence else client.get(key)
             elif kind == "zset":

@@ -692,9 +692,9 @@ class SingleExecutionTask(_TaskBase):
         try:
             replies = _together.send_together(backend, calls)
         except Exception as exc:
-            if hold:  # in doubt, like the run lock: given back
-                backend._acquire_error(marker_name, marker_owner, exc)  # type: ignore[attr-defined]
-            error = backend._acquire_error(name, owner, exc)  # type: ignore[attr-defined]
+            if hold:  # in doubt, like the run lock: given back (that request only)
+                _together.acquire_error(backend, marker_name, marker_owner, exc, calls[0][2])
+            error = _together.acquire_error(backend, name, owner, exc, calls[-1][2])
             _not_acquired(backend, name, began, error)
             raise error from exc
         if replies is None or (not hold and _together.refused_two_slots(backend, replies[0])):
@@ -707,8 +707,10 @@ class SingleExecutionTask(_TaskBase):
                 logger.warning("Could not release queue marker %r: %s", marker_name, marker_error)
         try:
             if hold and isinstance(marker_reply, Exception):
-                _together.acquired(backend, marker_name, marker_owner, marker_reply)  # raises
-            result = _together.acquired(backend, name, owner, run_reply)
+                _together.acquired(  # raises
+                    backend, marker_name, marker_owner, marker_reply, calls[0][2]
+                )
+            result = _together.acquired(backend, name, owner, run_reply, calls[-1][2])
         except LockError as error:
             # Nothing half-done stays behind: what was granted is given back.
             if not isinstance(run_reply, Exception) and run_reply[0]:
@@ -719,7 +721,7 @@ class SingleExecutionTask(_TaskBase):
             raise
         marker = None
         if hold:
-            held = _together.acquired(backend, marker_name, marker_owner, marker_reply)
+            held = _together.acquired(backend, marker_name, marker_owner, marker_reply, calls[0][2])
             if held.acquired:
                 marker = _granted(backend, marker_name, marker_owner, ttl, held, began)
         try:

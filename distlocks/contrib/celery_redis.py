@@ -324,11 +324,19 @@ def release_call(backend: Any, name: str, owner: str) -> tuple[str, list[str], l
     return "release", keys, args
 
 
-def acquired(backend: Any, name: str, owner: str, reply: Any) -> AcquireResult:
-    """An acquire script's reply (or its error) as ``backend.acquire()`` reports it."""
+def acquired(backend: Any, name: str, owner: str, reply: Any, args: list[Any]) -> AcquireResult:
+    """An acquire script's reply (or its error) as ``backend.acquire()`` reports it.
+    ``args``: the call's arguments, whose request id scopes the give-back of a reply
+    that did not come to that very request (the owner, a task id, is reused)."""
     if isinstance(reply, Exception):
-        raise backend._acquire_error(name, owner, reply) from reply
+        raise acquire_error(backend, name, owner, reply, args) from reply
     return backend._acquire_result(reply)
+
+
+def acquire_error(backend: Any, name: str, owner: str, exc: Exception, args: list[Any]) -> Any:
+    """``backend._acquire_error`` with the give-back of the request sent with ``args``
+    (the acquire script's nine first), not a release by owner."""
+    return backend._acquire_error(name, owner, exc, backend._acquire_undo(name, owner, args))
 
 
 def enqueue(
@@ -372,7 +380,7 @@ def enqueue(
             # message is queued, and its marker must stay to keep duplicates away
             # (a plain acquire's timeout gives the lock back in the background).
             raise backend._error("acquire", marker, exc) from exc
-        raise backend._acquire_error(marker, owner, exc) from exc
+        raise acquire_error(backend, marker, owner, exc, args) from exc
     if replies is None:
         if sends is not None:
             # The connection broke twice after the call was sent: the script may have
@@ -385,7 +393,7 @@ def enqueue(
     if refused_two_slots(backend, reply):
         return None  # nothing ran: the plain calls
     if isinstance(reply, Exception):
-        raise backend._acquire_error(marker, owner, reply) from reply
+        raise acquire_error(backend, marker, owner, reply, args) from reply
     kind = reply[0]
     if kind == 2:
         return RUNNING, _text(reply[1])
