@@ -89,7 +89,9 @@ class BaseLease:
     # A release is deciding, or sending its call, without the mutex (see
     # Lease._release): a renewal that has not sent its call yet leaves the lease to it.
     _releasing = False
-    # A release's server call is decided and not yet answered.
+    # A release decided beside a call in flight (see Lease._release) has not had its
+    # answer yet: a release that takes the mutex meanwhile sends nothing. (The releases
+    # that hold the mutex need no mark: nothing else decides while they hold it.)
     _unlocking = False
     _freed_on_server = False
     _depth = 1
@@ -310,9 +312,10 @@ class BaseLease:
     # server call (blocking in Lease, awaited in AsyncLease) and the bookkeeping of
     # its answer (here), so both flavours follow exactly the same rules.
 
-    def _release_step(self, deferrable: bool = False) -> str:
+    def _release_step(self, deferrable: bool = False, beside: bool = False) -> str:
         """What a release must do: ``RELEASE``, ``DEFER`` (only when ``deferrable``),
-        ``FREE_LOST`` or ``NOTHING``."""
+        ``FREE_LOST`` or ``NOTHING``. ``beside``: decided without the mutex, by the
+        release that marked its call (``_unlocking``) first (see Lease._release)."""
         if self._ended["pid"] != process.pid:  # _inherited(), inlined: on every release
             # A forked child: the lock is its parent's, still held there.
             logger.debug("Not releasing lock %r: it belongs to the parent process", self.name)
@@ -328,7 +331,7 @@ class BaseLease:
                 return NOTHING
             self._freed_on_server = True
             return FREE_LOST
-        if self._state != HELD or self._unlocking:
+        if self._state != HELD or (self._unlocking and not beside):
             # Ended, or another release's call is under way (one sent beside a renewal
             # in flight, see Lease._release): only one release sends its call.
             return NOTHING
@@ -340,7 +343,6 @@ class BaseLease:
         if deferrable and self._defer_release():
             return DEFER
         self._release_requested = True
-        self._unlocking = True  # cleared by its answer, or by its failure (a retry may send it)
         return RELEASE
 
     def _defer_release(self) -> bool:
@@ -376,7 +378,6 @@ class BaseLease:
 
     def _released(self, freed: bool) -> bool:
         self._freed_on_server = True
-        self._unlocking = False
         if not freed:
             self._mark_lost("the server no longer had it at release")
             return False
@@ -595,7 +596,7 @@ class Lease(BaseLease):
             # the mutex, which a thread of the parent may have held at the fork.
             return False
         mutex = self._mutex
-        if not mutex.acquire(blocking=False) and self._beside_a_call():
+        if not mutex.acquire(False) and self._beside_a_call():
             return self._release_beside(deferrable)
         try:
             step = self._release_step(deferrable)
@@ -603,14 +604,7 @@ class Lease(BaseLease):
                 return True  # accepted: the transaction's end frees it
             if step == FREE_LOST:
                 self._backend.release_quietly(self.name, self.owner)
-            if step != RELEASE:
-                return False
-            try:
-                freed = self._backend.release(self.name, self.owner)
-            except BaseException:
-                self._unlocking = False
-                raise
-            if not self._released(freed):
+            if step != RELEASE or not self._released(self._backend.release(self.name, self.owner)):
                 return False
         finally:
             mutex.release()
@@ -653,23 +647,25 @@ class Lease(BaseLease):
         ends that connection's session instead). The call in flight finds the lease
         released when it answers: its answer changes nothing, and the release, checked
         against the owner on the server, is never undone by it."""
-        try:
-            step = self._release_step(deferrable)
-        finally:
+        if self._unlocking:
             self._releasing = False
-        if step == DEFER:
-            return True
-        if step == FREE_LOST:
-            self._backend.release_quietly(self.name, self.owner)
-        if step != RELEASE:
-            return False
+            return False  # another release's call is under way
+        self._unlocking = True  # before deciding: a release taking the mutex sends nothing
         try:
-            freed = self._backend.release(self.name, self.owner)
-        except BaseException:
+            try:
+                step = self._release_step(deferrable, beside=True)
+            finally:
+                self._releasing = False
+            if step == DEFER:
+                return True
+            if step == FREE_LOST:
+                self._backend.release_quietly(self.name, self.owner)
+            if step != RELEASE or not self._released(self._backend.release(self.name, self.owner)):
+                return False
+        finally:
+            # Once the answer is recorded (a failure leaves it unmarked: a retry may
+            # send it again).
             self._unlocking = False
-            raise
-        if not self._released(freed):
-            return False
         self._on_finished()
         if signals.lock_released.receivers:
             signals.lock_released.send(sender=Lease, lease=self)
@@ -860,7 +856,13 @@ class AsyncLease(BaseLease):
             # may never answer: decided and sent without waiting for it, as
             # Lease._release does (the renewal turn is cancelled; an extension in flight
             # finds the lease released when it ends).
-            freed = await self._release_call()
+            if self._unlocking:
+                return False  # another release's call is under way
+            self._unlocking = True
+            try:
+                freed = await self._release_call(beside=True)
+            finally:
+                self._unlocking = False
         else:
             async with self._alock:
                 freed = await self._release_call()
@@ -871,19 +873,14 @@ class AsyncLease(BaseLease):
             signals.lock_released.send(sender=AsyncLease, lease=self)
         return True
 
-    async def _release_call(self) -> bool:
-        step = self._release_step()
+    async def _release_call(self, beside: bool = False) -> bool:
+        step = self._release_step(beside=beside)
         if step == FREE_LOST:
             await self._backend.arelease_quietly(self.name, self.owner)
         if step != RELEASE:
             return False
         self._stop_renewal()
-        try:
-            freed = await self._backend.arelease(self.name, self.owner)
-        except BaseException:
-            self._unlocking = False
-            raise
-        return self._released(freed)
+        return self._released(await self._backend.arelease(self.name, self.owner))
 
 
 async def arelease_dropped(
