@@ -27,7 +27,12 @@ renewer's threads too). The layer column gives both, lock() minus backend. The
 server's work is the same in the backend and the lock() rows, so the difference of their
 CPU columns is the cost of the Lock/Lease layer, and it holds under load far better than
 wall-clock differences do.
-The median wall clock per block is printed too. ``--profile`` adds a ``cProfile`` of
+The median wall clock per block is printed too, and two counts that load does not move
+(Linux, from ``/proc``): ``sleeps``, the calling thread's voluntary context switches per
+cycle (a round trip is one: more means it also waited for a lock, the interpreter's
+included), and ``wakes``, the other threads' (renewer, reply watchdog, pool) per cycle:
+a thread woken on every cycle would take the interpreter lock while the caller's reply
+is ready. ``--profile`` adds a ``cProfile`` of
 the lock() cycle on the backend named (default: the in-process one, where nothing but
 the layer and the backend runs), functions by own time. Nothing is asserted; the
 figures are printed.
@@ -41,6 +46,7 @@ import contextlib
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -172,32 +178,66 @@ def _redis_floors(name: str, loop: asyncio.AbstractEventLoop) -> list[Variant]:
     ]
 
 
+def _switches() -> dict[int, int]:
+    """Voluntary context switches so far of each thread of this process, by native id
+    (empty where /proc is not there)."""
+    found: dict[int, int] = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/status") as status:
+                for line in status:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        found[int(tid)] = int(line.split()[1])
+                        break
+        except OSError:
+            continue  # the thread ended meanwhile
+    return found
+
+
 def _timed(
     variants: list[Variant], blocks: int, size: int
-) -> dict[str, tuple[float, float, float, float]]:
+) -> dict[str, tuple[float, float, float, float, float, float]]:
     """title -> (median wall us per cycle over the blocks, thread CPU us per cycle over
     all blocks, and in the block that took least, process CPU us per cycle over all
-    blocks). Other processes only ever add to a block's CPU time (cache misses,
+    blocks, the calling thread's and the other threads' voluntary context switches per
+    cycle). Other processes only ever add to a block's CPU time (cache misses,
     frequency), so the least is the steadiest figure on a loaded machine."""
     wall: dict[str, list[float]] = {title: [] for title, _ in variants}
     cpu: dict[str, list[float]] = {title: [] for title, _ in variants}
     process: dict[str, list[float]] = {title: [] for title, _ in variants}
+    sleeps: dict[str, int] = dict.fromkeys(wall, 0)
+    wakes: dict[str, int] = dict.fromkeys(wall, 0)
+    me = threading.get_native_id()
     for _title, cycles in variants:  # warm-up: connections opened, scripts loaded
         cycles(50)
     for block in range(blocks):
         shift = block % len(variants)
         for title, cycles in variants[shift:] + variants[:shift]:
+            before = _switches()
             c0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
             cycles(size)
             wall[title].append((time.perf_counter() - w0) / size)
             cpu[title].append((time.thread_time() - c0) / size)
             process[title].append((time.process_time() - p0) / size)
+            for tid, count in _switches().items():
+                moved = count - before.get(tid, 0)
+                if tid == me:
+                    sleeps[title] += moved
+                else:
+                    wakes[title] += moved
+    n = blocks * size
     return {
         t: (
             statistics.median(wall[t]) * 1e6,
             statistics.mean(cpu[t]) * 1e6,
             min(cpu[t]) * 1e6,
             statistics.mean(process[t]) * 1e6,
+            sleeps[t] / n,
+            wakes[t] / n,
         )
         for t in wall
     }
@@ -245,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         results = _timed(variants, args.blocks, args.block_size)
         print(
             f"{'what runs':28} {'wall us':>8} {'CPU us':>8} {'least':>8} {'process':>8}"
-            f" {'layer CPU us':>13}"
+            f" {'sleeps':>7} {'wakes':>7} {'layer CPU us':>13}"
         )
         for alias in aliases:
             rows = [(t, r) for t, r in results.items() if t.startswith(f"{alias}:")]
@@ -253,12 +293,15 @@ def main(argv: list[str] | None = None) -> int:
                 "lock()": results[f"{alias}: backend"],
                 "alock()": results[f"{alias}: async backend"],
             }
-            for title, (w, c, least, proc) in rows:
+            for title, (w, c, least, proc, sleeps, wakes) in rows:
                 kind = title.split(": ", 1)[1]
                 layer = ""
                 if kind in base:
                     layer = f"{c - base[kind][1]:6.1f} {least - base[kind][2]:6.1f}"
-                print(f"{title:28} {w:8.1f} {c:8.1f} {least:8.1f} {proc:8.1f} {layer:>13}")
+                print(
+                    f"{title:28} {w:8.1f} {c:8.1f} {least:8.1f} {proc:8.1f}"
+                    f" {sleeps:7.3f} {wakes:7.3f} {layer:>13}"
+                )
         print(f"(load after {os.getloadavg()[0]:.2f}; us per cycle)")
         if args.profile:
             from bench.profile_save import _by_function, _calls_per_save

@@ -19,7 +19,11 @@ gone, or that cannot reach the server before the lease runs out, marks it lost; 
 the renewer at the lease's deadline while a renewal or ``extend()`` call is still
 waiting for its answer (a late answer, even a success, leaves the lease lost).
 
-Why this is one module of about 780 lines (issue 28's size rule): the two lease classes
+A release never waits for a renewal's (or an extension's) call in flight, which a server
+that does not answer leaves stuck until its socket timeout: the release is decided and
+sent beside it, and the call's late answer changes nothing (see ``Lease._release``).
+
+Why this is one module of about 900 lines (issue 28's size rule): the two lease classes
 share one state machine (held, lost, released, given back at commit), and the rules of
 each transition must be read side by side for the thread and the asyncio holder.
 """
@@ -61,6 +65,9 @@ DEFER = "defer"
 
 #: Renew when this fraction of the ttl has passed.
 RENEW_FRACTION = 1 / 3
+#: Seconds after which a renewal that gave way to a release looks again (the release
+#: may leave the lease held: the inner release of a reentrant lease).
+RELEASE_RETRY = 0.05
 
 #: Losses found but not yet told: (lease, reason) pairs (see BaseLease._still_held).
 Lost = list[tuple["BaseLease", str]]
@@ -79,6 +86,13 @@ class BaseLease:
     _lost_reason = ""
     _last_renew_error = ""
     _release_requested = False
+    # A release is deciding, or sending its call, without the mutex (see
+    # Lease._release): a renewal that has not sent its call yet leaves the lease to it.
+    _releasing = False
+    # A release decided beside a call in flight (see Lease._release) has not had its
+    # answer yet: a release that takes the mutex meanwhile sends nothing. (The releases
+    # that hold the mutex need no mark: nothing else decides while they hold it.)
+    _unlocking = False
     _freed_on_server = False
     _depth = 1
     # Monotonic start of the renewal or extension whose server call is in flight (0:
@@ -298,9 +312,10 @@ class BaseLease:
     # server call (blocking in Lease, awaited in AsyncLease) and the bookkeeping of
     # its answer (here), so both flavours follow exactly the same rules.
 
-    def _release_step(self, deferrable: bool = False) -> str:
+    def _release_step(self, deferrable: bool = False, beside: bool = False) -> str:
         """What a release must do: ``RELEASE``, ``DEFER`` (only when ``deferrable``),
-        ``FREE_LOST`` or ``NOTHING``."""
+        ``FREE_LOST`` or ``NOTHING``. ``beside``: decided without the mutex, by the
+        release that marked its call (``_unlocking``) first (see Lease._release)."""
         if self._ended["pid"] != process.pid:  # _inherited(), inlined: on every release
             # A forked child: the lock is its parent's, still held there.
             logger.debug("Not releasing lock %r: it belongs to the parent process", self.name)
@@ -316,7 +331,9 @@ class BaseLease:
                 return NOTHING
             self._freed_on_server = True
             return FREE_LOST
-        if self._state != HELD:
+        if self._state != HELD or (self._unlocking and not beside):
+            # Ended, or another release's call is under way (one sent beside a renewal
+            # in flight, see Lease._release): only one release sends its call.
             return NOTHING
         if self._depth > 1:
             self._depth -= 1
@@ -352,7 +369,10 @@ class BaseLease:
             deferral = self._deferral
             if deferral is None or not self.held():
                 return False
-            self._deferral = None
+            with self._state_lock:  # against _release_deferred, which takes only this
+                if self._deferral is not deferral:
+                    return False
+                self._deferral = None
         transactions.forget(deferral)
         return True
 
@@ -392,6 +412,12 @@ class BaseLease:
         """Record a renewal's answer; returns when to renew next (None: stop). After a
         success, the caller asks :meth:`_give_back_late` whether the answer came too late.
         A loss is told at once or, with ``lost``, added to it (see :meth:`_still_held`)."""
+        if self._release_requested:
+            # Released while the call was in flight (the release does not wait for it:
+            # see Lease._release). Its answer changes nothing: the release, owner-checked
+            # on the server, decides; a "not held" here is the release's own doing.
+            self._renewing = 0.0
+            return None
         if isinstance(outcome, LockError):
             self._renewing = 0.0
             return self._renewal_failed(outcome, lost)
@@ -427,6 +453,10 @@ class BaseLease:
         return False
 
     def _extended(self, started: float, ttl: float, ok: bool) -> None:
+        if self._release_requested:
+            # Released by another thread while this call was in flight: not a loss.
+            self._renewing = 0.0
+            raise LockLost(self, "it was released while this extension was in flight")  # type: ignore[arg-type]
         held = ok and self.held()  # while still in flight, as in _renew_result
         self._renewing = 0.0
         if not ok:
@@ -565,7 +595,10 @@ class Lease(BaseLease):
             # A forked child: the lock is its parent's, still held there. Checked before
             # the mutex, which a thread of the parent may have held at the fork.
             return False
-        with self._mutex:
+        mutex = self._mutex
+        if not mutex.acquire(False) and self._beside_a_call():
+            return self._release_beside(deferrable)
+        try:
             step = self._release_step(deferrable)
             if step == DEFER:
                 return True  # accepted: the transaction's end frees it
@@ -573,9 +606,78 @@ class Lease(BaseLease):
                 self._backend.release_quietly(self.name, self.owner)
             if step != RELEASE or not self._released(self._backend.release(self.name, self.owner)):
                 return False
+        finally:
+            mutex.release()
         self._on_finished()
         if signals.lock_released.receivers:  # skips building the arguments of a no-op
             signals.lock_released.send(sender=Lease, lease=self)
+        return True
+
+    def _beside_a_call(self) -> bool:
+        """Called by a release that found the mutex busy: True when a renewal's or an
+        extension's server call is in flight, which the release must not wait for (the
+        server may never answer it: the call lasts until its socket timeout, and the
+        holder's ``with`` block would hang behind a background renewal). Otherwise the
+        mutex is waited for (False, with it held): another release, or a call about to
+        start, which sees the release coming and does not start.
+
+        The release marks itself (``_releasing``) before it looks for a call, and a call
+        marks itself (``_renewing``) before it looks for a release: whichever comes
+        second sees the other (see :meth:`_call_may_start`)."""
+        with self._state_lock:
+            claimed = not self._releasing
+            self._releasing = True
+        if not claimed:
+            # Another release is deciding beside the call: wait, as two releases of one
+            # lease always waited for each other.
+            self._mutex.acquire()
+            return False
+        if self._renewing:
+            return True  # _releasing stays set until the release beside has decided
+        try:
+            self._mutex.acquire()
+        finally:
+            self._releasing = False
+        return False
+
+    def _release_beside(self, deferrable: bool) -> bool:
+        """:meth:`_release` without the mutex, which a renewal or extension holds through
+        its call in flight. The release is decided and sent on its own call (a pooled
+        connection of its own; PostgreSQL, whose lock lives in the lease's connection,
+        ends that connection's session instead). The call in flight finds the lease
+        released when it answers: its answer changes nothing, and the release, checked
+        against the owner on the server, is never undone by it."""
+        if self._unlocking:
+            self._releasing = False
+            return False  # another release's call is under way
+        self._unlocking = True  # before deciding: a release taking the mutex sends nothing
+        try:
+            try:
+                step = self._release_step(deferrable, beside=True)
+            finally:
+                self._releasing = False
+            if step == DEFER:
+                return True
+            if step == FREE_LOST:
+                self._backend.release_quietly(self.name, self.owner)
+            if step != RELEASE or not self._released(self._backend.release(self.name, self.owner)):
+                return False
+        finally:
+            # Once the answer is recorded (a failure leaves it unmarked: a retry may
+            # send it again).
+            self._unlocking = False
+        self._on_finished()
+        if signals.lock_released.receivers:
+            signals.lock_released.send(sender=Lease, lease=self)
+        return True
+
+    def _call_may_start(self) -> bool:
+        """Called by a renewal holding the mutex, with ``_renewing`` just set, before it
+        sends its call: False when a release is under way, which then has the lease
+        (see :meth:`_beside_a_call`); the renewal then sends nothing."""
+        if self._releasing:
+            self._renewing = 0.0
+            return False
         return True
 
     def _release_deferred(self, deferral: transactions.Deferral) -> None:
@@ -584,7 +686,9 @@ class Lease(BaseLease):
             # A forked child ending its copy of the transaction: the lock is the
             # parent's (and its mutex may have been held by a thread at the fork).
             return
-        with self._mutex:
+        # The state lock, not the mutex: a renewal stuck in its call holds that one,
+        # and the release must not wait for it (see _release).
+        with self._state_lock:
             if self._deferral is not deferral:
                 return  # held again by a new acquisition meanwhile
             self._deferral = None
@@ -634,6 +738,8 @@ class Lease(BaseLease):
             if step != EXTEND:
                 return when
             self._renewing = started = time.monotonic()
+            if not self._call_may_start():
+                return started + RELEASE_RETRY  # if the release leaves it held (reentrant)
             outcome: bool | LockError
             try:
                 outcome = self._backend.extend(self.name, self.owner, self.ttl)
@@ -745,19 +851,36 @@ class AsyncLease(BaseLease):
         """Free the lock if this lease still holds it; same rules as :meth:`Lease.release`."""
         if self._inherited():
             return False
-        async with self._alock:
-            step = self._release_step()
-            if step == FREE_LOST:
-                await self._backend.arelease_quietly(self.name, self.owner)
-            if step != RELEASE:
-                return False
-            self._stop_renewal()
-            if not self._released(await self._backend.arelease(self.name, self.owner)):
-                return False
+        if self._alock.locked() and self._renewing:
+            # A renewal turn, or the holder's extend(), awaits its call, which the server
+            # may never answer: decided and sent without waiting for it, as
+            # Lease._release does (the renewal turn is cancelled; an extension in flight
+            # finds the lease released when it ends).
+            if self._unlocking:
+                return False  # another release's call is under way
+            self._unlocking = True
+            try:
+                freed = await self._release_call(beside=True)
+            finally:
+                self._unlocking = False
+        else:
+            async with self._alock:
+                freed = await self._release_call()
+        if not freed:
+            return False
         self._on_finished()
         if signals.lock_released.receivers:  # skips building the arguments of a no-op
             signals.lock_released.send(sender=AsyncLease, lease=self)
         return True
+
+    async def _release_call(self, beside: bool = False) -> bool:
+        step = self._release_step(beside=beside)
+        if step == FREE_LOST:
+            await self._backend.arelease_quietly(self.name, self.owner)
+        if step != RELEASE:
+            return False
+        self._stop_renewal()
+        return self._released(await self._backend.arelease(self.name, self.owner))
 
 
 async def arelease_dropped(

@@ -45,7 +45,14 @@ from typing import TYPE_CHECKING, Any
 
 from distlocks.backends.base import BaseBackend
 from distlocks.exceptions import LockError
-from distlocks.lease import EXTEND, FREE_LOST, HELD, arelease_dropped, release_dropped
+from distlocks.lease import (
+    EXTEND,
+    FREE_LOST,
+    HELD,
+    RELEASE_RETRY,
+    arelease_dropped,
+    release_dropped,
+)
 from distlocks.notices import Crew, LossNotices, tell
 
 if TYPE_CHECKING:
@@ -457,6 +464,13 @@ class Renewer:
             if step != EXTEND:
                 lease._mutex.release()
                 self._schedule(lease, when)
+                continue
+            # Marked in flight from here on (the calls of other leases of the batch
+            # come first), so that a release does not wait for this batch's call.
+            lease._renewing = time.monotonic()
+            if not lease._call_may_start():
+                lease._mutex.release()  # a release is under way: the lease is its
+                self._schedule(lease, time.monotonic() + RELEASE_RETRY)
                 continue
             groups.setdefault(id(backend), (backend, []))[1].append(lease)
         for backend, leases in groups.values():

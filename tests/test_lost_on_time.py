@@ -348,6 +348,140 @@ def test_a_stalled_async_renewal_reports_the_loss_at_the_deadline(
     assert len(seen.calls) == len(seen.signals) == 1
 
 
+# -- a release never waits for a stuck call -------------------------------------------
+
+#: A lease long enough that its deadline never passes while the test runs: the release
+#: below races a stuck call, not a loss.
+LONG = 120.0
+#: How long a release racing a stuck call may take: far below STUCK, which is what it
+#: would take if it waited for that call.
+RELEASED_WITHIN = 20.0
+
+
+def _stuck_renewal(lease: Any, alias: str, proxy: FaultProxy) -> None:
+    """Start a renewal turn of ``lease`` now and leave it stuck: its request swallowed by
+    the blackhole, its answer never to come (until STUCK, or the proxy's reset). The
+    proxy is healed after it: calls made from now on (the release) are answered."""
+    from distlocks.renewal import renewer
+
+    swallowed = proxy.stats["swallowed"]
+    proxy.blackhole()
+    renewer(alias).add(lease, time.monotonic())  # due now, instead of at a third of LONG
+    wait_for(
+        lambda: lease._renewing and proxy.stats["swallowed"] > swallowed, 30, "a stuck renewal"
+    )
+    proxy.heal()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_release_does_not_wait_for_a_stuck_renewal(
+    stuck_alias: tuple[str, FaultProxy], name: str, losses: Callable[[], Losses]
+) -> None:
+    """The renewer's call for the lease is stuck (no answer for a minute) when its holder
+    leaves the ``with`` block: the release is sent beside it and returns at once, the
+    lock is free for others, and the stuck call's late end reports nothing."""
+    alias, proxy = stuck_alias
+    seen = losses()
+    lease = lock(name, backend=alias, ttl=LONG, on_lost=seen).acquire()
+    lease.extend()  # the connections and statements are ready: the stall hits a renewal
+    _stuck_renewal(lease, alias, proxy)
+    released: list[bool] = []
+    releaser = threading.Thread(target=lambda: released.append(lease.release()))
+    releaser.start()
+    releaser.join(RELEASED_WITHIN)
+    assert not releaser.is_alive(), "release() waited for the stuck renewal"
+    assert released == [True]
+    assert lease.state == "released" and not lease.held()
+    wait_for(lambda: _free(name, alias), 30, "the lock free for others")
+    proxy.reset()  # the stuck call ends now (an error), long after the release
+    wait_for(lambda: not lease._renewing, 30, "the stuck call's end")
+    assert lease.state == "released"
+    assert not seen.calls and not seen.signals
+    assert lease.release() is False  # idempotent
+    backend = get_backend(alias)
+    if isinstance(backend, PostgresBackend):
+        # The connection the stuck call held was closed once, by that call's thread:
+        # every connection the pool counts is idle again, none pinned, none leaked.
+        pool = backend.pool
+        wait_for(lambda: pool._count == len(pool._idle), 30, "the pool's count settled")
+        assert backend.held_connection_count() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_release_does_not_wait_for_the_holders_own_stuck_extend(
+    stuck_alias: tuple[str, FaultProxy], name: str, losses: Callable[[], Losses]
+) -> None:
+    """One thread of the holder is stuck in ``extend()``; another releases the lease: the
+    release does not wait for the extension, and the extension ends in an error."""
+    alias, proxy = stuck_alias
+    seen = losses()
+    lease = lock(name, backend=alias, ttl=LONG, auto_renew=False, on_lost=seen).acquire()
+    lease.extend()
+    ended: list[BaseException | None] = []
+
+    def extend() -> None:
+        try:
+            lease.extend()
+            ended.append(None)
+        except (LockLost, LockBackendUnavailable) as exc:
+            ended.append(exc)
+
+    swallowed = proxy.stats["swallowed"]
+    proxy.blackhole()
+    holder = threading.Thread(target=extend)
+    holder.start()
+    wait_for(lambda: lease._renewing and proxy.stats["swallowed"] > swallowed, 30, "a stuck extend")
+    proxy.heal()
+    released: list[bool] = []
+    releaser = threading.Thread(target=lambda: released.append(lease.release()))
+    releaser.start()
+    releaser.join(RELEASED_WITHIN)
+    assert not releaser.is_alive(), "release() waited for the stuck extend()"
+    assert released == [True]
+    wait_for(lambda: _free(name, alias), 30, "the lock free for others")
+    proxy.reset()
+    holder.join(30)
+    assert not holder.is_alive()
+    assert ended and ended[0] is not None  # never a success for a released lease
+    assert lease.state == "released"
+    assert not seen.calls and not seen.signals
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_async_release_does_not_wait_for_a_stuck_renewal(
+    stuck_alias: tuple[str, FaultProxy], name: str, losses: Callable[[], Losses]
+) -> None:
+    """alock(): the loop's renewal task awaits a call that is stuck for a minute when the
+    holder releases the lease; the release does not wait for it."""
+    from distlocks.renewal import loop_renewer
+
+    alias, proxy = stuck_alias
+    seen = losses()
+
+    async def main() -> None:
+        lease = await alock(name, backend=alias, ttl=LONG, on_lost=seen).acquire()
+        await lease.extend()
+        swallowed = proxy.stats["swallowed"]
+        proxy.blackhole()
+        loop_renewer(asyncio.get_running_loop()).add(lease, time.monotonic())
+        limit = time.monotonic() + 30
+        while not (lease._renewing and proxy.stats["swallowed"] > swallowed):
+            assert time.monotonic() < limit, "no stuck renewal"
+            await asyncio.sleep(0.01)
+        proxy.heal()
+        try:
+            released = await asyncio.wait_for(lease.release(), RELEASED_WITHIN)
+        except TimeoutError:
+            pytest.fail("release() waited for the stuck renewal")
+        assert released is True
+        assert lease.state == "released" and not lease.held()
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+    wait_for(lambda: _free(name, alias), 30, "the lock free for others")
+    proxy.reset()
+    assert not seen.calls and not seen.signals
+
+
 # -- cost ------------------------------------------------------------------------------
 
 

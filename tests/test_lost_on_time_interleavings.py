@@ -1,6 +1,7 @@
 """Every interleaving of a renewal (or the holder's ``extend()``) in flight, the lease's
 deadline passing, the deadline's notice, the call's late answer and a release by the
-holder, driven one step at a time by Hypothesis.
+holder, driven one step at a time by Hypothesis. A release never waits for the call in flight
+(its server may never answer it): it is sent beside it.
 
 The lease is on the in-process LocMem backend (its own server, in this process) with a
 gate in front of ``extend()``: the call enters, and waits until the test chooses its
@@ -174,12 +175,13 @@ class Interleavings(RuleBasedStateMachine):
         lost_before = self.lease.state == "lost"
         self.backend.answer = answer
         self.backend.opened.set()
+        errors = len(self.call_errors)
         self.call.join(LIMIT)
         assert not self.call.is_alive()
         self.call = None
-        if self.releaser is not None:  # it waited for the call's end
-            self.releaser.join(LIMIT)
-            assert not self.releaser.is_alive()
+        if self.call_kind == "extend" and True in self.release_results:
+            # Released while the holder's extension was in flight: never a success.
+            assert len(self.call_errors) == errors + 1, self.call_errors
         if answer == "gone":
             self.gone = True
         if answer == "success" and (lost_before or self.lease.state == "lost"):
@@ -199,9 +201,13 @@ class Interleavings(RuleBasedStateMachine):
             self.release_results.append(self.lease.release())
             self.releaser = threading.current_thread()  # once
             return
-        # It waits for the call in flight (the lease's mutex), as a holder's would.
+        # A call is in flight, held at the gate until the test answers it: the release
+        # does not wait for it (the server may never answer), it is sent beside it.
         thread = threading.Thread(target=lambda: self.release_results.append(self.lease.release()))
         thread.start()
+        thread.join(LIMIT)
+        assert not thread.is_alive(), "release() waited for the call in flight"
+        assert self.call.is_alive()  # still unanswered
         self.releaser = thread
 
     # -- invariants ------------------------------------------------------------------
@@ -222,6 +228,16 @@ class Interleavings(RuleBasedStateMachine):
         if self.deadline_passed:
             # Whatever answers later: a lease past its deadline is never held again.
             assert not self.lease.held()
+
+    @invariant()
+    def a_release_that_says_so_freed_the_lock(self) -> None:
+        """A release that returned True left nothing of the lease on the server, and
+        the lease released for good, whatever the call in flight answers later."""
+        if True in self.release_results:
+            assert self.release_results.count(True) == 1, self.release_results
+            assert self.lease._state == "released"
+            info = self.backend.inspect(self.name)
+            assert info is None or info.owner != self.lease.owner
 
     @invariant()
     def a_deadline_passed_in_flight_says_so(self) -> None:
@@ -335,3 +351,29 @@ def test_a_child_forked_while_a_renewal_is_stuck(gated: str, name: str) -> None:
         caller.join(LIMIT)
     assert a.held() and not lost  # the parent's lease, renewed once its call answered
     assert a.release() is True
+
+
+def test_a_renewal_about_to_send_gives_way_to_a_release(name: str) -> None:
+    """The window the release cannot see a call in: a renewal has taken the lease's mutex
+    and not yet marked its call in flight. A release arriving then waits for the mutex,
+    marked as coming; the renewal sees the mark before it sends anything and gives way,
+    so the release never waits behind a call that could be stuck."""
+    lease = lock(name, backend="locmem", ttl=600, auto_renew=False).acquire()
+    lease._mutex.acquire()  # the renewal (this thread), before its call is marked
+    released: list[bool] = []
+    releaser = threading.Thread(target=lambda: released.append(lease.release()))
+    releaser.start()
+    try:
+        deadline = time.monotonic() + LIMIT
+        while not lease._releasing:
+            assert time.monotonic() < deadline, "the release did not mark itself"
+            time.sleep(0.001)
+        assert releaser.is_alive()  # it waits for the mutex: no call was in flight
+        lease._renewing = time.monotonic()  # the renewal marks its call, then looks
+        assert lease._call_may_start() is False
+        assert lease._renewing == 0.0
+    finally:
+        lease._mutex.release()
+    releaser.join(LIMIT)
+    assert released == [True]
+    assert lease.state == "released" and not lease._releasing

@@ -50,6 +50,11 @@ class Held:
     transaction: str = ""
     #: Session-mode locks: the name's keys encoded for the fast path (session.Named).
     named: Any = None
+    #: Session mode: a renewal's call is in flight on ``conn`` (under the held lock).
+    busy: bool = False
+    #: Session mode: released while that call was in flight; the call's thread then
+    #: closes ``conn`` (see SessionLocks._release_session).
+    abandoned: bool = False
 
 
 #: Bounds of the fast path's caches of encoded parameters (per backend).

@@ -9,6 +9,7 @@ The fork rule for these connections (a child never uses its parent's) is
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -141,6 +142,13 @@ class Connection(psycopg.Connection[Any]):
         # costs half a select() per checkout.
         self._idle_probe = select.poll()
         self._idle_probe.register(self.pgconn.socket, select.POLLIN)
+        # A descriptor of our own for the socket, to shut it down from another thread
+        # (the watchdog, a release: see interrupt()). libpq closes its own descriptor
+        # when a request fails, and its number may then be reused by any new socket of
+        # the process: shutting down "libpq's socket" by number could cut another one.
+        # Ours names this socket until close() closes it, under _shutdown_lock.
+        self._own_socket: socket.socket | None = socket.socket(fileno=os.dup(self.pgconn.socket))
+        self._shutdown_lock = threading.Lock()
 
     def fetchone(self, query: str, params: Any) -> Any:
         """The first row of ``query`` (None if it has none), on this connection's own
@@ -273,6 +281,17 @@ class Connection(psycopg.Connection[Any]):
             super().close()
         finally:
             self._in_libpq.release()
+            with self._shutdown_lock:
+                own, self._own_socket = self._own_socket, None
+            if own is not None:
+                own.close()
+
+    def interrupt(self) -> None:
+        """End this connection's session from any thread: a request waiting in libpq
+        fails at once (as a lost connection), and the server ends the session, freeing
+        its locks, as soon as it sees the connection end. The connection is unusable
+        afterwards; whoever uses it closes it."""
+        self._shut_down()
 
     def _no_answer(self) -> NoAnswer:
         return NoAnswer(
@@ -287,12 +306,13 @@ class Connection(psycopg.Connection[Any]):
 
     def _shut_down(self) -> None:
         """End any wait on this connection's socket at once (libpq's, or psycopg's)."""
-        try:
-            fd = self.pgconn.socket
-            with socket.socket(fileno=os.dup(fd)) as sock:
-                sock.shutdown(socket.SHUT_RDWR)
-        except (OSError, psycopg.Error):
-            pass  # already closed: the wait has ended anyway
+        with self._shutdown_lock:
+            own = self._own_socket
+            if own is None:
+                return  # closed: the wait has ended anyway
+            # Not connected any more (OSError): the wait has ended anyway.
+            with contextlib.suppress(OSError):
+                own.shutdown(socket.SHUT_RDWR)
 
 
 class Pool:

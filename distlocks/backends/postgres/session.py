@@ -261,8 +261,19 @@ class SessionLocks(PooledBackend):
     def _release_session(self, name: str, owner: str) -> bool:
         with self._held_lock:
             held = self._held.pop(owner, None)
-        if held is None:
-            return False
+            if held is None:
+                return False
+            if held.busy:
+                held.abandoned = True
+        if held.abandoned:
+            # A renewal's call is in flight on the lease's connection, perhaps stuck on
+            # a server that does not answer; the release does not wait for it (see
+            # Lease._release), and the connection cannot carry the unlock meanwhile. Its
+            # session is ended instead: the socket shut down, the server frees the lock
+            # as soon as it sees the connection end (as for a crashed holder), and the
+            # call in flight fails at once; its thread closes the connection.
+            held.conn.interrupt()
+            return True
         # Unlocked on the lease's own connection, which then goes back to the pool.
         try:
             unlocked: bool
@@ -289,8 +300,9 @@ class SessionLocks(PooledBackend):
         """Confirm the lease: its connection is alive and still holds the lock."""
         with self._held_lock:
             held = self._held.get(owner)
-        if held is None:
-            return False
+            if held is None:
+                return False
+            held.busy = True  # a release meanwhile ends the session instead (see above)
         try:
             holds: bool
             if held.named is not None and held.conn.utf8:
@@ -298,10 +310,24 @@ class SessionLocks(PooledBackend):
             else:
                 classid, objid = key_parts(held.key)
                 holds = held.conn.value(HOLDS, {"classid": classid, "objid": objid})
-        except psycopg.Error:
-            # Terminated or cut off: a session lock does not outlive its connection.
+        except BaseException as exc:
+            failed = isinstance(exc, psycopg.Error)
             with self._held_lock:
-                self._held.pop(owner, None)
+                held.busy = False
+                if failed and self._held.get(owner) is held:
+                    del self._held[owner]
+            if failed or held.abandoned:
+                # Terminated or cut off (or ended by a release meanwhile): a session
+                # lock does not outlive its connection.
+                self._discard(held.conn)
+            if failed:
+                return False
+            raise
+        with self._held_lock:
+            held.busy = False
+        if held.abandoned:
+            # Released while this call was in flight: its session was ended, and the
+            # connection is this call's to close (once).
             self._discard(held.conn)
             return False
         return holds
