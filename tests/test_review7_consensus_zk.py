@@ -5,13 +5,18 @@ java or the ZooKeeper jars are missing."""
 from __future__ import annotations
 
 import shutil
+import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import hypothesis
 import pytest
+from hypothesis import HealthCheck, given
+from hypothesis import strategies as st
 
 from distlocks import get_backend, lock
-from distlocks.exceptions import LockLost
+from distlocks.exceptions import LockLost, LockNotAcquired
 from distlocks.handler import backends
 from distlocks.testing.zookeeper_server import ZooKeeperEnsemble, ZooKeeperServer, zookeeper_missing
 
@@ -118,3 +123,83 @@ def test_a_client_whose_server_came_back_with_no_data_connects_again(
     assert held.release() is False
     with lock(f"{name}:held", backend="zkf", ttl=2, timeout=0) as other:
         assert other.held()
+
+
+@pytest.fixture(scope="module")
+def shared_zk() -> Iterator[ZooKeeperServer]:
+    server = ZooKeeperServer().start()
+    yield server
+    server.close()
+
+
+@hypothesis.settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    plans=st.lists(
+        st.lists(st.sampled_from(["wait", "try", "force"]), min_size=1, max_size=6),
+        min_size=2,
+        max_size=4,
+    )
+)
+def test_sessions_racing_through_the_listed_version_keep_tokens_in_grant_order(
+    settings: Any, shared_zk: ZooKeeperServer, plans: list[list[str]]
+) -> None:
+    """Sessions race on one name, each queueing through the fence node's listed
+    version (a raced write lists again): never two holders at once, every grant's
+    token above every earlier grant's, the listing shows the holder's own token, and
+    a force release bound to a token seen evicts only that holder."""
+    aliases = [f"zkr{i}" for i in range(len(plans))]
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        **{alias: {"BACKEND": BACKEND, "LOCATION": shared_zk.location,
+                   "OPTIONS": {"session_timeout": 10}} for alias in aliases},
+    }  # fmt: skip
+    name = f"review7:race:{uuid.uuid4().hex[:8]}"
+    guard = threading.Lock()
+    inside: list[str] = []
+    grants: list[int] = []
+    problems: list[str] = []
+
+    def run(alias: str, plan: list[str]) -> None:
+        backend = get_backend(alias)
+        for step in plan:
+            try:
+                if step == "force":
+                    info = backend.inspect(name)
+                    # Under the guard: the evicted holder is out from the moment of
+                    # the eviction, though its block has not ended yet.
+                    with guard:
+                        if info is not None and backend.force_release(name, info.fencing_token):
+                            inside.clear()
+                    continue
+                timeout = 30 if step == "wait" else 0
+                with lock(name, backend=alias, ttl=10, timeout=timeout, auto_renew=False) as lease:
+                    with guard:
+                        if inside:
+                            problems.append(f"{alias} entered while {inside} held")
+                        if grants and lease.fencing_token <= grants[-1]:
+                            problems.append(f"token {lease.fencing_token} after {grants[-1]}")
+                        inside.append(alias)
+                        grants.append(lease.fencing_token)
+                    info = backend.inspect(name)
+                    listed = info.fencing_token if info and info.owner == lease.owner else None
+                    if listed not in (None, lease.fencing_token):
+                        problems.append(f"listed {listed}, held {lease.fencing_token}")
+                    with guard:
+                        if alias in inside:
+                            inside.remove(alias)
+            except (LockNotAcquired, LockLost):
+                with guard:
+                    if alias in inside:
+                        inside.remove(alias)  # evicted by a force release: out now
+
+    threads = [threading.Thread(target=run, args=pair) for pair in zip(aliases, plans, strict=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads)
+    assert not problems, problems
+    counter = get_backend(aliases[0]).fencing_counter(name)
+    assert not grants or counter >= grants[-1]
