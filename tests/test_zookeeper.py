@@ -410,9 +410,10 @@ def test_a_waiter_behind_the_holder_takes_the_lock_with_no_request_after_the_wak
     zk: str, name: str
 ) -> None:
     """A waiter queues in three requests (the listing, the multi-op at the fence node's
-    listed version, a watch on the node just ahead: no second listing), and when the node it watches was the holder's, the
-    watch firing on the node's deletion means it now holds: nobody can have queued
-    ahead of it, so the hand-off needs no request after the release's delete."""
+    listed version, a watch on the node just ahead: no second listing), and when the
+    node it watches was the holder's, the watch firing on the node's deletion means it
+    now holds: nobody can have queued ahead of it, so the hand-off needs no request
+    after the release's delete."""
     backend = get_backend(zk)
     first = backend.acquire(name, "holder", 30, HOLDER)
     assert first.acquired
