@@ -409,10 +409,11 @@ class Waiter:
 def test_a_waiter_behind_the_holder_takes_the_lock_with_no_request_after_the_wake(
     zk: str, name: str
 ) -> None:
-    """A waiter queues in three requests (the multi-op, the listing, a watch on the node
-    just ahead: no second listing), and when the node it watches was the holder's, the
-    watch firing on the node's deletion means it now holds: nobody can have queued
-    ahead of it, so the hand-off needs no request after the release's delete."""
+    """A waiter queues in three requests (the listing, the multi-op at the fence node's
+    listed version, a watch on the node just ahead: no second listing), and when the
+    node it watches was the holder's, the watch firing on the node's deletion means it
+    now holds: nobody can have queued ahead of it, so the hand-off needs no request
+    after the release's delete."""
     backend = get_backend(zk)
     first = backend.acquire(name, "holder", 30, HOLDER)
     assert first.acquired
@@ -422,7 +423,7 @@ def test_a_waiter_behind_the_holder_takes_the_lock_with_no_request_after_the_wak
         waiter = Waiter(zk, name)
         wait_for(lambda: watching(client, holder_path))
         # The watch on the node ahead, and one on its own node (see the next test).
-        assert requests.sent == ["Transaction", "GetChildren2", "Exists", "Exists"]
+        assert requests.sent == ["GetChildren2", "Transaction", "Exists", "Exists"]
         assert backend.release(name, "holder")
         lease = waiter.join()
         assert requests.sent[4:] == ["Delete"]
@@ -448,7 +449,7 @@ def test_a_waiter_whose_holder_went_before_its_watch_holds_with_no_listing(
         with Requests(backend._ready("test", name)) as requests:
             requests.before["Exists"] = lambda: other.release(name, "holder")
             lease = Waiter(zk, name).join()
-        assert requests.sent == ["Transaction", "GetChildren2", "Exists", "Exists"]
+        assert requests.sent == ["GetChildren2", "Transaction", "Exists", "Exists"]
         assert lease.fencing_token > first.fencing_token
         assert backend.contenders(name) == [lease.owner]
         lease.release()
@@ -508,7 +509,7 @@ def test_a_waiter_deeper_in_the_queue_lists_once_when_woken(zk: str, name: str) 
         two = Waiter(zk, name)
         # The second watch on it (the first is its owner's, on its own node).
         wait_for(lambda: watching(client, one_path, 2))
-        queueing = ["Transaction", "GetChildren2", "Exists"]
+        queueing = ["GetChildren2", "Transaction", "Exists"]
         assert requests.sent == [*queueing, "Exists", *queueing]
         assert backend.release(name, "holder")
         first = one.join()

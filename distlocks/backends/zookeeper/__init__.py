@@ -1,4 +1,5 @@
-"""The ZooKeeper backend: the classic lock recipe, fenced by zxid (kazoo).
+"""The ZooKeeper backend: the classic lock recipe, fenced by the fence node's version
+(kazoo).
 
 Layout, under ``OPTIONS["prefix"]`` (default ``/distlocks``) below the chroot of
 ``LOCATION``::
@@ -10,22 +11,25 @@ Layout, under ``OPTIONS["prefix"]`` (default ``/distlocks``) below the chroot of
     <prefix>/rwlocks/n<quoted name>/read-<owner>-<seq>         one read request
     <prefix>/rwlocks/n<quoted name>/write-<owner>-<seq>        one write request
 
-* acquire is one multi-op: create this caller's contender node and write the fence
-  node. Both get the zxid of that transaction (the contender's czxid, the fence
-  node's mzxid), which makes the fencing token: zxids only grow, on every server of
-  the ensemble, across restarts and leader changes. The token is that zxid shifted
-  per name to start at the server's clock (microseconds) at the name's first use
-  (:func:`token_of`), so tokens stay above the clock floor the other backends keep.
+* acquire lists the contenders, then is one multi-op: create this caller's contender
+  node and write the fence node at the version listed (so no contender queued in
+  between). The fence node's new version makes the fencing token, stored in the
+  contender's data: versions only grow, one per write, across restarts and leader
+  changes, and never jump (zxids jump by 2**32 at each election). The token is that
+  version shifted per name to start at the server's clock (microseconds) at the name's
+  first use (:func:`token_of`), so tokens stay above the clock floor the other
+  backends keep, and above the old ones after the loss of all data.
 * the contender with the lowest sequence number holds the lock; the others wait,
   each watching only the contender just before it (no herd, first come first served).
 * release deletes the caller's own node; a waiter that gives up deletes its node too.
-* force release is one multi-op deleting the holder's node (only if its czxid is the
-  token given) and writing the fence node, so the counter moves past the victim.
+* force release is one multi-op deleting the holder's node (only if its token is the
+  one given) and writing the fence node, so the counter moves past the victim.
 
 Semaphores and read-write locks queue their requests the same way, each holding by
 the rule of its kind over the nodes ahead of it and watching only the nodes that
 decide it (see :func:`_blockers`); a write request is one multi-op with a write of
-the read-write lock's fence node, and its token comes from that zxid as above.
+the read-write lock's fence node at the version listed, and its token comes from that
+version as above.
 
 The nodes are ephemeral: ZooKeeper deletes them when the client's session ends. A
 lock therefore lives as long as the holder's session, not for ``ttl``; ``ttl`` is the

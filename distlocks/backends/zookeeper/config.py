@@ -95,6 +95,10 @@ class ZooKeeperConfig(Listing, Waiting, Permits, BaseBackend):
         #: None before the first: it may be shorter than the one asked for (the
         #: server's maxSessionTimeout), and a reconnect to another server may change it.
         self._negotiated: float | None = None
+        #: When the client's handshakes began to be answered by a closed connection
+        #: (None while they succeed): how a server that lost its data refuses a client
+        #: that has seen later zxids (see ZooKeeperSession._ready).
+        self._refused_since: float | None = None
         #: The session timeouts already warned about (a grant shorter than asked, a
         #: ttl longer than the session), so each warning is logged once per value.
         self._warned_grant: float | None = None

@@ -13,7 +13,7 @@ from kazoo.exceptions import NoNodeError
 from kazoo.protocol.states import ZnodeStat
 
 from distlocks.backends.base import SEMAPHORE, WRITE, LockInfo, holder_details, permit_family
-from distlocks.backends.zookeeper.nodes import _epoch_ms, _owner_of, _permit_owner, token_of
+from distlocks.backends.zookeeper.nodes import _epoch_ms, _owner_of, _permit_owner, token_in
 from distlocks.backends.zookeeper.permits import ZooKeeperPermits
 
 
@@ -50,7 +50,7 @@ class ZooKeeperListing(ZooKeeperPermits):
             name=name,
             backend=self.alias,
             owner=str(data.get("owner") or _owner_of(children[0])),
-            fencing_token=token_of(stat.czxid, fence),
+            fencing_token=token_in(data),
             host=str(data.get("host", "")),
             pid=pid if isinstance(pid, int) else None,
             thread=str(data.get("thread", "")),
@@ -88,7 +88,7 @@ class ZooKeeperListing(ZooKeeperPermits):
         yield from self.iter_permits()
 
     def _permit_infos(self, client: KazooClient, family: str, name: str) -> list[LockInfo]:
-        seen, fence = self._permit_state(client, "inspect", family, name)
+        seen, _fence = self._permit_state(client, "inspect", family, name)
         waiting = [_permit_owner(node.child) for node in seen if not node.holds]
         infos = []
         for node in seen:
@@ -107,9 +107,7 @@ class ZooKeeperListing(ZooKeeperPermits):
                     backend=self.alias,
                     # The owner named by the node, which release and eviction go by.
                     owner=_permit_owner(node.child),
-                    fencing_token=(
-                        token_of(stat.czxid, fence) if kind == WRITE and fence is not None else 0
-                    ),
+                    fencing_token=token_in(data) if kind == WRITE else 0,
                     host=str(data.get("host", "")),
                     pid=pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
                     thread=str(data.get("thread", "")),

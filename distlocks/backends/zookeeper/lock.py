@@ -1,9 +1,11 @@
 """The lock recipe: one contender node a caller, the lowest holds, each waiter watching
 only the one just before it.
 
-* acquire is one multi-op: create this caller's contender node and write the fence
-  node; both get the zxid of that transaction, which makes the token (:func:`token_of`).
-  A try-once call on a busy lock is refused without writing anything.
+* acquire lists the contenders, then is one multi-op: create this caller's contender
+  node and write the fence node at the version listed; the new version makes the
+  token (:func:`token_of`), stored in the contender's data. A write raced by another
+  contender's fails as a whole, and the caller lists again. A try-once call on a busy
+  lock is refused without writing anything.
 * a create left without an answer is looked for by the next attempt (the node's name
   carries the owner) and taken over; one node per owner is kept.
 * a waiter watches the node just ahead of it as its acquire listed it (no listing of
@@ -12,13 +14,14 @@ only the one just before it.
 * release deletes the caller's own node (version 0: never another's); a waiter that
   gives up deletes its node too.
 * extend confirms the node still exists in the live session (nothing is written).
-* force release is one multi-op deleting the holder's node (only if its czxid is the
-  token given) and writing the fence node, so the counter moves past the victim.
+* force release is one multi-op deleting the holder's node (only if its token is the
+  one given) and writing the fence node, so the counter moves past the victim.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import threading
 import time
@@ -35,10 +38,16 @@ from distlocks.backends.zookeeper.nodes import (
     _LOCK,
     _contenders,
     _Node,
+    node_data,
+    token_in,
     token_of,
 )
 from distlocks.backends.zookeeper.outages import ZooKeeperOutages
 from distlocks.exceptions import LockBackendUnavailable, LockError
+
+#: Multi-ops raced by other contenders' in a row before an acquire gives up (each
+#: failure is another contender's success, so this is never met in practice).
+_ENQUEUE_ATTEMPTS = 1000
 
 
 class ZooKeeperLock(ZooKeeperOutages):
@@ -76,46 +85,44 @@ class ZooKeeperLock(ZooKeeperOutages):
         return entry
 
     def _enqueue(
-        self, client: KazooClient, name: str, owner: str, data: bytes, version: int | None = None
+        self, client: KazooClient, name: str, owner: str, about: dict[str, Any], fence: ZnodeStat
     ) -> _Node | None:
-        """One multi-op: create the contender node and write the fence node.
-
-        With ``version``, the fence node's version as listed with no contender under
-        it, the write is conditional: every contender is created in a multi-op that
-        writes the fence node, so an unchanged version means none was created since
-        the listing, and the new node is the only one (no second listing needed to
-        know it holds). A changed version fails the whole multi-op, writing nothing:
-        None, someone queued meanwhile."""
+        """One multi-op: create the contender node and write the fence node, at the
+        version ``fence`` (as listed) has. Every contender is created in a multi-op
+        that writes the fence node, so an unchanged version means none was created
+        since the listing; and the write makes version + 1, whose token the node
+        carries in its data. A changed version (or a fence node made anew) fails the
+        whole multi-op, writing nothing: None, list again."""
         parent = self.lock_path(name)
         node_prefix = f"{parent}/{_CONTENDER}{urllib.parse.quote(owner, safe='')}-"
         generation = self._generation
-        for _ in range(3):
-            sent = time.monotonic()
-            txn = client.transaction()
-            txn.create(node_prefix, data, ephemeral=True, sequence=True)
-            txn.set_data(parent, b"", version=-1 if version is None else version)
-            try:
-                results = self._commit("acquire", name, txn)
-            except LockBackendUnavailable:
-                # The transaction may have been applied with only the reply lost: a
-                # retry looks for the node first, and a caller who gives up has it
-                # deleted once the connection returns (see _through_outage).
-                self._unknown.add((_LOCK, name, owner))
-                raise
-            created, fence = results
-            if isinstance(created, str) and isinstance(fence, ZnodeStat):
-                self._last_ok = max(self._last_ok, sent)
-                return _Node(created, token_of(fence.mzxid, fence), generation)
-            if version is not None and isinstance(fence, BadVersionError):
+        token = token_of(fence.version + 1, fence)
+        data = json.dumps({**about, "token": token}, separators=(",", ":")).encode()
+        sent = time.monotonic()
+        txn = client.transaction()
+        txn.create(node_prefix, data, ephemeral=True, sequence=True)
+        txn.set_data(parent, b"", version=fence.version)
+        try:
+            results = self._commit("acquire", name, txn)
+        except LockBackendUnavailable:
+            # The transaction may have been applied with only the reply lost: a
+            # retry looks for the node first, and a caller who gives up has it
+            # deleted once the connection returns (see _through_outage).
+            self._unknown.add((_LOCK, name, owner))
+            raise
+        created, written = results
+        if isinstance(created, str) and isinstance(written, ZnodeStat):
+            self._last_ok = max(self._last_ok, sent)
+            if written.ctime != fence.ctime:
+                # The fence node was deleted and made again since the listing (by
+                # hand), at the same version: the token counted from the old ctime.
+                self._delete_quietly(client, created)
                 return None
-            if isinstance(created, NoNodeError) or isinstance(fence, NoNodeError):
-                # First use of this name: create the fence node, then try again.
-                with contextlib.suppress(NodeExistsError):
-                    self._get("acquire", name, client.ensure_path_async(parent))
-                continue
-            error = next(r for r in results if isinstance(r, Exception))
-            self._fail("acquire", name, error)
-        raise LockError(f"Could not create the lock node of {name!r} on backend {self.alias!r}.")
+            return _Node(created, token, generation)
+        if isinstance(written, BadVersionError | NoNodeError) or isinstance(created, NoNodeError):
+            return None
+        error = next(r for r in results if isinstance(r, Exception))
+        self._fail("acquire", name, error)
 
     def acquire(
         self,
@@ -150,45 +157,52 @@ class ZooKeeperLock(ZooKeeperOutages):
         self._check_ttl(client, ttl)
         entry = self._entry(name, owner)
         children = listed if entry is not None else None
-        # The fence node's version when a try-once listing found the lock free.
-        version: int | None = None
         if entry is None:
-            unknown = (_LOCK, name, owner) in self._unknown
-            if wait <= 0 or unknown:
-                # Try once: a busy lock is refused without writing anything. After a
-                # create left without an answer: its node may be there, to take over.
+            about = {
+                "owner": owner,
+                "host": holder.host,
+                "pid": holder.pid,
+                "thread": holder.thread,
+                "extra": dict(holder.extra),
+                "ttl": ttl,
+            }
+            for attempt in itertools.count():
+                # Listed first: a busy lock is refused to a try-once caller without
+                # writing anything, the node of a create left without an answer is
+                # found by its owner's name (and taken over), and the fence node's
+                # version is the one the multi-op writes at.
                 children, fence = self._queue(client, "acquire", name)
                 own = self._find_own(children, owner)
                 if own:
                     entry = self._adopt(client, name, owner, own[0])
-                elif wait <= 0 and children:
+                    break
+                if wait <= 0 and children:
                     self._unknown.discard((_LOCK, name, owner))
                     return AcquireResult(False, 0, None)
-                elif wait <= 0 and fence is not None:
-                    # Free as listed: queue only if it still is (see _enqueue).
-                    version = fence.version
-            if entry is None:
-                data = json.dumps(
-                    {
-                        "owner": owner,
-                        "host": holder.host,
-                        "pid": holder.pid,
-                        "thread": holder.thread,
-                        "extra": dict(holder.extra),
-                        "ttl": ttl,
-                    },
-                    separators=(",", ":"),
-                ).encode()
-                queued = self._enqueue(client, name, owner, data, version)
-                if queued is None:
-                    # Someone queued since the listing: refused, nothing written.
+                if fence is None:
+                    # First use of this name: create the fence node, then list again.
+                    with contextlib.suppress(NodeExistsError):
+                        self._get("acquire", name, client.ensure_path_async(self.lock_path(name)))
+                    continue
+                queued = self._enqueue(client, name, owner, about, fence)
+                if queued is not None:
+                    entry = queued
+                    self._nodes[(name, owner)] = entry
+                    # Nobody queued since the listing (the version was unchanged): the
+                    # listed contenders, less any gone since, then this one.
+                    children = [*children, entry.path.rsplit("/", 1)[1]]
+                    break
+                # Someone queued (or evicted) since the listing: nothing was written.
+                if wait <= 0 or (deadline is not None and time.monotonic() >= deadline):
                     self._unknown.discard((_LOCK, name, owner))
                     return AcquireResult(False, 0, None)
-                entry = queued
-                self._nodes[(name, owner)] = entry
-                # Alone under a fence node unchanged since the listing: it holds.
-                children = None if version is None else [entry.path.rsplit("/", 1)[1]]
+                if attempt >= _ENQUEUE_ATTEMPTS:
+                    raise LockError(
+                        f"Could not queue for lock {name!r} on backend {self.alias!r}: the "
+                        f"name's fence node changed under {attempt} attempts in a row."
+                    )
             self._unknown.discard((_LOCK, name, owner))
+        assert entry is not None  # the loop above ends only with a node (or returns)
         if children is None or entry.path.rsplit("/", 1)[1] not in children:
             children = self._children(client, "acquire", name)
         mine = entry.path.rsplit("/", 1)[1]
@@ -219,10 +233,11 @@ class ZooKeeperLock(ZooKeeperOutages):
     def _adopt(self, client: KazooClient, name: str, owner: str, child: str) -> _Node:
         """Take over this owner's node found on the server (a retried acquire)."""
         path = f"{self.lock_path(name)}/{child}"
-        stat = self._get("acquire", name, client.exists_async(path))
-        fence = self._queue(client, "acquire", name)[1]
-        token = token_of(stat.czxid, fence) if stat is not None and fence is not None else 0
-        entry = _Node(path, token, self._generation)
+        try:
+            raw, _stat = self._get("acquire", name, client.get_async(path))
+        except NoNodeError:
+            raw = None  # gone meanwhile: the caller finds it missing from the listing
+        entry = _Node(path, token_in(node_data(raw)), self._generation)
         self._nodes[(name, owner)] = entry
         return entry
 
@@ -417,10 +432,11 @@ class ZooKeeperLock(ZooKeeperOutages):
             if not children or fence is None:
                 return False  # a free name: nothing is written
             path = f"{parent}/{children[0]}"
-            stat = self._get("force-release", name, client.exists_async(path))
-            if stat is None:
+            try:
+                raw, stat = self._get("force-release", name, client.get_async(path))
+            except NoNodeError:
                 continue  # released meanwhile: look again
-            if token is not None and token_of(stat.czxid, fence) != token:
+            if token is not None and token_in(node_data(raw)) != token:
                 return False  # the lock changed hands: leave the new holder alone
             txn = client.transaction()
             txn.delete(path, version=stat.version)
@@ -440,7 +456,7 @@ class ZooKeeperLock(ZooKeeperOutages):
         # version 0: the fence node was created but no token was issued yet.
         if stat is None or stat.version == 0:
             return 0
-        return token_of(stat.mzxid, stat)
+        return token_of(stat.version, stat)
 
 
 class _Turn:

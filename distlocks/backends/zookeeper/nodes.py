@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 import threading
 import urllib.parse
 from typing import Any
@@ -139,13 +140,32 @@ def _judge(seen: list[_Seen]) -> None:
         write_ahead = write_ahead or kind == WRITE
 
 
-def token_of(zxid: int, fence: ZnodeStat) -> int:
-    """The fencing token of the transaction ``zxid`` on the name whose fence node is
-    ``fence``: the zxid, shifted per name so that it starts from the server's clock
-    (in microseconds) at the name's first use. A strictly increasing function of the
-    zxid for each name, and above every earlier token even if the ensemble's data is
-    lost and the zxids start again from 0 (see docs/backend-zookeeper.md)."""
-    return int(fence.ctime) * 1000 + (int(zxid) - int(fence.czxid))
+def token_of(version: int, fence: ZnodeStat) -> int:
+    """The fencing token of the grant that wrote version ``version`` of the fence node
+    ``fence`` of a name: the version, shifted per name so that it starts from the
+    server's clock (in microseconds) at the name's first use. Every grant writes the
+    fence node, at the version its caller read (so it knows its token before the write
+    and stores it in its own node, where anyone reads it). Versions only grow, one per
+    write, and do not jump at elections as zxids do (by 2**32 each), so tokens run ahead
+    of the clock only past a million grants a second: after the loss of all data, the
+    fence node is made again with a later ctime, and tokens start above the old ones
+    (see docs/backend-zookeeper.md)."""
+    return int(fence.ctime) * 1000 + int(version)
+
+
+def token_in(data: Any) -> int:
+    """The token a contender or write node stores in its data (0 if none)."""
+    token = data.get("token") if isinstance(data, dict) else None
+    return token if isinstance(token, int) and not isinstance(token, bool) else 0
+
+
+def node_data(raw: bytes | None) -> dict[str, Any]:
+    """A node's JSON data as a dict (empty when it is not one)."""
+    try:
+        data = json.loads(raw or b"{}")
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _epoch_ms(milliseconds: int) -> dt.datetime:

@@ -9,12 +9,14 @@
 Each request is one node, queued in arrival order; whether it holds is decided by the
 nodes ahead of it (see :func:`.nodes._blockers`), and a waiter watches only the ones
 that decide it. A write node is created in one multi-op with a write of the fence
-node: its token is that zxid, shifted per name as for locks.
+node at the version listed: its token is the new version, shifted per name as for
+locks, and stored in the node's data.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import time
 import urllib.parse
@@ -34,7 +36,7 @@ from distlocks.backends.base import (
     Holder,
     permit_family,
 )
-from distlocks.backends.zookeeper.lock import ZooKeeperLock
+from distlocks.backends.zookeeper.lock import _ENQUEUE_ATTEMPTS, ZooKeeperLock
 from distlocks.backends.zookeeper.nodes import (
     _PERMIT_NODE,
     _blockers,
@@ -43,6 +45,8 @@ from distlocks.backends.zookeeper.nodes import (
     _permit_nodes,
     _permit_owner,
     _Seen,
+    node_data,
+    token_in,
     token_of,
 )
 from distlocks.exceptions import LockBackendUnavailable, LockError
@@ -96,37 +100,52 @@ class ZooKeeperPermits(ZooKeeperLock):
         return f"{self.permit_dir(kind, name)}/{own[0]}" if own else None
 
     def _permit_enqueue(
-        self, client: KazooClient, kind: str, name: str, owner: str, data: bytes
-    ) -> _Node:
-        """Create the request's node (for a writer, in one multi-op with the write of
-        the fence node, whose zxid makes the token)."""
+        self,
+        client: KazooClient,
+        kind: str,
+        name: str,
+        owner: str,
+        about: dict[str, Any],
+        fence: ZnodeStat | None,
+    ) -> _Node | None:
+        """Create the request's node; for a writer, in one multi-op with the write of
+        the fence node at the version ``fence`` (as listed) has, whose new version
+        makes the token the node carries. None when nothing was written: the
+        directory is missing (made now), or, for a writer, the fence node changed
+        since the listing (another writer queued, or an eviction): list again."""
         parent = self.permit_dir(kind, name)
+        if fence is None:
+            # First use of this name: create the directory, then list again.
+            with contextlib.suppress(NodeExistsError):
+                self._get("acquire", name, client.ensure_path_async(parent))
+            return None
         node_prefix = f"{parent}/{_PERMIT_NODE[kind]}{urllib.parse.quote(owner, safe='')}-"
         generation = self._generation
-        for _ in range(3):
-            sent = time.monotonic()
-            txn = client.transaction()
-            txn.create(node_prefix, data, ephemeral=True, sequence=True)
-            if kind == WRITE:
-                txn.set_data(parent, b"")
-            try:
-                results = self._commit("acquire", name, txn)
-            except LockBackendUnavailable:
-                # Maybe applied with only the reply lost: looked for before a retry,
-                # deleted later if the caller gives up (see _through_outage).
-                self._unknown.add((kind, name, owner))
-                raise
-            if not any(isinstance(r, Exception) for r in results):
-                self._last_ok = max(self._last_ok, sent)
-                token = token_of(results[1].mzxid, results[1]) if kind == WRITE else 0
-                return _Node(results[0], token, generation)
-            if any(isinstance(r, NoNodeError) for r in results):
-                # First use of this name: create the directory, then try again.
-                with contextlib.suppress(NodeExistsError):
-                    self._get("acquire", name, client.ensure_path_async(parent))
-                continue
-            self._fail("acquire", name, next(r for r in results if isinstance(r, Exception)))
-        raise LockError(f"Could not create the permit node of {name!r} on backend {self.alias!r}.")
+        token = token_of(fence.version + 1, fence) if kind == WRITE else 0
+        data = json.dumps({**about, "token": token} if token else about, separators=(",", ":"))
+        sent = time.monotonic()
+        txn = client.transaction()
+        txn.create(node_prefix, data.encode(), ephemeral=True, sequence=True)
+        if kind == WRITE:
+            txn.set_data(parent, b"", version=fence.version)
+        try:
+            results = self._commit("acquire", name, txn)
+        except LockBackendUnavailable:
+            # Maybe applied with only the reply lost: looked for before a retry,
+            # deleted later if the caller gives up (see _through_outage).
+            self._unknown.add((kind, name, owner))
+            raise
+        if not any(isinstance(r, Exception) for r in results):
+            self._last_ok = max(self._last_ok, sent)
+            if kind == WRITE and results[1].ctime != fence.ctime:
+                # The directory was deleted and made again since the listing (by
+                # hand), at the same version: the token counted from the old ctime.
+                self._delete_quietly(client, results[0])
+                return None
+            return _Node(results[0], token, generation)
+        if any(isinstance(r, NoNodeError | BadVersionError) for r in results):
+            return None
+        self._fail("acquire", name, next(r for r in results if isinstance(r, Exception)))
 
     def _permit_adopt(
         self, client: KazooClient, kind: str, name: str, owner: str, child: str
@@ -135,9 +154,11 @@ class ZooKeeperPermits(ZooKeeperLock):
         path = f"{self.permit_dir(kind, name)}/{child}"
         token = 0
         if kind == WRITE:
-            stat = self._get("acquire", name, client.exists_async(path))
-            fence = self._permit_queue(client, "acquire", kind, name)[1]
-            token = token_of(stat.czxid, fence) if stat is not None and fence is not None else 0
+            try:
+                raw, _stat = self._get("acquire", name, client.get_async(path))
+            except NoNodeError:
+                raw = None  # gone meanwhile: the caller finds it missing from the listing
+            token = token_in(node_data(raw))
         entry = _Node(path, token, self._generation)
         self._permits[(kind, name, owner)] = entry
         return entry
@@ -178,10 +199,12 @@ class ZooKeeperPermits(ZooKeeperLock):
         self._check_ttl(client, ttl)
         entry = self._permit_entry(kind, name, owner)
         children: list[str] | None = None
-        if entry is None:
+        for attempt in itertools.count():
+            if entry is not None:
+                break
             # Always listed first: the node of a create left without an answer is
             # found here by its owner's name, and taken over.
-            children = self._permit_queue(client, "acquire", kind, name)[0]
+            children, fence = self._permit_queue(client, "acquire", kind, name)
             own = self._find_own_permit(children, kind, owner)
             if own:
                 entry = self._permit_adopt(client, kind, name, owner, own[0])
@@ -201,11 +224,23 @@ class ZooKeeperPermits(ZooKeeperLock):
                 }
                 if kind == SEMAPHORE:
                     about["limit"] = limit
-                data = json.dumps(about, separators=(",", ":")).encode()
-                entry = self._permit_enqueue(client, kind, name, owner, data)
+                entry = self._permit_enqueue(client, kind, name, owner, about, fence)
+                if entry is None:
+                    # Nothing written: list again (each failed write of the fence node
+                    # is another writer's success, so this ends).
+                    if deadline is not None and time.monotonic() >= deadline:
+                        self._unknown.discard((kind, name, owner))
+                        return AcquireResult(False, 0, None)
+                    if attempt >= _ENQUEUE_ATTEMPTS:
+                        raise LockError(
+                            f"Could not queue for {kind} {name!r} on backend {self.alias!r}: "
+                            f"its fence node changed under {attempt} attempts in a row."
+                        )
+                    continue
                 self._permits[(kind, name, owner)] = entry
                 children = None
             self._unknown.discard((kind, name, owner))
+        assert entry is not None  # the loop above ends only with a node (or returns)
         mine = entry.path.rsplit("/", 1)[1]
         if children is None or mine not in children:
             children = self._permit_queue(client, "acquire", kind, name)[0]
@@ -352,8 +387,9 @@ class ZooKeeperPermits(ZooKeeperLock):
     def permit_force_release(self, kind: str, name: str, owner: str | None = None) -> int:
         """Delete the node of ``owner``'s permit (of every permit held when None), in
         one multi-op that, for a read-write lock, also writes the fence node: the
-        write counter moves past an evicted writer. Waiting requests are left alone;
-        nothing is written when no permit matches."""
+        write counter moves past an evicted writer (and moves when no permit matches,
+        too). Waiting requests are left alone; nothing else is written when no permit
+        matches."""
         self.check_permit_kind(kind)
         client = self._ready("force-release", name)
         parent = self.permit_dir(kind, name)
@@ -364,7 +400,14 @@ class ZooKeeperPermits(ZooKeeperLock):
                 for node in seen
                 if node.holds and (owner is None or _permit_owner(node.child) == owner)
             ]
-            if not targets or fence is None:
+            if fence is None:
+                return 0
+            if not targets:
+                if permit_family(kind) == RWLOCK:
+                    # Outdate every write token issued so far all the same (as the
+                    # other backends do): a writer that lost its node unseen may still
+                    # believe it holds.
+                    self._get("force-release", name, client.set_async(parent, b""))
                 return 0
             txn = client.transaction()
             for node in targets:
@@ -386,4 +429,4 @@ class ZooKeeperPermits(ZooKeeperLock):
         # version 0: the directory exists but no write token was issued yet.
         if stat is None or stat.version == 0:
             return 0
-        return token_of(stat.mzxid, stat)
+        return token_of(stat.version, stat)

@@ -16,6 +16,7 @@ from kazoo.client import KazooClient
 from kazoo.exceptions import (
     BadVersionError,
     ConnectionClosedError,
+    ConnectionDropped,
     ConnectionLoss,
     KazooException,
     NodeExistsError,
@@ -84,7 +85,16 @@ class ZooKeeperSession(ZooKeeperConfig):
             return
 
         def handshake(timeout: float, request: Any, xid: int | None = None) -> Any:
-            answer = invoke(timeout, request, xid)
+            try:
+                answer = invoke(timeout, request, xid)
+            except ConnectionDropped:
+                # Connected, then the connection closed at the handshake: a server
+                # refusing the session (or not serving yet).
+                if isinstance(request, Connect) and self._client is client:
+                    self._refused_since = self._refused_since or time.monotonic()
+                raise
+            if isinstance(request, Connect) and self._client is client:
+                self._refused_since = None
             if isinstance(request, Connect) and isinstance(answer, tuple):
                 granted = getattr(answer[0], "time_out", 0)
                 if isinstance(granted, int) and granted > 0:
@@ -141,6 +151,13 @@ class ZooKeeperSession(ZooKeeperConfig):
             # A forked child: the parent's session and nodes are not ours to use.
             self._reset_after_fork()
         client = self._client
+        if client is not None and self._refused_for_a_session():
+            # A server that lost its data (restarted on an empty data directory)
+            # refuses for good a client that has seen zxids above its own, and kazoo
+            # keeps offering that zxid: only a new client (a new session, from zxid 0)
+            # gets in. The old session's leases were already declared lost.
+            self._replace(client)
+            client = None
         if client is None:
             with self._client_lock:
                 client = self._client
@@ -163,6 +180,54 @@ class ZooKeeperSession(ZooKeeperConfig):
                 f"{redact(self.location)} within {within:g}s",
             )
         return client
+
+    def _replace(self, client: KazooClient) -> None:
+        """Drop ``client`` and its session: every lease and place in a queue of it is
+        lost, as when a session expires; the next call starts a new client."""
+        with self._client_lock:
+            if not self._client_is(client):
+                return  # another thread did
+            self._client = None
+        client.remove_listener(self._on_state)
+        self._refused_since = None
+        self._connected.clear()
+        with self._state_lock:
+            self._generation += 1
+            waiting = list(self._waiting)
+        for event in waiting:
+            event.set()
+        logger.warning(
+            "ZooKeeper backend %r: every handshake refused for a session timeout (a server "
+            "that lost its data refuses a client that saw later zxids); starting a new "
+            "session, its leases are lost",
+            self.alias,
+        )
+
+        def stop() -> None:
+            try:
+                client.stop()
+                client.close()
+            except Exception:
+                logger.debug("Error closing a replaced ZooKeeper client", exc_info=True)
+
+        # kazoo's stop waits for its connection thread: not on the caller's time.
+        threading.Thread(target=stop, name="distlocks-zk-replaced", daemon=True).start()
+
+    def _refused_for_a_session(self) -> bool:
+        """Every handshake for a whole session timeout answered by a closed
+        connection, and the session in doubt: a server that answers but will not
+        take this session, which has expired if it was ever known there. (A shorter
+        refusal, as while a server starts or a proxy drops connections, keeps the
+        session: it may live on, with its nodes.)"""
+        since = self._refused_since
+        return (
+            since is not None
+            and time.monotonic() - since >= self.session_seconds
+            and self._session_doubtful()
+        )
+
+    def _client_is(self, client: KazooClient) -> bool:
+        return self._client is client
 
     def _probe(self, client: KazooClient) -> None:
         """Fail at once when no server can be connected to (nothing listens, or the
@@ -194,6 +259,7 @@ class ZooKeeperSession(ZooKeeperConfig):
         self._permits = {}
         self._waiting = set()
         self._negotiated = None  # the child's session is negotiated anew
+        self._refused_since = None
         self._cleaning = set()
         self._unknown = set()
         # A parent thread may have held it at the fork: the child's copy would stay
