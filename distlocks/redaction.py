@@ -378,10 +378,9 @@ def escape_control(text: Any) -> str:
 
 
 # Printable for Python (letters, marks) yet drawn as nothing: Unicode's "default
-# ignorable" code points outside the format category, which isprintable() catches.
+# ignorable" code points outside the format category, which isprintable() lets through.
 _INVISIBLE = re.compile(
-    "[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u3164\ufe00-\ufe0f\uffa0"
-    "\U000e0100-\U000e01ef]"
+    "[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u3164\ufe00-\ufe0f\uffa0\U000e0100-\U000e01ef]"
 )
 
 
