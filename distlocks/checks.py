@@ -40,6 +40,7 @@ W001 = "LocMemBackend only locks within one process."
 W003 = "A FencedModel is registered in the admin with a ModelAdmin that does not fence its saves."
 W004 = "A fenced table has no fencing trigger: the database does not refuse stale writes to it."
 W005 = "A DISTLOCKS_* setting that distlocks does not read (a misspelt name?)."
+W006 = "A FencedModel's default manager is not a FencedManager over a FencedQuerySet."
 
 
 def _is_number(value: Any) -> bool:
@@ -253,14 +254,52 @@ def check_fenced_models(app_configs: Any = None, **kwargs: Any) -> list[CheckMes
     return errors
 
 
-def _fenced_models() -> list[type[Any]]:
+@register(Tags.models, "distlocks")
+def check_fenced_managers(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """A FencedModel whose default manager does not fence: Django derives the related
+    managers (``account.parcel_set``) from it, and only a FencedManager's refuse
+    ``add(bulk=True)``; only a FencedQuerySet refuses ``update()``."""
+    from django.apps import apps
+
+    from distlocks.models import FencedManager, FencedQuerySet
+
+    errors: list[CheckMessage] = []
+    for config in app_configs or apps.get_app_configs():
+        for model in config.get_models():
+            if model not in _fenced_models(config):
+                continue
+            manager = model._default_manager
+            queryset = getattr(manager, "_queryset_class", None)
+            if isinstance(manager, FencedManager) and (
+                isinstance(queryset, type) and issubclass(queryset, FencedQuerySet)
+            ):
+                continue
+            name = getattr(queryset, "__name__", "MyFencedQuerySet")
+            errors.append(
+                Warning(
+                    W006,
+                    hint=f"{model._meta.label}'s default manager {manager.name!r} is a "
+                    f"{type(manager).__name__} over {name}: its related managers' add() and "
+                    f"set() write rows with no token, and an update() without a "
+                    f"FencedQuerySet is not refused. Build it with "
+                    f"distlocks.models.FencedManager.from_queryset({name})(), {name} "
+                    f"subclassing distlocks.models.FencedQuerySet (not as_manager() or "
+                    f"models.Manager.from_queryset()).",
+                    obj=model,
+                    id="distlocks.W006",
+                )
+            )
+    return errors
+
+
+def _fenced_models(config: Any = None) -> list[type[Any]]:
     from django.apps import apps
 
     from distlocks.models import FencedModel
 
     return [
         model
-        for model in apps.get_models()
+        for model in (config.get_models() if config is not None else apps.get_models())
         if issubclass(model, FencedModel) and not model._meta.abstract
     ]
 

@@ -60,6 +60,10 @@ def _token(value: Any, what: str) -> int:
 #: larger one could never be written again by any lock holder.
 MAX_TOKEN = fencing.MAX_TOKEN
 
+# Instance attribute: the primary key of the row an object was loaded from or last
+# saved to (see FencedModel.from_db).
+_ROW_PK = "_distlocks_row_pk"
+
 # The fenced UPDATE of one row, by (model, database alias, columns written): its SQL
 # text, built once, since building it through the ORM costs more than running it.
 _statements: dict[tuple[type[models.Model], str, tuple[str, ...]], str] = {}
@@ -402,6 +406,7 @@ class FencedModel(models.Model):
                 # A new row takes only a token a backend can issue (its trigger too).
                 _token(self.fencing_token, "fencing_token")
             super().save(*args, **kwargs)
+            self.__dict__[_ROW_PK] = self.pk
             return
         if args:
             raise TypeError("FencedModel.save() takes keyword arguments only.")
@@ -467,6 +472,17 @@ class FencedModel(models.Model):
 
     # -- locks --------------------------------------------------------------------
 
+    @classmethod
+    def from_db(  # newer Django passes fetch_mode=: taken through **kwargs
+        cls, db: str | None, field_names: Any, values: Any, **kwargs: Any
+    ) -> Any:
+        instance = super().from_db(db, field_names, values, **kwargs)
+        # The key of the row the object came from: a fenced save that finds no row
+        # tells a key changed in memory (Django's save inserts a copy) from that row
+        # having been deleted (never inserted again).
+        instance.__dict__[_ROW_PK] = instance.pk
+        return instance
+
     def get_fencing_lock_name(self) -> str:
         """The lock name that fences this row."""
         meta = self._meta
@@ -519,6 +535,19 @@ class FencedModel(models.Model):
         except BaseException:
             self.fencing_token = previous
             raise
+        self.__dict__[_ROW_PK] = self.pk
+
+    def _key_changed(self) -> bool:
+        """Whether this object, loaded or saved, now has another primary key than the
+        row it came from (unknown, as for objects from ``bulk_create()``: False)."""
+        if _ROW_PK not in self.__dict__:
+            return False
+        pk = self._meta.pk
+        try:
+            # One key spelled another way ("7" for 7) is not a new key.
+            return bool(pk.to_python(self.pk) != pk.to_python(self.__dict__[_ROW_PK]))
+        except Exception:
+            return True
 
     def _fenced_update(
         self, token: int, using: str, update_fields: Any, kwargs: dict[str, Any]
@@ -576,7 +605,8 @@ class FencedModel(models.Model):
             stored = manager.filter(pk=self.pk).values_list("fencing_token", flat=True).first()
             for attname, value in before.items():
                 setattr(self, attname, value)
-            if stored is None and not self._state.adding and using == self._state.db:
+            moved = self._key_changed()
+            if stored is None and not self._state.adding and using == self._state.db and not moved:
                 # Loaded from this database, and deleted since (by a newer holder, or
                 # by anyone): inserting it again would undo that delete. Saved to
                 # another database, it is copied there, as Django's save does.
@@ -592,7 +622,9 @@ class FencedModel(models.Model):
                     offered=token,
                     stored=None,
                 )
-            if stored is None:  # a new object with its pk set: an INSERT, as Django's
+            # A new object with its pk set, or a loaded one given another key: an
+            # INSERT, as Django's save (a copy; the row it was loaded from is left).
+            if stored is None:
                 if kwargs.get("force_update"):
                     raise DatabaseError("Forced update did not affect any rows.")
                 if update_fields is not None:
@@ -614,6 +646,7 @@ class FencedModel(models.Model):
         self.fencing_token = token
         self._state.adding = False
         self._state.db = using
+        self.__dict__[_ROW_PK] = self.pk
         post_save.send(
             sender=origin,
             instance=self,

@@ -365,12 +365,23 @@ def _secrets_of_text(text: str) -> Iterator[str]:
 
 def escape_control(text: Any) -> str:
     """``text`` with control characters (escape codes, CR, LF, NUL...) shown as
-    ``\\x1b``-style escapes, for terminal and log output of values a holder chose
-    (thread names, Celery task ids, extra details)."""
+    ``\\x1b``-style escapes, for terminal, log and admin output of values a holder
+    chose (lock names, thread names, Celery task ids, extra details). Format characters
+    (bidi controls, zero-width ones) and the letters and marks that draw nothing are
+    escaped too: raw, they make one text read as another."""
     text = str(text)
-    if text.isprintable():
+    if text.isprintable() and not _INVISIBLE.search(text):
         return text
-    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)
+    return "".join(
+        ch if ch.isprintable() and not _INVISIBLE.match(ch) else _escape(ch) for ch in text
+    )
+
+
+# Printable for Python (letters, marks) yet drawn as nothing: Unicode's "default
+# ignorable" code points outside the format category, which isprintable() lets through.
+_INVISIBLE = re.compile(
+    "[\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u3164\ufe00-\ufe0f\uffa0\U000e0100-\U000e01ef]"
+)
 
 
 def _escape(ch: str) -> str:

@@ -5,9 +5,10 @@ worker holding that lock nor overwrite a newer holder's write."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import re
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
@@ -23,6 +24,26 @@ from distlocks.exceptions import (
 )
 from distlocks.fencing import unfenced
 from distlocks.models import FencedModel
+
+if TYPE_CHECKING:
+    from distlocks.lease import BaseLease
+
+# The leases the admin holds for the rows of the request being handled, by the text
+# of their primary key. A row is saved with its own lease, found here, not by the
+# lock name of the edited object: an edit of a field the name is built from would
+# look under the new name, which nobody holds.
+_row_leases: contextvars.ContextVar[Mapping[str, BaseLease] | None] = contextvars.ContextVar(
+    "distlocks_admin_row_leases", default=None
+)
+
+
+@contextlib.contextmanager
+def _holding(leases: Mapping[str, BaseLease]) -> Iterator[None]:
+    token = _row_leases.set(leases)
+    try:
+        yield
+    finally:
+        _row_leases.reset(token)
 
 
 class FencedModelAdmin(admin.ModelAdmin):
@@ -44,8 +65,19 @@ class FencedModelAdmin(admin.ModelAdmin):
             with unfenced():
                 obj.save()
             return
-        # changeform_view holds the row's lock: the save uses its token.
-        obj.save()
+        # changeform_view (or changelist_view) holds the row's lock, taken under the
+        # name the row was loaded with: the save uses that lease, even if the edit
+        # changed a field the lock name is built from.
+        lease = self.row_lease(obj)
+        if lease is None:
+            obj.save()
+        else:
+            obj.save(fencing_token=lease)
+
+    def row_lease(self, obj: Any) -> BaseLease | None:
+        """The lease this admin holds on ``obj``'s row for the request being handled
+        (taken before the form changed anything), or None outside one."""
+        return (_row_leases.get() or {}).get(str(obj.pk))
 
     def delete_model(self, request: HttpRequest, obj: Any) -> None:
         # An operator's confirmed delete is an explicit bypass (docs/fencing.md): a
@@ -77,7 +109,8 @@ class FencedModelAdmin(admin.ModelAdmin):
             self._refusals(request, several=False),
             obj.fenced_lock(
                 backend=self.fencing_backend, ttl=self.fencing_ttl, timeout=self.fencing_timeout
-            ),
+            ) as lease,
+            _holding({str(obj.pk): lease}),
         ):
             return super().changeform_view(request, object_id, form_url, extra_context)
         return HttpResponseRedirect(request.get_full_path())
@@ -94,7 +127,8 @@ class FencedModelAdmin(admin.ModelAdmin):
             and self.has_change_permission(request)  # else Django refuses it, unlocked
         ):
             return super().changelist_view(request, extra_context)
-        names = [obj.get_fencing_lock_name() for obj in self._edited_rows(request)]
+        rows = [(str(obj.pk), obj.get_fencing_lock_name()) for obj in self._edited_rows(request)]
+        names = [name for _, name in rows]
         if not names:  # nothing to lock: let the formset report what is wrong
             return super().changelist_view(request, extra_context)
         try:
@@ -108,8 +142,10 @@ class FencedModelAdmin(admin.ModelAdmin):
             self.message_user(request, _("Not saved: %(reason)s") % {"reason": exc},
                               messages.ERROR)  # fmt: skip
             return HttpResponseRedirect(request.get_full_path())
-        with self._refusals(request, several=True), row_locks:
-            return super().changelist_view(request, extra_context)
+        with self._refusals(request, several=True), row_locks as leases:
+            held = {pk: leases[name] for pk, name in rows}
+            with _holding(held):
+                return super().changelist_view(request, extra_context)
         return HttpResponseRedirect(request.get_full_path())
 
     def _edited_rows(self, request: HttpRequest) -> list[Any]:

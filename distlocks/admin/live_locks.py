@@ -19,6 +19,7 @@ from django.urls import URLPattern, path, reverse
 from django.utils.translation import gettext_lazy as _
 
 from distlocks import audit, livelocks
+from distlocks.admin.display import VisibleMessages
 from distlocks.backends.capabilities import NotSupported, Permits, require
 from distlocks.models import LiveLock
 from distlocks.redaction import escape_control
@@ -62,7 +63,7 @@ _STATUS_LABELS = {
 
 
 @admin.register(LiveLock)
-class LiveLockAdmin(admin.ModelAdmin):
+class LiveLockAdmin(VisibleMessages, admin.ModelAdmin):
     """Live locks of every configured backend, read from the servers on each request.
 
     There is no table: the list, the page of one lock and the force release are
@@ -90,8 +91,7 @@ class LiveLockAdmin(admin.ModelAdmin):
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+    has_delete_permission = has_change_permission
 
     def has_force_release_permission(self, request: HttpRequest) -> bool:
         return bool(request.user.has_perm(f"{self.opts.app_label}.force_release_livelock"))
@@ -423,7 +423,7 @@ class LiveLockAdmin(admin.ModelAdmin):
         context = self._context(
             request,
             (_("Lock %(name)s") if kind == livelocks.LOCK else _("%(kind)s of %(name)s"))
-            % {"name": name, "kind": str(_KIND_LABELS[kind]).capitalize()},
+            % {"name": escape_control(name), "kind": str(_KIND_LABELS[kind]).capitalize()},
             item=item,
             kind_label=_KIND_LABELS[kind],
             fields=fields,
@@ -474,7 +474,7 @@ class LiveLockAdmin(admin.ModelAdmin):
                     if kind == livelocks.LOCK
                     else _("Evict this holder of %(name)s?")
                 )
-                % {"name": name},
+                % {"name": escape_control(name)},
                 item=item,
                 kind=kind,
                 kind_label=_KIND_LABELS[kind],
