@@ -255,3 +255,41 @@ def test_a_forked_child_never_touches_the_parents_session(name: str) -> None:
     assert got["after"] == [got["owner_pid"]], "a child ended the parent's session"
     assert got["held"] is True
     assert got["left"] == []
+
+
+def test_a_forked_child_keeps_no_duplicate_of_the_parents_sockets(name: str) -> None:
+    """A parent holding many locks forks (a prefork worker pool): the child cannot use
+    the inherited lock connections, so their duplicates (ours, made only to shut a
+    socket down) are closed there at once: the child keeps one descriptor per
+    inherited connection (libpq's, which it never touches), not two. Closing a copy
+    in the child never ends the parent's sessions: the parent still holds every lock
+    and releases them."""
+    got = run_child(f"""
+        backend = pg()
+        leases = [lock({name!r} + str(i), backend="pg", ttl=30, timeout=0,
+                       auto_renew=False).acquire() for i in range(15)]
+        keys = [backend.key({name!r} + str(i)) for i in range(15)]
+        pids = sorted(backend._held[lease.owner].conn.info.backend_pid for lease in leases)
+        connection.close()
+        read, write = os.pipe()
+        before = len(fds())
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            os.write(write, str(len(fds()) - 1).encode())  # without the read end closed
+            gc.collect()
+            sys.exit(0)
+        os.close(write)
+        in_child = int(os.read(read, 100))
+        os.close(read)
+        status = os.waitpid(pid, 0)[1]
+        holding = sorted(p for key in keys for p in holders(key))
+        for lease in leases:
+            lease.release()
+        report(before=before, in_child=in_child, status=os.waitstatus_to_exitcode(status),
+               pids=pids, holding=holding, left=[p for key in keys for p in holders(key)])
+    """)
+    assert got["status"] == 0
+    assert got["holding"] == got["pids"], "a child ended some of the parent's sessions"
+    assert got["left"] == []
+    assert got["in_child"] <= got["before"] - 15, (got["before"], got["in_child"])
