@@ -150,7 +150,12 @@ class Connection(psycopg.Connection[Any]):
         self._own_socket: socket.socket | None = None
         self._shutdown_lock = threading.Lock()
         try:
-            self._own_socket = socket.socket(fileno=os.dup(self.pgconn.socket))
+            fd = os.dup(self.pgconn.socket)
+            try:
+                self._own_socket = socket.socket(fileno=fd)
+            except BaseException:
+                os.close(fd)  # not a socket object's yet: nothing else would close it
+                raise
         except BaseException:
             # No descriptor left for the duplicate (EMFILE), or interrupted: the
             # connection is made and nobody else will ever close it (the pool counts
