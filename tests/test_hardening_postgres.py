@@ -20,15 +20,10 @@ from distlocks.backends.base import Holder
 from distlocks.backends.postgres import TABLE, PostgresBackend, sql
 from distlocks.exceptions import LockError, LockLost, LockNotAcquired
 from distlocks.primitives import rwlock, semaphore
+from tests.pg_backend import pg
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
-
-
-def pg() -> PostgresBackend:
-    backend = get_backend("pg")
-    assert isinstance(backend, PostgresBackend)
-    return backend
 
 
 @pytest.fixture

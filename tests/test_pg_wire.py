@@ -17,24 +17,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from distlocks import get_backend, lock
+from distlocks import lock
 from distlocks.backends.base import Holder
 from distlocks.backends.postgres import PostgresBackend, session, sql, wire
 from distlocks.backends.postgres.keys import key_parts
 from distlocks.backends.postgres.pool import Connection, NoAnswer
 from distlocks.backends.postgres.wire import Statement, is_true, to_int, to_numbered
 from distlocks.exceptions import LockBackendUnavailable, LockError
+from tests.pg_backend import pg
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
 
 UNLOCK = session.UNLOCK
-
-
-def pg() -> PostgresBackend:
-    backend = get_backend("pg")
-    assert isinstance(backend, PostgresBackend)
-    return backend
 
 
 @pytest.fixture

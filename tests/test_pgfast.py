@@ -21,21 +21,16 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from distlocks import get_backend, lock
+from distlocks import lock
 from distlocks.backends.base import Holder
 from distlocks.backends.postgres import PostgresBackend
 from distlocks.exceptions import LockLost, LockNotAcquired
 from distlocks.locks import holder_extra
 from distlocks.signals import lock_not_acquired
+from tests.pg_backend import pg
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
-
-
-def pg() -> PostgresBackend:
-    backend = get_backend("pg")
-    assert isinstance(backend, PostgresBackend)
-    return backend
 
 
 @pytest.fixture

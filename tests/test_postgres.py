@@ -22,15 +22,10 @@ from distlocks.checks import check_settings
 from distlocks.exceptions import LockError, LockNotAcquired
 from distlocks.models import LockRegistry
 from tests import workers
+from tests.pg_backend import pg
 from tests.waiting import wait_for, wait_for_text
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
-
-
-def pg() -> PostgresBackend:
-    backend = get_backend("pg")
-    assert isinstance(backend, PostgresBackend)
-    return backend
 
 
 def advisory_holders(key: int) -> list[int]:

@@ -10,18 +10,12 @@ from typing import Any
 import psycopg
 import pytest
 
-from distlocks import get_backend, lock
-from distlocks.backends.postgres import PostgresBackend
+from distlocks import lock
 from distlocks.backends.postgres.pool import Connection, Pool, PoolExhausted, Watchdog
+from tests.pg_backend import pg
 from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("pg_ready")]
-
-
-def pg() -> PostgresBackend:
-    backend = get_backend("pg")
-    assert isinstance(backend, PostgresBackend)
-    return backend
 
 
 class _Watched:

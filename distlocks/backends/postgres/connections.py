@@ -10,6 +10,7 @@ change).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import threading
 from collections.abc import Iterator, Mapping
@@ -220,6 +221,32 @@ class PooledBackend(capabilities.Listing, capabilities.Waiting, capabilities.Per
             ) from exc
         except psycopg.OperationalError as exc:
             raise self._unavailable("connect for", name, exc) from exc
+        except OSError as exc:
+            # Raised by the driver's poller, or by the duplicate of the new socket
+            # (pool.Connection): not an outage of the server, but of this process.
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise self._out_of_descriptors(name, exc) from exc
+            raise self._unavailable("connect for", name, exc) from exc
+
+    def _out_of_descriptors(self, name: str, exc: OSError) -> LockError:
+        try:
+            import resource  # Unix only
+
+            limit = f" (RLIMIT_NOFILE soft limit {resource.getrlimit(resource.RLIMIT_NOFILE)[0]})"
+        except ImportError:  # pragma: no cover - not on Unix
+            limit = ""
+        whose = (
+            "the system has no file descriptor left (raise fs.file-max)"
+            if exc.errno == errno.ENFILE
+            else f"this process has no file descriptor left{limit}"
+        )
+        return LockError(
+            f"No connection for lock {name!r} on backend {self.alias!r}: {whose}: {exc}. "
+            f"Each PostgreSQL lock held or waited for keeps a connection open (its socket "
+            f"and one duplicate of it, two descriptors). Raise the limit (`ulimit -n`, "
+            f"LimitNOFILE= under systemd) or lower OPTIONS['pool_size'] (now "
+            f"{self.pool.max_size}) to cap this backend's connections."
+        )
 
     def _discard(self, conn: Connection) -> None:
         """Close a connection whose state is unknown; the server frees its locks."""

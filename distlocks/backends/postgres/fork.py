@@ -11,6 +11,7 @@ refuses to lock on them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -45,11 +46,32 @@ def forget_connections_after_fork() -> None:
         pass
     for backend in list(instances):
         inherited.append((backend._pool, backend._held))
+        _close_duplicates(backend)
         backend._pool = None
         backend._held = {}
         backend._pool_lock = threading.Lock()
         backend._held_lock = threading.Lock()
     watchdog.after_fork()
+
+
+def _close_duplicates(backend: PostgresBackend) -> None:
+    """Close this process's copies of the descriptors the inherited connections made
+    to shut their sockets down (pool.Connection._own_socket): never used here, they
+    would double the descriptors a child of a parent with many locks starts with.
+    Closing a copy never ends the socket, which the parent still has open; and the
+    connection's shutdown becomes a no-op here, so nothing in the child can cut the
+    parent's session through it. Its lock is not taken: a thread of the parent may
+    have held it at the fork."""
+    pool = backend._pool
+    conns = [held.conn for held in backend._held.values()]
+    if pool is not None:
+        conns += pool._idle
+    for conn in conns:
+        own = getattr(conn, "_own_socket", None)
+        if own is not None:
+            conn._own_socket = None
+            with contextlib.suppress(OSError):  # already closed
+                own.close()
 
 
 if hasattr(os, "register_at_fork"):

@@ -147,8 +147,21 @@ class Connection(psycopg.Connection[Any]):
         # when a request fails, and its number may then be reused by any new socket of
         # the process: shutting down "libpq's socket" by number could cut another one.
         # Ours names this socket until close() closes it, under _shutdown_lock.
-        self._own_socket: socket.socket | None = socket.socket(fileno=os.dup(self.pgconn.socket))
+        self._own_socket: socket.socket | None = None
         self._shutdown_lock = threading.Lock()
+        try:
+            fd = os.dup(self.pgconn.socket)
+            try:
+                self._own_socket = socket.socket(fileno=fd)
+            except BaseException:
+                os.close(fd)  # not a socket object's yet: nothing else would close it
+                raise
+        except BaseException:
+            # No descriptor left for the duplicate (EMFILE), or interrupted: the
+            # connection is made and nobody else will ever close it (the pool counts
+            # only what this returns), so its socket and server session end here.
+            self.close()
+            raise
 
     def fetchone(self, query: str, params: Any) -> Any:
         """The first row of ``query`` (None if it has none), on this connection's own
