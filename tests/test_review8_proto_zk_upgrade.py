@@ -46,14 +46,16 @@ def raw(zk_server: ZooKeeperServer) -> Iterator[KazooClient]:
     client.close()
 
 
-def old_grant(client: KazooClient, parent: str, node: str) -> int:
-    """One grant as the release before made it; its token by that release's rule."""
+def old_grant(client: KazooClient, parent: str, node: str, *, keep: bool = False) -> int:
+    """One grant as the release before made it; its token by that release's rule. The
+    holder's node is deleted (released) unless ``keep``."""
     client.ensure_path(parent)
     txn = client.transaction()
     txn.create(f"{parent}/{node}", b"{}", ephemeral=True, sequence=True)
     txn.set_data(parent, b"")
     created, fence = txn.commit()
-    client.delete(created)
+    if not keep:
+        client.delete(created)
     return int(fence.ctime) * 1000 + (int(fence.mzxid) - int(fence.czxid))
 
 
@@ -66,12 +68,13 @@ def other_traffic(client: KazooClient, count: int) -> None:
 
 
 @hypothesis.settings(
-    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     kind=st.sampled_from(["lock", "write"]),
     history=st.lists(st.integers(min_value=0, max_value=20), min_size=1, max_size=4),
     new_grants=st.integers(min_value=1, max_value=3),
+    evict=st.booleans(),
 )
 def test_the_first_grants_after_an_upgrade_are_above_the_old_zxid_tokens(
     settings: Any,
@@ -80,10 +83,12 @@ def test_the_first_grants_after_an_upgrade_are_above_the_old_zxid_tokens(
     kind: str,
     history: list[int],
     new_grants: int,
+    evict: bool,
 ) -> None:
-    """Old grants of one name, each after some other names' transactions; then the
-    upgraded release: its counter is at least the last old token, and every new grant
-    is above every old token and above the grant before it."""
+    """Old grants of one name, each after some other names' transactions (with
+    ``evict``, the last one's holder still there, forced out by the upgraded release);
+    then the upgraded release: its counter is at least the last old token, and every
+    new grant is above every old token and above the grant before it."""
     settings.DISTLOCKS_BACKENDS = {
         **settings.DISTLOCKS_BACKENDS,
         ALIAS: {"BACKEND": BACKEND, "LOCATION": zk_server.location,
@@ -96,11 +101,17 @@ def test_the_first_grants_after_an_upgrade_are_above_the_old_zxid_tokens(
     else:
         parent, node = backend.permit_dir("write", name), "write-old-"
     old = []
-    for others in history:
+    for index, others in enumerate(history):
         other_traffic(raw, others)
-        old.append(old_grant(raw, parent, node))
+        old.append(old_grant(raw, parent, node, keep=evict and index == len(history) - 1))
     counter = backend.fencing_counter if kind == "lock" else backend.permit_counter
     assert counter(name) >= max(old), "the counter is below the tokens issued"
+    if evict:
+        if kind == "lock":
+            assert backend.force_release(name)
+        else:
+            assert backend.permit_force_release("write", name) == 1
+        assert counter(name) > max(old), "the eviction did not move the counter on"
     tokens = []
     for _ in range(new_grants):
         other_traffic(raw, 3)
