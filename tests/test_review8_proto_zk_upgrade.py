@@ -124,3 +124,38 @@ def test_the_first_grants_after_an_upgrade_are_above_the_old_zxid_tokens(
         assert counter(name) >= tokens[-1]
     assert tokens[0] > max(old), (tokens, old)
     assert tokens == sorted(set(tokens)), tokens
+
+
+@pytest.mark.parametrize("data", [b"", b"not a base", b'{"base": -5}', b"[1]", b"\xff\xfe"])
+@pytest.mark.parametrize("kind", ["lock", "write"])
+def test_a_fence_node_written_by_hand_is_taken_over_not_spun_on(
+    settings: Any, zk_server: ZooKeeperServer, raw: KazooClient, data: bytes, kind: str
+) -> None:
+    """Whatever a fence node's data was made by hand (or by a release before), the next
+    grant takes it over with one write and gets a token above every one issued: no
+    acquire spins on it, and the counter never goes back."""
+    settings.DISTLOCKS_BACKENDS = {
+        **settings.DISTLOCKS_BACKENDS,
+        ALIAS: {"BACKEND": BACKEND, "LOCATION": zk_server.location,
+                "OPTIONS": {"session_timeout": 10}},
+    }  # fmt: skip
+    backend = get_backend(ALIAS)
+    name = f"review8:byhand:{uuid.uuid4().hex[:8]}"
+    counter = backend.fencing_counter if kind == "lock" else backend.permit_counter
+
+    def grant() -> int:
+        if kind == "lock":
+            with lock(name, backend=ALIAS, ttl=10, timeout=10, auto_renew=False) as lease:
+                return lease.fencing_token
+        with rwlock(name, backend=ALIAS).write(ttl=10, timeout=10, auto_renew=False) as lease:
+            return lease.fencing_token
+
+    tokens = [grant(), grant()]
+    path = backend.lock_path(name) if kind == "lock" else backend.permit_dir("write", name)
+    raw.set(path, data)
+    seen = counter(name)
+    assert seen >= tokens[-1]
+    tokens += [grant(), grant()]
+    assert tokens == sorted(set(tokens)), tokens
+    assert tokens[2] > seen
+    assert counter(name) == tokens[-1]

@@ -91,27 +91,34 @@ class ZooKeeperLock(ZooKeeperOutages):
         base = base_in_stat(fence)
         if base is not None:
             return base
-        base = self._bases.get((path, int(fence.czxid), int(fence.ctime)))
-        if base is not None:
-            return base
-        if fence.dataLength == 0:
-            # Raced (a grant, an eviction, another taker-over): listed again all the same.
-            with contextlib.suppress(BadVersionError, NoNodeError):
-                self._get(
-                    action,
-                    name,
-                    client.set_async(path, fence_data(legacy_base(fence)), version=fence.version),
-                )
-            return None
-        try:
-            raw, stat = self._get(action, name, client.get_async(path))
-        except NoNodeError:
-            return None
-        base = fence_base(raw, stat)
-        if base is None or stat.czxid != fence.czxid:
-            return None
-        self._keep_base(path, stat, base)
-        return base
+        stat = fence
+        if fence.dataLength > 0:
+            base = self._bases.get((path, int(fence.czxid), int(fence.ctime)))
+            if base is not None:
+                return base
+            try:
+                raw, stat = self._get(action, name, client.get_async(path))
+            except NoNodeError:
+                return None
+            if stat.czxid != fence.czxid:
+                return None
+            base = fence_base(raw, stat)
+            if base is not None:
+                self._keep_base(path, stat, base)
+                return base
+        if stat.version == VERSION_EXHAUSTED:
+            return None  # no write can be conditional here: the caller lists, and stops
+        # Written with no base (by a client of a release before), or with data that is
+        # none (by hand): taken over now, whatever this process saw before; the base,
+        # from a later mzxid, is above every token issued. Raced (a grant, an eviction,
+        # another taker-over): listed again all the same.
+        with contextlib.suppress(BadVersionError, NoNodeError):
+            self._get(
+                action,
+                name,
+                client.set_async(path, fence_data(legacy_base(stat)), version=stat.version),
+            )
+        return None
 
     def _counter(self, client: KazooClient, action: str, name: str, path: str) -> int:
         """The token of the last write of the fence node ``path`` (0 if none): its
