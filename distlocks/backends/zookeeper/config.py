@@ -89,6 +89,10 @@ class ZooKeeperConfig(Listing, Waiting, Permits, BaseBackend):
         self._nodes: dict[tuple[str, str], _Node] = {}
         #: This process's permit nodes, by (kind, name, owner).
         self._permits: dict[tuple[str, str, str], _Node] = {}
+        #: The base (nodes.fence_base) of fence nodes seen whose stat does not tell it,
+        #: by (path, czxid, ctime): fixed for the life of a node (zxids start again
+        #: after the loss of the data, the ctime does not), read once per process.
+        self._bases: dict[tuple[str, int, int], int] = {}
         self._waiting: set[threading.Event] = set()
         self._state_lock = threading.Lock()
         #: The session timeout the server granted at the last handshake (seconds),

@@ -36,14 +36,25 @@ from distlocks.backends.base import AcquireResult, Holder
 from distlocks.backends.zookeeper.nodes import (
     _CONTENDER,
     _LOCK,
+    VERSION_EXHAUSTED,
     _contenders,
     _Node,
+    base_in_stat,
+    exhausted,
+    fence_base,
+    fence_counter,
+    fence_data,
+    legacy_base,
     node_data,
     token_in,
     token_of,
 )
 from distlocks.backends.zookeeper.outages import ZooKeeperOutages
 from distlocks.exceptions import LockBackendUnavailable, LockError
+
+#: Fence node bases kept per process before the cache is emptied (one get each to
+#: read again): enough for the names in use, bounded for per-call names.
+_BASES_KEPT = 4096
 
 #: Multi-ops raced by other contenders' in a row before an acquire gives up (each
 #: failure is another contender's success, so this is never met in practice).
@@ -56,6 +67,72 @@ class ZooKeeperLock(ZooKeeperOutages):
     def lock_path(self, name: str) -> str:
         """The fence node of ``name`` (its children are the contenders)."""
         return f"{self._locks_path}/n{urllib.parse.quote(name, safe='')}"
+
+    def _make_fence(self, client: KazooClient, action: str, name: str, path: str) -> None:
+        """Create the fence node ``path`` (first use of a name). Made empty, at version
+        0: base 0 (:func:`base_in_stat`)."""
+        with contextlib.suppress(NodeExistsError):
+            self._get(action, name, client.ensure_path_async(path))
+
+    def _keep_base(self, path: str, fence: ZnodeStat, base: int) -> None:
+        if len(self._bases) >= _BASES_KEPT:
+            self._bases.clear()
+        self._bases[(path, int(fence.czxid), int(fence.ctime))] = base
+
+    def _fence_base(
+        self, client: KazooClient, action: str, name: str, path: str, fence: ZnodeStat
+    ) -> int | None:
+        """The base of the fence node ``path`` as listed (stat ``fence``): from the
+        stat alone for nearly every node (:func:`base_in_stat`), else read once per
+        process. None when the caller must list again: the node changed since, or it
+        was just taken over from a release before, whose node has no base (a write, so
+        the listed version is past). Taking over is one write at the version listed: a
+        grant in between fails it."""
+        base = base_in_stat(fence)
+        if base is not None:
+            return base
+        stat = fence
+        if fence.dataLength > 0:
+            base = self._bases.get((path, int(fence.czxid), int(fence.ctime)))
+            if base is not None:
+                return base
+            try:
+                raw, stat = self._get(action, name, client.get_async(path))
+            except NoNodeError:
+                return None
+            if stat.czxid != fence.czxid:
+                return None
+            base = fence_base(raw, stat)
+            if base is not None:
+                self._keep_base(path, stat, base)
+                return base
+        if stat.version == VERSION_EXHAUSTED:
+            return None  # no write can be conditional here: the caller lists, and stops
+        # Written with no base (by a client of a release before), or with data that is
+        # none (by hand): taken over now, whatever this process saw before; the base,
+        # from a later mzxid, is above every token issued. Raced (a grant, an eviction,
+        # another taker-over): listed again all the same.
+        with contextlib.suppress(BadVersionError, NoNodeError):
+            self._get(
+                action,
+                name,
+                client.set_async(path, fence_data(legacy_base(stat)), version=stat.version),
+            )
+        return None
+
+    def _counter(self, client: KazooClient, action: str, name: str, path: str) -> int:
+        """The token of the last write of the fence node ``path`` (0 if none): its
+        stat, and its data only for a base the stat does not tell."""
+        stat = self._get(action, name, client.exists_async(path))
+        if stat is None:
+            return 0
+        raw = None
+        if base_in_stat(stat) is None and stat.dataLength > 0:
+            try:
+                raw, stat = self._get(action, name, client.get_async(path))
+            except NoNodeError:
+                return 0
+        return fence_counter(raw, stat)
 
     def _children(self, client: KazooClient, action: str, name: str) -> list[str]:
         return self._queue(client, action, name)[0]
@@ -96,12 +173,17 @@ class ZooKeeperLock(ZooKeeperOutages):
         parent = self.lock_path(name)
         node_prefix = f"{parent}/{_CONTENDER}{urllib.parse.quote(owner, safe='')}-"
         generation = self._generation
-        token = token_of(fence.version + 1, fence)
+        if fence.version == VERSION_EXHAUSTED:
+            raise exhausted("lock", name, self.alias, parent)
+        base = self._fence_base(client, "acquire", name, parent, fence)
+        if base is None:
+            return None
+        token = token_of(fence.version + 1, fence, base)
         data = json.dumps({**about, "token": token}, separators=(",", ":")).encode()
         sent = time.monotonic()
         txn = client.transaction()
         txn.create(node_prefix, data, ephemeral=True, sequence=True)
-        txn.set_data(parent, b"", version=fence.version)
+        txn.set_data(parent, fence_data(base), version=fence.version)
         try:
             results = self._commit("acquire", name, txn)
         except LockBackendUnavailable:
@@ -113,9 +195,9 @@ class ZooKeeperLock(ZooKeeperOutages):
         created, written = results
         if isinstance(created, str) and isinstance(written, ZnodeStat):
             self._last_ok = max(self._last_ok, sent)
-            if written.ctime != fence.ctime:
+            if written.czxid != fence.czxid:
                 # The fence node was deleted and made again since the listing (by
-                # hand), at the same version: the token counted from the old ctime.
+                # hand), at the same version: the token counted from the old node.
                 self._delete_quietly(client, created)
                 return None
             return _Node(created, token, generation)
@@ -181,8 +263,7 @@ class ZooKeeperLock(ZooKeeperOutages):
                     return AcquireResult(False, 0, None)
                 if fence is None:
                     # First use of this name: create the fence node, then list again.
-                    with contextlib.suppress(NodeExistsError):
-                        self._get("acquire", name, client.ensure_path_async(self.lock_path(name)))
+                    self._make_fence(client, "acquire", name, self.lock_path(name))
                     continue
                 queued = self._enqueue(client, name, owner, about, fence)
                 if queued is not None:
@@ -440,7 +521,14 @@ class ZooKeeperLock(ZooKeeperOutages):
                 return False  # the lock changed hands: leave the new holder alone
             txn = client.transaction()
             txn.delete(path, version=stat.version)
-            txn.set_data(parent, b"")
+            if fence.version != VERSION_EXHAUSTED:
+                # (At the last version, writing would make version 0 and lower the
+                # counter: the victim is deleted alone. No grant can follow but a
+                # waiter's, queued with a token above the victim's already.)
+                base = self._fence_base(client, "force-release", name, parent, fence)
+                if base is None:
+                    continue  # the fence node changed, or was just taken over: look again
+                txn.set_data(parent, fence_data(base))
             results = self._commit("force-release", name, txn)
             if not any(isinstance(r, Exception) for r in results):
                 return True
@@ -450,13 +538,7 @@ class ZooKeeperLock(ZooKeeperOutages):
 
     def fencing_counter(self, name: str) -> int:
         client = self._ready("read the fencing counter of", name)
-        stat = self._get(
-            "read the fencing counter of", name, client.exists_async(self.lock_path(name))
-        )
-        # version 0: the fence node was created but no token was issued yet.
-        if stat is None or stat.version == 0:
-            return 0
-        return token_of(stat.version, stat)
+        return self._counter(client, "read the fencing counter of", name, self.lock_path(name))
 
 
 class _Turn:

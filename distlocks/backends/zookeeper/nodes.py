@@ -14,6 +14,7 @@ from typing import Any
 from kazoo.protocol.states import ZnodeStat
 
 from distlocks.backends.base import READ, RWLOCK, SEMAPHORE, WRITE
+from distlocks.exceptions import LockError
 
 _CONTENDER = "c-"
 #: The kind in the (kind, name, owner) keys of locks (permits use theirs).
@@ -140,17 +141,96 @@ def _judge(seen: list[_Seen]) -> None:
         write_ahead = write_ahead or kind == WRITE
 
 
-def token_of(version: int, fence: ZnodeStat) -> int:
+def token_of(version: int, fence: ZnodeStat, base: int = 0) -> int:
     """The fencing token of the grant that wrote version ``version`` of the fence node
     ``fence`` of a name: the version, shifted per name so that it starts from the
-    server's clock (in microseconds) at the name's first use. Every grant writes the
-    fence node, at the version its caller read (so it knows its token before the write
-    and stores it in its own node, where anyone reads it). Versions only grow, one per
-    write, and do not jump at elections as zxids do (by 2**32 each), so tokens run ahead
-    of the clock only past a million grants a second: after the loss of all data, the
-    fence node is made again with a later ctime, and tokens start above the old ones
-    (see docs/backend-zookeeper.md)."""
-    return int(fence.ctime) * 1000 + int(version)
+    server's clock (in microseconds) at the name's first use, plus the node's ``base``
+    (:func:`fence_base`; 0 but for a node the zxid-token release wrote). Every grant
+    writes the fence node, at the version its caller read (so it knows its token before
+    the write and stores it in its own node, where anyone reads it). Versions only grow,
+    one per write, and do not jump at elections as zxids do (by 2**32 each), so tokens
+    run ahead of the clock only past a million grants a second: after the loss of all
+    data, the fence node is made again with a later ctime, and tokens start above the
+    old ones (see docs/backend-zookeeper.md)."""
+    return int(fence.ctime) * 1000 + int(base) + (int(version) & _VERSION_MASK)
+
+
+#: A node's version is a Java int, incremented with no check: after 2**31 - 1 comes
+#: -2**31. Read unsigned, versions grow through that wrap up to -1 (2**32 - 1); and -1
+#: is where they must stop: a write conditional on version -1 is no condition (-1 means
+#: any version), and the write after it would make 0.
+_VERSION_MASK = 2**32 - 1
+VERSION_EXHAUSTED = -1
+
+
+def exhausted(kind: str, name: str, alias: str, path: str) -> LockError:
+    """The error of a fence node whose versions are all used (see _VERSION_MASK)."""
+    return LockError(
+        f"The fence node of {kind} {name!r} on backend {alias!r} has been written 2**32 - 1 "
+        f"times, the most a ZooKeeper node's version counts: no token can follow. While "
+        f"nobody holds or waits for it, delete the node {path} (for example with "
+        f"zkCli.sh: delete {path}); it is made again at the next acquire, with tokens "
+        f"from the server's clock, above the old ones."
+    )
+
+
+#: The data of a fence node whose base is 0 (nearly all): one byte, so that its stat
+#: (dataLength), which every listing returns, tells the base with no read of the data.
+_BASE_ZERO = b"0"
+
+
+def fence_data(base: int) -> bytes:
+    """The data every write of a fence node by this release stores: its base. Written
+    even when 0, as the mark of a node this release has written; any other base is a
+    JSON object, longer than one byte."""
+    if base == 0:
+        return _BASE_ZERO
+    return json.dumps({"base": int(base)}, separators=(",", ":")).encode()
+
+
+def base_in_stat(fence: ZnodeStat) -> int | None:
+    """The base of a fence node told by its stat alone, or None when its data must be
+    read (:func:`fence_base`). A node made and never written has issued nothing (base
+    0); one written by this release with base 0 holds one byte. One written with no data
+    (version above 0, data empty) is a release before's, whose tokens this release takes
+    over by writing the base :func:`legacy_base` (see :meth:`ZooKeeperLock._fence_base`)."""
+    if fence.version == 0 or fence.dataLength == len(_BASE_ZERO):
+        return 0
+    return None
+
+
+def fence_base(raw: bytes | None, fence: ZnodeStat) -> int | None:
+    """The base of a fence node as read (data ``raw``, stat ``fence``), or None for a
+    node whose tokens this release has not taken over yet: one written (version above
+    0) with no base in its data, by a release before. Those issued, for a write with
+    zxid ``z``, ``ctime * 1000 + (z - czxid)`` (the zxid release), or ``ctime * 1000 +
+    version`` (the first version release), both at most ``ctime * 1000 + (mzxid -
+    czxid)``: its last write's zxid (each write is a transaction)."""
+    known = base_in_stat(fence)
+    if known is not None:
+        return known
+    base = node_data(raw).get("base")
+    if isinstance(base, int) and not isinstance(base, bool) and base >= 0:
+        return base
+    return None
+
+
+def legacy_base(fence: ZnodeStat) -> int:
+    """The base that takes over the tokens of a node written by a release before:
+    ``mzxid - czxid`` of its last write, so the next write's token, ``ctime * 1000 +
+    base + version``, is above every token it issued (see :func:`fence_base`)."""
+    return int(fence.mzxid) - int(fence.czxid)
+
+
+def fence_counter(raw: bytes | None, fence: ZnodeStat) -> int:
+    """The token of the fence node's last write (0 when none), read without writing:
+    for a node not taken over yet, the last token the release before issued."""
+    if fence.version == 0:
+        return 0
+    base = fence_base(raw, fence)
+    if base is None:
+        return int(fence.ctime) * 1000 + legacy_base(fence)
+    return token_of(fence.version, fence, base)
 
 
 def token_in(data: Any) -> int:

@@ -15,7 +15,6 @@ locks, and stored in the node's data.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import time
@@ -24,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kazoo.client import KazooClient
-from kazoo.exceptions import BadVersionError, NodeExistsError, NoNodeError
+from kazoo.exceptions import BadVersionError, NoNodeError
 from kazoo.protocol.states import ZnodeStat
 
 from distlocks.backends.base import (
@@ -39,12 +38,15 @@ from distlocks.backends.base import (
 from distlocks.backends.zookeeper.lock import _ENQUEUE_ATTEMPTS, ZooKeeperLock
 from distlocks.backends.zookeeper.nodes import (
     _PERMIT_NODE,
+    VERSION_EXHAUSTED,
     _blockers,
     _judge,
     _Node,
     _permit_nodes,
     _permit_owner,
     _Seen,
+    exhausted,
+    fence_data,
     node_data,
     token_in,
     token_of,
@@ -116,18 +118,22 @@ class ZooKeeperPermits(ZooKeeperLock):
         parent = self.permit_dir(kind, name)
         if fence is None:
             # First use of this name: create the directory, then list again.
-            with contextlib.suppress(NodeExistsError):
-                self._get("acquire", name, client.ensure_path_async(parent))
+            self._make_fence(client, "acquire", name, parent)
             return None
         node_prefix = f"{parent}/{_PERMIT_NODE[kind]}{urllib.parse.quote(owner, safe='')}-"
         generation = self._generation
-        token = token_of(fence.version + 1, fence) if kind == WRITE else 0
+        if kind == WRITE and fence.version == VERSION_EXHAUSTED:
+            raise exhausted("read-write lock", name, self.alias, parent)
+        base = self._fence_base(client, "acquire", name, parent, fence) if kind == WRITE else 0
+        if base is None:
+            return None
+        token = token_of(fence.version + 1, fence, base) if kind == WRITE else 0
         data = json.dumps({**about, "token": token} if token else about, separators=(",", ":"))
         sent = time.monotonic()
         txn = client.transaction()
         txn.create(node_prefix, data.encode(), ephemeral=True, sequence=True)
         if kind == WRITE:
-            txn.set_data(parent, b"", version=fence.version)
+            txn.set_data(parent, fence_data(base), version=fence.version)
         try:
             results = self._commit("acquire", name, txn)
         except LockBackendUnavailable:
@@ -137,7 +143,7 @@ class ZooKeeperPermits(ZooKeeperLock):
             raise
         if not any(isinstance(r, Exception) for r in results):
             self._last_ok = max(self._last_ok, sent)
-            if kind == WRITE and results[1].ctime != fence.ctime:
+            if kind == WRITE and results[1].czxid != fence.czxid:
                 # The directory was deleted and made again since the listing (by
                 # hand), at the same version: the token counted from the old ctime.
                 self._delete_quietly(client, results[0])
@@ -402,18 +408,27 @@ class ZooKeeperPermits(ZooKeeperLock):
             ]
             if fence is None:
                 return 0
+            # At the last version a write would make version 0 and lower the counter:
+            # the nodes are deleted alone (no writer can queue any more).
+            fenced = permit_family(kind) == RWLOCK and fence.version != VERSION_EXHAUSTED
+            base = 0
+            if fenced:
+                found = self._fence_base(client, "force-release", name, parent, fence)
+                if found is None:
+                    continue  # changed, or just taken over from a release before
+                base = found
             if not targets:
-                if permit_family(kind) == RWLOCK:
+                if fenced:
                     # Outdate every write token issued so far all the same (as the
                     # other backends do): a writer that lost its node unseen may still
                     # believe it holds.
-                    self._get("force-release", name, client.set_async(parent, b""))
+                    self._get("force-release", name, client.set_async(parent, fence_data(base)))
                 return 0
             txn = client.transaction()
             for node in targets:
                 txn.delete(f"{parent}/{node.child}", version=node.stat.version)
-            if permit_family(kind) == RWLOCK:
-                txn.set_data(parent, b"")
+            if fenced:
+                txn.set_data(parent, fence_data(base))
             results = self._commit("force-release", name, txn)
             if not any(isinstance(r, Exception) for r in results):
                 return len(targets)
@@ -423,10 +438,6 @@ class ZooKeeperPermits(ZooKeeperLock):
     def permit_counter(self, name: str) -> int:
         self.check_permit_kind(WRITE)
         client = self._ready("read the write counter of", name)
-        stat = self._get(
-            "read the write counter of", name, client.exists_async(self.permit_dir(WRITE, name))
+        return self._counter(
+            client, "read the write counter of", name, self.permit_dir(WRITE, name)
         )
-        # version 0: the directory exists but no write token was issued yet.
-        if stat is None or stat.version == 0:
-            return 0
-        return token_of(stat.version, stat)
