@@ -688,14 +688,17 @@ class Lease(BaseLease):
         (it is the holder's call, which must not fail for a reentrant release that leaves
         the lease held): a call it starts while the release waits is seen at the next
         look, every :data:`RELEASE_RETRY` seconds at most, and the release goes beside
-        it. Several releases may wait at once: each is counted, none waits for another's
-        decision (which is one step under the state lock, see :meth:`_release_step`)."""
+        it. Several releases may come at once: each is counted, and none waits for
+        another's decision (one step under the state lock, see :meth:`_release_step`)
+        nor for another's call."""
         lock = self._state_lock
         with lock:
             self._releasing += 1
         try:
             mutex = self._mutex
-            while not self._renewing:
+            # A release's call under way (_unlocking) is not waited for either: this
+            # release then sends nothing (see _release_step).
+            while not (self._renewing or self._unlocking):
                 if mutex.acquire(timeout=RELEASE_RETRY):
                     return False
             return True

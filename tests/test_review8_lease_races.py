@@ -197,6 +197,30 @@ def test_two_releases_as_the_renewal_ends_send_one_call(
         assert lease.state == "released"
 
 
+def test_a_second_release_does_not_wait_for_the_first_ones_call(
+    gated: GatedReleases, name: str
+) -> None:
+    """The first release's call (sent with the mutex held) gets no answer; a second
+    release from another thread returns False at once instead of waiting for it, sends
+    nothing, and the first one's answer frees the lock."""
+    backend = gated
+    lease = lock(name, backend=ALIAS, ttl=600, auto_renew=False).acquire()
+    backend.releases = 0
+    backend.release_gate.clear()
+    first: list[object] = []
+    releaser = _thread(lease.release, first)
+    wait_for(lambda: backend.releases == 1, LIMIT, "the first release's call")
+    second: list[object] = []
+    other = _thread(lease.release, second)
+    other.join(WITHIN)
+    assert not other.is_alive(), "the second release waited for the first one's call"
+    assert second == [False] and backend.releases == 1
+    backend.release_gate.set()
+    releaser.join(LIMIT)
+    assert first == [True] and lease.state == "released"
+    assert backend.inspect(name) is None
+
+
 # -- 2. a reentrant lock taken again while its renewal is stuck ---------------------------
 
 
