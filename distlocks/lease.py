@@ -313,16 +313,16 @@ class BaseLease:
     # server call (blocking in Lease, awaited in AsyncLease) and the bookkeeping of
     # its answer (here), so both flavours follow exactly the same rules.
 
-    def _release_step(self, deferrable: bool = False) -> str:
+    def _release_step(self, deferrable: bool = False, locked: bool = False) -> str:
         """What a release must do: ``RELEASE``, ``DEFER`` (only when ``deferrable``),
-        ``FREE_LOST`` or ``NOTHING``.
+        ``FREE_LOST`` or ``NOTHING``. ``locked``: the caller holds the mutex.
 
-        Decided in one step under the state lock, whether the release holds the mutex or
-        is decided beside a call in flight (see Lease._release): two releases racing
-        (one beside a renewal, one taking the mutex the moment that renewal ends) never
-        both send their call, nor both take one level of a reentrant lease. A
-        ``RELEASE`` leaves ``_unlocking`` set: the caller clears it if its call fails
-        (a retry may send it again)."""
+        Decided in one step (:meth:`_claim`), whether the release holds the mutex or is
+        decided beside a call in flight (see Lease._release): two releases racing (one
+        beside a renewal, one taking the mutex the moment that renewal ends) never both
+        send their call, nor both take one level of a reentrant lease. A ``RELEASE``
+        leaves ``_unlocking`` set: the caller clears it if its call fails (a retry may
+        send it again)."""
         if self._ended["pid"] != process.pid:  # _inherited(), inlined: on every release
             # A forked child: the lock is its parent's, still held there.
             logger.debug("Not releasing lock %r: it belongs to the parent process", self.name)
@@ -330,26 +330,17 @@ class BaseLease:
         valid_until = self._valid_until
         if valid_until is not None and self._state == HELD and time.monotonic() >= valid_until:
             self.held()  # marks the lease that ran out lost (outside the state lock)
-        with self._state_lock:
-            state = self._state
-            if state == LOST:
-                # Lost locally, but the server may still keep something (a Redis key
-                # not yet expired, a pinned PostgreSQL connection): give it back once.
-                # Ownership is checked there, so a newer holder is never touched.
-                if self._freed_on_server:
-                    return NOTHING
-                self._freed_on_server = True
-                return FREE_LOST
-            if state != HELD or self._unlocking:
-                # Ended, or another release's call is under way: only one release
-                # sends its call.
-                return NOTHING
-            if self._depth > 1:
-                self._depth -= 1
-                return NOTHING
-            if self._deferral is not None:
-                return NOTHING  # already waits for its transaction
-            self._unlocking = True
+        if locked and not self._releasing:
+            # The usual release: the mutex held and no release (or re-entry) counted as
+            # waiting or beside a call. Nothing else decides meanwhile: a release coming
+            # now is counted before it looks for a call, finds none (this one holds the
+            # mutex), and waits for the mutex or for _unlocking. No state lock needed.
+            step = self._claim()
+        else:
+            with self._state_lock:
+                step = self._claim()
+        if step != RELEASE:
+            return step
         if deferrable:
             try:
                 deferred = self._defer_release()
@@ -360,6 +351,30 @@ class BaseLease:
                 self._unlocking = False
                 return DEFER
         self._release_requested = True
+        return RELEASE
+
+    def _claim(self) -> str:
+        """The decision of :meth:`_release_step` (``RELEASE`` meaning: send it, unless
+        it is deferred), with nothing else deciding meanwhile."""
+        state = self._state
+        if state == LOST:
+            # Lost locally, but the server may still keep something (a Redis key not
+            # yet expired, a pinned PostgreSQL connection): give it back once.
+            # Ownership is checked there, so a newer holder is never touched.
+            if self._freed_on_server:
+                return NOTHING
+            self._freed_on_server = True
+            return FREE_LOST
+        if state != HELD or self._unlocking:
+            # Ended, or another release's call is under way: only one release sends
+            # its call.
+            return NOTHING
+        if self._depth > 1:
+            self._depth -= 1
+            return NOTHING
+        if self._deferral is not None:
+            return NOTHING  # already waits for its transaction
+        self._unlocking = True
         return RELEASE
 
     def _release_failed(self) -> None:
@@ -603,11 +618,15 @@ class Lease(BaseLease):
         if mutex.acquire(False) or not self._beside_a_call():
             try:
                 self.extend()
+                self._enter_again()
             finally:
                 mutex.release()
         else:
-            self.ensure_held()
-        self._enter_again()
+            try:
+                self.ensure_held()
+                self._enter_again()
+            finally:
+                self._decided()
 
     def _give_back_if_lost(self) -> None:
         """A lease found lost here (it ran out locally) is given back on the server once,
@@ -652,7 +671,13 @@ class Lease(BaseLease):
         # release is decided and sent beside it (see _beside_a_call).
         locked = mutex.acquire(False) or not self._beside_a_call()
         try:
-            step = self._release_step(deferrable)
+            if locked:
+                step = self._release_step(deferrable, locked=True)
+            else:
+                try:
+                    step = self._release_step(deferrable)
+                finally:
+                    self._decided()
             if step == DEFER:
                 return True  # accepted: the transaction's end frees it
             if step == FREE_LOST:
@@ -678,8 +703,10 @@ class Lease(BaseLease):
         """Called by a release (or a re-entry) that found the mutex busy: True when a
         renewal's or an extension's server call is in flight, which it must not wait for
         (the server may never answer it: the call lasts until its socket timeout, and the
-        holder's ``with`` block would hang behind a background renewal). Otherwise False,
-        once it holds the mutex: another release's call, or a call about to start.
+        holder's ``with`` block would hang behind a background renewal); it stays counted
+        in ``_releasing`` until it has decided, and then calls :meth:`_decided`.
+        Otherwise False, once it holds the mutex: another release's call, or a call
+        about to start.
 
         The release marks itself (``_releasing``) before it looks for a call, and a
         renewal marks itself (``_renewing``) before it looks for a release: whichever
@@ -691,20 +718,27 @@ class Lease(BaseLease):
         it. Several releases may come at once: each is counted, and none waits for
         another's decision (one step under the state lock, see :meth:`_release_step`)
         nor for another's call."""
-        lock = self._state_lock
-        with lock:
+        with self._state_lock:
             self._releasing += 1
+        mutex = self._mutex
         try:
-            mutex = self._mutex
             # A release's call under way (_unlocking) is not waited for either: this
             # release then sends nothing (see _release_step).
             while not (self._renewing or self._unlocking):
                 if mutex.acquire(timeout=RELEASE_RETRY):
-                    return False
-            return True
-        finally:
-            with lock:
-                self._releasing -= 1
+                    break
+            else:
+                return True  # counted until it has decided
+        except BaseException:
+            self._decided()
+            raise
+        self._decided()
+        return False
+
+    def _decided(self) -> None:
+        """A release (or re-entry) counted by :meth:`_beside_a_call` has decided."""
+        with self._state_lock:
+            self._releasing -= 1
 
     def _call_may_start(self) -> bool:
         """Called by a renewal holding the mutex, with ``_renewing`` just set, before it
