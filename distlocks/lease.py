@@ -21,9 +21,12 @@ waiting for its answer (a late answer, even a success, leaves the lease lost).
 
 A release never waits for a renewal's (or an extension's) call in flight, which a server
 that does not answer leaves stuck until its socket timeout: the release is decided and
-sent beside it, and the call's late answer changes nothing (see ``Lease._release``).
+sent beside it, and the call's late answer changes nothing (see ``Lease._release``). Nor
+does it wait for another release's call: of releases racing in any order, one sends its
+call and none reports a loss that did not happen. A reentrant lock taken again while a
+renewal's call is in flight is granted from local state (that call is confirming it).
 
-Why this is one module of about 900 lines (issue 28's size rule): the two lease classes
+Why this is one module of about 1000 lines (issue 28's size rule): the two lease classes
 share one state machine (held, lost, released, given back at commit), and the rules of
 each transition must be read side by side for the thread and the asyncio holder.
 """

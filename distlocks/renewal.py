@@ -23,7 +23,7 @@ The leases of ``alock()`` are renewed on their event loop instead, the same way:
 :class:`LoopRenewer` per loop, a heap and one pending timer of the loop for all of them;
 a renewal turn adds an entry at the lease's deadline, looked at then.
 
-Why this is one module of about 700 lines (issue 28's size rule): the thread renewer and
+Why this is one module of about 750 lines (issue 28's size rule): the thread renewer and
 the loop renewer keep the same heap discipline (weak entries, compaction, deadline
 watches, dropped leases), which must be read side by side.
 """
