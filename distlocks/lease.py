@@ -21,9 +21,12 @@ waiting for its answer (a late answer, even a success, leaves the lease lost).
 
 A release never waits for a renewal's (or an extension's) call in flight, which a server
 that does not answer leaves stuck until its socket timeout: the release is decided and
-sent beside it, and the call's late answer changes nothing (see ``Lease._release``).
+sent beside it, and the call's late answer changes nothing (see ``Lease._release``). Nor
+does it wait for another release's call: of releases racing in any order, one sends its
+call and none reports a loss that did not happen. A reentrant lock taken again while a
+renewal's call is in flight is granted from local state (that call is confirming it).
 
-Why this is one module of about 900 lines (issue 28's size rule): the two lease classes
+Why this is one module of about 1000 lines (issue 28's size rule): the two lease classes
 share one state machine (held, lost, released, given back at commit), and the rules of
 each transition must be read side by side for the thread and the asyncio holder.
 """
@@ -86,12 +89,13 @@ class BaseLease:
     _lost_reason = ""
     _last_renew_error = ""
     _release_requested = False
-    # A release is deciding, or sending its call, without the mutex (see
-    # Lease._release): a renewal that has not sent its call yet leaves the lease to it.
-    _releasing = False
-    # A release decided beside a call in flight (see Lease._release) has not had its
-    # answer yet: a release that takes the mutex meanwhile sends nothing. (The releases
-    # that hold the mutex need no mark: nothing else decides while they hold it.)
+    # How many releases (or re-entries) found the mutex busy and wait for it, marked (see
+    # Lease._beside_a_call): a renewal that has not sent its call yet leaves the lease to
+    # them. Changed under the state lock only.
+    _releasing = 0
+    # A release decided to send its call (claimed in _release_step, under the state
+    # lock) and has not had its answer yet: any other release meanwhile, with the mutex
+    # or beside a call in flight, sends nothing.
     _unlocking = False
     _freed_on_server = False
     _depth = 1
@@ -312,38 +316,73 @@ class BaseLease:
     # server call (blocking in Lease, awaited in AsyncLease) and the bookkeeping of
     # its answer (here), so both flavours follow exactly the same rules.
 
-    def _release_step(self, deferrable: bool = False, beside: bool = False) -> str:
+    def _release_step(self, deferrable: bool = False, locked: bool = False) -> str:
         """What a release must do: ``RELEASE``, ``DEFER`` (only when ``deferrable``),
-        ``FREE_LOST`` or ``NOTHING``. ``beside``: decided without the mutex, by the
-        release that marked its call (``_unlocking``) first (see Lease._release)."""
+        ``FREE_LOST`` or ``NOTHING``. ``locked``: the caller holds the mutex.
+
+        Decided in one step (:meth:`_claim`), whether the release holds the mutex or is
+        decided beside a call in flight (see Lease._release): two releases racing (one
+        beside a renewal, one taking the mutex the moment that renewal ends) never both
+        send their call, nor both take one level of a reentrant lease. A ``RELEASE``
+        leaves ``_unlocking`` set: the caller clears it if its call fails (a retry may
+        send it again)."""
         if self._ended["pid"] != process.pid:  # _inherited(), inlined: on every release
             # A forked child: the lock is its parent's, still held there.
             logger.debug("Not releasing lock %r: it belongs to the parent process", self.name)
             return NOTHING
         valid_until = self._valid_until
         if valid_until is not None and self._state == HELD and time.monotonic() >= valid_until:
-            self.held()  # marks the lease that ran out lost
-        if self._state == LOST:
-            # Lost locally, but the server may still keep something (a Redis key
-            # not yet expired, a pinned PostgreSQL connection): give it back once.
+            self.held()  # marks the lease that ran out lost (outside the state lock)
+        if locked and not self._releasing:
+            # The usual release: the mutex held and no release (or re-entry) counted as
+            # waiting or beside a call. Nothing else decides meanwhile: a release coming
+            # now is counted before it looks for a call, finds none (this one holds the
+            # mutex), and waits for the mutex or for _unlocking. No state lock needed.
+            step = self._claim()
+        else:
+            with self._state_lock:
+                step = self._claim()
+        if step != RELEASE:
+            return step
+        if deferrable:
+            try:
+                deferred = self._defer_release()
+            except BaseException:
+                self._unlocking = False
+                raise
+            if deferred:
+                self._unlocking = False
+                return DEFER
+        self._release_requested = True
+        return RELEASE
+
+    def _claim(self) -> str:
+        """The decision of :meth:`_release_step` (``RELEASE`` meaning: send it, unless
+        it is deferred), with nothing else deciding meanwhile."""
+        state = self._state
+        if state == LOST:
+            # Lost locally, but the server may still keep something (a Redis key not
+            # yet expired, a pinned PostgreSQL connection): give it back once.
             # Ownership is checked there, so a newer holder is never touched.
             if self._freed_on_server:
                 return NOTHING
             self._freed_on_server = True
             return FREE_LOST
-        if self._state != HELD or (self._unlocking and not beside):
-            # Ended, or another release's call is under way (one sent beside a renewal
-            # in flight, see Lease._release): only one release sends its call.
+        if state != HELD or self._unlocking:
+            # Ended, or another release's call is under way: only one release sends
+            # its call.
             return NOTHING
         if self._depth > 1:
             self._depth -= 1
             return NOTHING
         if self._deferral is not None:
             return NOTHING  # already waits for its transaction
-        if deferrable and self._defer_release():
-            return DEFER
-        self._release_requested = True
+        self._unlocking = True
         return RELEASE
+
+    def _release_failed(self) -> None:
+        """The call of a ``RELEASE`` step raised: the lease is left to a retry."""
+        self._unlocking = False
 
     def _defer_release(self) -> bool:
         """Inside ``transaction.atomic()``: keep the lock until the transaction ends,
@@ -364,17 +403,29 @@ class BaseLease:
 
     def _cancel_deferred_release(self) -> bool:
         """Hold the lease again for a new acquisition by its thread, if its release
-        waits for a transaction and it is still held; True when it did."""
-        with self._mutex:
-            deferral = self._deferral
-            if deferral is None or not self.held():
+        waits for a transaction and it is still held; True when it did. Under the state
+        lock alone, never the mutex: a renewal stuck in its call holds that one."""
+        deferral = self._deferral
+        if deferral is None or not self.held():
+            return False
+        with self._state_lock:  # against _release_deferred, which takes only this
+            if self._deferral is not deferral:
                 return False
-            with self._state_lock:  # against _release_deferred, which takes only this
-                if self._deferral is not deferral:
-                    return False
-                self._deferral = None
+            self._deferral = None
         transactions.forget(deferral)
         return True
+
+    def _enter_again(self) -> None:
+        """One more level of a reentrant lease, for its holder re-entering it, from local
+        state: the caller has confirmed it with the server or found a call in flight
+        that does (see distlocks.locks). A release waiting for the transaction is called
+        off instead: the lease is held again by one holder, as before it."""
+        if self._cancel_deferred_release():
+            return
+        with self._state_lock:  # against a release deciding beside a call in flight
+            if self._state != HELD or self._unlocking:
+                raise LockLost(self, "it was released while it was re-entered")  # type: ignore[arg-type]
+            self._depth += 1
 
     def _released(self, freed: bool) -> bool:
         self._freed_on_server = True
@@ -447,9 +498,10 @@ class BaseLease:
         """After a successful renewal or extension: True, once, when the lease was found
         lost while the call was in flight, so what the server has just extended must be
         given back (quietly, owner-checked) rather than left until it expires."""
-        if self._state == LOST and not self._freed_on_server:
-            self._freed_on_server = True
-            return True
+        with self._state_lock:  # against a release beside the call, which may claim it
+            if self._state == LOST and not self._freed_on_server:
+                self._freed_on_server = True
+                return True
         return False
 
     def _extended(self, started: float, ttl: float, ok: bool) -> None:
@@ -557,6 +609,28 @@ class Lease(BaseLease):
                     self._backend.release_quietly(self.name, self.owner)
                 raise
 
+    def _reenter(self) -> None:
+        """Its holder re-enters this reentrant lease: confirmed with the server (a lease
+        lost under the outer block fails loudly: :class:`LockLost`), except while a
+        renewal's or an extension's call is in flight, which is confirming it: then
+        granted from local state (``held()``), without waiting for that call, which a
+        server that does not answer leaves stuck until its socket timeout. Its answer,
+        if it says the lock is gone, is reported as any renewal's."""
+        self.ensure_held()
+        mutex = self._mutex
+        if mutex.acquire(False) or not self._beside_a_call():
+            try:
+                self.extend()
+                self._enter_again()
+            finally:
+                mutex.release()
+        else:
+            try:
+                self.ensure_held()
+                self._enter_again()
+            finally:
+                self._decided()
+
     def _give_back_if_lost(self) -> None:
         """A lease found lost here (it ran out locally) is given back on the server once,
         as the renewer would: what the server may still keep of it (a ZooKeeper node
@@ -596,86 +670,84 @@ class Lease(BaseLease):
             # the mutex, which a thread of the parent may have held at the fork.
             return False
         mutex = self._mutex
-        if not mutex.acquire(False) and self._beside_a_call():
-            return self._release_beside(deferrable)
+        # Without the mutex when a renewal's or an extension's call is in flight: the
+        # release is decided and sent beside it (see _beside_a_call).
+        locked = mutex.acquire(False) or not self._beside_a_call()
         try:
-            step = self._release_step(deferrable)
+            if locked:
+                step = self._release_step(deferrable, locked=True)
+            else:
+                try:
+                    step = self._release_step(deferrable)
+                finally:
+                    self._decided()
             if step == DEFER:
                 return True  # accepted: the transaction's end frees it
             if step == FREE_LOST:
                 self._backend.release_quietly(self.name, self.owner)
-            if step != RELEASE or not self._released(self._backend.release(self.name, self.owner)):
+            if step != RELEASE:
+                return False
+            try:
+                freed = self._backend.release(self.name, self.owner)
+            except BaseException:
+                self._release_failed()
+                raise
+            if not self._released(freed):
                 return False
         finally:
-            mutex.release()
+            if locked:
+                mutex.release()
         self._on_finished()
         if signals.lock_released.receivers:  # skips building the arguments of a no-op
             signals.lock_released.send(sender=Lease, lease=self)
         return True
 
     def _beside_a_call(self) -> bool:
-        """Called by a release that found the mutex busy: True when a renewal's or an
-        extension's server call is in flight, which the release must not wait for (the
-        server may never answer it: the call lasts until its socket timeout, and the
-        holder's ``with`` block would hang behind a background renewal). Otherwise the
-        mutex is waited for (False, with it held): another release, or a call about to
-        start, which sees the release coming and does not start.
+        """Called by a release (or a re-entry) that found the mutex busy: True when a
+        renewal's or an extension's server call is in flight, which it must not wait for
+        (the server may never answer it: the call lasts until its socket timeout, and the
+        holder's ``with`` block would hang behind a background renewal); it stays counted
+        in ``_releasing`` until it has decided, and then calls :meth:`_decided`.
+        Otherwise False, once it holds the mutex: another release's call, or a call
+        about to start.
 
-        The release marks itself (``_releasing``) before it looks for a call, and a call
-        marks itself (``_renewing``) before it looks for a release: whichever comes
-        second sees the other (see :meth:`_call_may_start`)."""
+        The release marks itself (``_releasing``) before it looks for a call, and a
+        renewal marks itself (``_renewing``) before it looks for a release: whichever
+        comes second sees the other (see :meth:`_call_may_start`), and a renewal seeing
+        a release coming sends nothing. The holder's own ``extend()`` does not give way
+        (it is the holder's call, which must not fail for a reentrant release that leaves
+        the lease held): a call it starts while the release waits is seen at the next
+        look, every :data:`RELEASE_RETRY` seconds at most, and the release goes beside
+        it. Several releases may come at once: each is counted, and none waits for
+        another's decision (one step under the state lock, see :meth:`_release_step`)
+        nor for another's call."""
         with self._state_lock:
-            claimed = not self._releasing
-            self._releasing = True
-        if not claimed:
-            # Another release is deciding beside the call: wait, as two releases of one
-            # lease always waited for each other.
-            self._mutex.acquire()
-            return False
-        if self._renewing:
-            return True  # _releasing stays set until the release beside has decided
+            self._releasing += 1
+        mutex = self._mutex
         try:
-            self._mutex.acquire()
-        finally:
-            self._releasing = False
+            # A release's call under way (_unlocking) is not waited for either: this
+            # release then sends nothing (see _release_step).
+            while not (self._renewing or self._unlocking):
+                if mutex.acquire(timeout=RELEASE_RETRY):
+                    break
+            else:
+                return True  # counted until it has decided
+        except BaseException:
+            self._decided()
+            raise
+        self._decided()
         return False
 
-    def _release_beside(self, deferrable: bool) -> bool:
-        """:meth:`_release` without the mutex, which a renewal or extension holds through
-        its call in flight. The release is decided and sent on its own call (a pooled
-        connection of its own; PostgreSQL, whose lock lives in the lease's connection,
-        ends that connection's session instead). The call in flight finds the lease
-        released when it answers: its answer changes nothing, and the release, checked
-        against the owner on the server, is never undone by it."""
-        if self._unlocking:
-            self._releasing = False
-            return False  # another release's call is under way
-        self._unlocking = True  # before deciding: a release taking the mutex sends nothing
-        try:
-            try:
-                step = self._release_step(deferrable, beside=True)
-            finally:
-                self._releasing = False
-            if step == DEFER:
-                return True
-            if step == FREE_LOST:
-                self._backend.release_quietly(self.name, self.owner)
-            if step != RELEASE or not self._released(self._backend.release(self.name, self.owner)):
-                return False
-        finally:
-            # Once the answer is recorded (a failure leaves it unmarked: a retry may
-            # send it again).
-            self._unlocking = False
-        self._on_finished()
-        if signals.lock_released.receivers:
-            signals.lock_released.send(sender=Lease, lease=self)
-        return True
+    def _decided(self) -> None:
+        """A release (or re-entry) counted by :meth:`_beside_a_call` has decided."""
+        with self._state_lock:
+            self._releasing -= 1
 
     def _call_may_start(self) -> bool:
         """Called by a renewal holding the mutex, with ``_renewing`` just set, before it
         sends its call: False when a release is under way, which then has the lease
         (see :meth:`_beside_a_call`); the renewal then sends nothing."""
-        if self._releasing:
+        if self._releasing or self._unlocking:
             self._renewing = 0.0
             return False
         return True
@@ -847,6 +919,14 @@ class AsyncLease(BaseLease):
                     await self._backend.arelease_quietly(self.name, self.owner)
                 raise
 
+    async def _reenter(self) -> None:
+        """:meth:`Lease._reenter`: granted from local state while a renewal turn or an
+        extension awaits its call, confirmed with the server otherwise."""
+        self.ensure_held()
+        if not (self._alock.locked() and self._renewing):
+            await self.extend()
+        self._enter_again()
+
     async def release(self) -> bool:
         """Free the lock if this lease still holds it; same rules as :meth:`Lease.release`."""
         if self._inherited():
@@ -855,14 +935,9 @@ class AsyncLease(BaseLease):
             # A renewal turn, or the holder's extend(), awaits its call, which the server
             # may never answer: decided and sent without waiting for it, as
             # Lease._release does (the renewal turn is cancelled; an extension in flight
-            # finds the lease released when it ends).
-            if self._unlocking:
-                return False  # another release's call is under way
-            self._unlocking = True
-            try:
-                freed = await self._release_call(beside=True)
-            finally:
-                self._unlocking = False
+            # finds the lease released when it ends). Two releases at once send one
+            # call: the decision claims it (see _release_step).
+            freed = await self._release_call()
         else:
             async with self._alock:
                 freed = await self._release_call()
@@ -873,14 +948,19 @@ class AsyncLease(BaseLease):
             signals.lock_released.send(sender=AsyncLease, lease=self)
         return True
 
-    async def _release_call(self, beside: bool = False) -> bool:
-        step = self._release_step(beside=beside)
+    async def _release_call(self) -> bool:
+        step = self._release_step()
         if step == FREE_LOST:
             await self._backend.arelease_quietly(self.name, self.owner)
         if step != RELEASE:
             return False
         self._stop_renewal()
-        return self._released(await self._backend.arelease(self.name, self.owner))
+        try:
+            freed = await self._backend.arelease(self.name, self.owner)
+        except BaseException:
+            self._release_failed()
+            raise
+        return self._released(freed)
 
 
 async def arelease_dropped(

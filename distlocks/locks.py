@@ -665,14 +665,10 @@ class Lock(_LockBase):
                 wait = self.timeout
         again = self._reentrant_lease() if self.reentrant else None
         if isinstance(again, Lease):
-            # Confirm with the server (and refresh the lease) rather than trust local
-            # state: re-entering a lock lost under the outer block must fail loudly.
-            again.extend()
-            with again._mutex:
-                # A release waiting for the transaction is called off instead: the
-                # lease is held again by one holder, as before it.
-                if not again._cancel_deferred_release():
-                    again._depth += 1
+            # Confirmed with the server (and refreshed) rather than trusting local state:
+            # re-entering a lock lost under the outer block must fail loudly. Never
+            # waits for a renewal's call in flight (see Lease._reenter).
+            again._reenter()
             return again
         backend = backends._backends.get(self.backend_alias)
         ttl = self._ttl
@@ -780,9 +776,7 @@ class AsyncLock(_LockBase):
         wait = self.timeout if timeout is _DEFAULT else _timeout_arg(timeout)
         again = self._reentrant_lease()
         if isinstance(again, AsyncLease):
-            await again.extend()
-            with again._mutex:
-                again._depth += 1
+            await again._reenter()
             return again
         lease = await aacquire_lease(
             self.backend, self.name, ttl=self.ttl, timeout=wait, fair=self.fair, **self._options()

@@ -23,7 +23,7 @@ The leases of ``alock()`` are renewed on their event loop instead, the same way:
 :class:`LoopRenewer` per loop, a heap and one pending timer of the loop for all of them;
 a renewal turn adds an entry at the lease's deadline, looked at then.
 
-Why this is one module of about 700 lines (issue 28's size rule): the thread renewer and
+Why this is one module of about 750 lines (issue 28's size rule): the thread renewer and
 the loop renewer keep the same heap discipline (weak entries, compaction, deadline
 watches, dropped leases), which must be read side by side.
 """
@@ -444,64 +444,94 @@ class Renewer:
         self, batch: list[Lease], lost: list[tuple[BaseLease, str]], alone: list[Lease]
     ) -> None:
         groups: dict[int, tuple[BaseBackend, list[Lease]]] = {}
-        for lease in batch:
-            backend = lease._backend
-            if not isinstance(backend, BaseBackend):
-                alone.append(lease)
-                continue
-            if not lease._mutex.acquire(blocking=False):
-                self._schedule(lease, _busy_retry(lease))
-                continue
-            try:
-                step, when = lease._renew_step(lost)
-                if step == FREE_LOST:
-                    backend.release_quietly(lease.name, lease.owner)
-            except Exception:
-                lease._mutex.release()
-                logger.exception("Renewal of lock %r failed unexpectedly", lease.name)
-                self._schedule(lease, time.monotonic() + 0.5)
-                continue
-            if step != EXTEND:
-                lease._mutex.release()
-                self._schedule(lease, when)
-                continue
-            # Marked in flight from here on (the calls of other leases of the batch
-            # come first), so that a release does not wait for this batch's call.
-            lease._renewing = time.monotonic()
-            if not lease._call_may_start():
-                lease._mutex.release()  # a release is under way: the lease is its
-                self._schedule(lease, time.monotonic() + RELEASE_RETRY)
-                continue
-            groups.setdefault(id(backend), (backend, []))[1].append(lease)
-        for backend, leases in groups.values():
-            started = time.monotonic()
-            for lease in leases:
-                lease._renewing = started
-            outcomes: list[bool | LockError]
-            try:
-                outcomes = backend.extend_many([(x.name, x.owner, x.ttl) for x in leases])
-                if len(outcomes) != len(leases):
-                    raise RuntimeError(f"{len(outcomes)} answers for {len(leases)} leases")
-            except Exception as exc:  # a bug of a backend: report it on every lease
-                logger.exception("Renewal of %d leases failed unexpectedly", len(leases))
-                error = LockError(f"renewal failed: {type(exc).__name__}: {exc}")
-                outcomes = [error] * len(leases)
-            late: list[Lease] = []
-            for lease, outcome in zip(leases, outcomes, strict=True):
+        # The leases whose mutex this caller holds and whose answer is not recorded yet.
+        unrecorded: dict[int, Lease] = {}
+        try:
+            for lease in batch:
+                backend = lease._backend
+                if not isinstance(backend, BaseBackend):
+                    alone.append(lease)
+                    continue
+                if not lease._mutex.acquire(blocking=False):
+                    self._schedule(lease, _busy_retry(lease))
+                    continue
+                unrecorded[id(lease)] = lease
                 try:
-                    due = lease._renew_result(started, outcome, lost)
-                    if outcome is True and lease._give_back_late():
-                        late.append(lease)
+                    step, when = lease._renew_step(lost)
+                    if step == FREE_LOST:
+                        backend.release_quietly(lease.name, lease.owner)
                 except Exception:
-                    logger.exception("Renewal of lock %r failed unexpectedly", lease.name)
-                    due = time.monotonic() + 0.5
-                finally:
-                    lease._renewing = 0.0
+                    del unrecorded[id(lease)]
                     lease._mutex.release()
-                self._schedule(lease, due)
-            for lease in late:
-                # Renewed after its deadline had reported it lost: given back.
-                backend.release_quietly(lease.name, lease.owner)
+                    logger.exception("Renewal of lock %r failed unexpectedly", lease.name)
+                    self._schedule(lease, time.monotonic() + 0.5)
+                    continue
+                if step != EXTEND:
+                    del unrecorded[id(lease)]
+                    lease._mutex.release()
+                    self._schedule(lease, when)
+                    continue
+                # Marked in flight from here on (the calls of other leases of the batch
+                # come first), so that a release does not wait for this batch's call.
+                lease._renewing = time.monotonic()
+                if not lease._call_may_start():
+                    del unrecorded[id(lease)]
+                    lease._mutex.release()  # a release is under way: the lease is its
+                    self._schedule(lease, time.monotonic() + RELEASE_RETRY)
+                    continue
+                groups.setdefault(id(backend), (backend, []))[1].append(lease)
+            for backend, leases in groups.values():
+                self._extend_group(backend, leases, lost, unrecorded)
+        finally:
+            # Left by a BaseException (KeyboardInterrupt, SystemExit, a greenlet killed)
+            # out of extend_many or the bookkeeping: the mutexes are freed all the same,
+            # or every later release or extend() of these leases would wait for ever;
+            # they are looked at again soon (their call's answer is unknown).
+            for lease in unrecorded.values():
+                lease._renewing = 0.0
+                lease._mutex.release()
+            for lease in unrecorded.values():
+                self._schedule(lease, _busy_retry(lease))
+
+    def _extend_group(
+        self,
+        backend: BaseBackend,
+        leases: list[Lease],
+        lost: list[tuple[BaseLease, str]],
+        unrecorded: dict[int, Lease],
+    ) -> None:
+        """One ``extend_many`` call for ``leases`` (their mutexes held), and the
+        bookkeeping of each answer; each mutex is released (and the lease dropped from
+        ``unrecorded``) once its answer is recorded."""
+        started = time.monotonic()
+        for lease in leases:
+            lease._renewing = started
+        outcomes: list[bool | LockError]
+        try:
+            outcomes = backend.extend_many([(x.name, x.owner, x.ttl) for x in leases])
+            if len(outcomes) != len(leases):
+                raise RuntimeError(f"{len(outcomes)} answers for {len(leases)} leases")
+        except Exception as exc:  # a bug of a backend: report it on every lease
+            logger.exception("Renewal of %d leases failed unexpectedly", len(leases))
+            error = LockError(f"renewal failed: {type(exc).__name__}: {exc}")
+            outcomes = [error] * len(leases)
+        late: list[Lease] = []
+        for lease, outcome in zip(leases, outcomes, strict=True):
+            try:
+                due = lease._renew_result(started, outcome, lost)
+                if outcome is True and lease._give_back_late():
+                    late.append(lease)
+            except Exception:
+                logger.exception("Renewal of lock %r failed unexpectedly", lease.name)
+                due = time.monotonic() + 0.5
+            finally:
+                lease._renewing = 0.0
+                del unrecorded[id(lease)]
+                lease._mutex.release()
+            self._schedule(lease, due)
+        for lease in late:
+            # Renewed after its deadline had reported it lost: given back.
+            backend.release_quietly(lease.name, lease.owner)
 
 
 def _earliest(leases: list[Lease]) -> float:

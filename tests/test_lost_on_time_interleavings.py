@@ -210,6 +210,17 @@ class Interleavings(RuleBasedStateMachine):
         assert self.call.is_alive()  # still unanswered
         self.releaser = thread
 
+    @precondition(lambda self: self.releaser is not None and len(self.release_results) < 3)
+    @rule()
+    def another_thread_releases(self) -> None:
+        """A release again, from another thread (the holder's and a cleanup's, say):
+        whatever is in flight, it does not wait, sends no second release and reports
+        no loss of its own (see the invariants)."""
+        thread = threading.Thread(target=lambda: self.release_results.append(self.lease.release()))
+        thread.start()
+        thread.join(LIMIT)
+        assert not thread.is_alive(), "a second release waited for the call in flight"
+
     # -- invariants ------------------------------------------------------------------
 
     @invariant()

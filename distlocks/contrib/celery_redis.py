@@ -37,7 +37,8 @@ import hashlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -571,26 +572,36 @@ def release_both(lease: Lease, marker: Lease) -> bool | None:
         return None
     if lease.release_on_commit is not False and transactions.open_transactions():
         return None  # lease.release() decides whether it waits for the transaction
-    with lease._mutex, marker._mutex:
+    with _when_free(lease, marker) as free:
+        if not free:
+            # A renewal's (or an extension's) call in flight holds a mutex, perhaps stuck
+            # until its socket timeout: the caller's lease.release() goes beside it.
+            return None
         steps = [lease._release_step(), marker._release_step()]
         sent = [(i, item) for i, item in enumerate((lease, marker)) if steps[i] in _SENT]
         calls = [release_call(backend, item.name, item.owner) for _, item in sent]
         try:
             replies = send_together(backend, calls) if calls else []
-        except _DRIVER_ERRORS as exc:
-            # A timeout (the server may have run them): as lease.release() reports it,
-            # and both leases end by expiry if it did not.
-            raise backend._error("release", lease.name, exc) from exc
-        if replies is None:  # the connection broke twice: the same calls, one by one
-            replies = [
-                _release_or_error(backend, item.name, call)
-                for (_, item), call in zip(sent, calls, strict=True)
-            ]
+            if replies is None:  # the connection broke twice: the same calls, one by one
+                replies = [
+                    _release_or_error(backend, item.name, call)
+                    for (_, item), call in zip(sent, calls, strict=True)
+                ]
+        except BaseException as exc:
+            for i, item in sent:
+                if steps[i] == RELEASE:
+                    item._release_failed()  # left to a retry, as lease.release() does
+            if isinstance(exc, _DRIVER_ERRORS):
+                # A timeout (the server may have run them): as lease.release() reports
+                # it, and both leases end by expiry if it did not.
+                raise backend._error("release", lease.name, exc) from exc
+            raise
         answers: list[Any] = [None, None]
         for (i, _), reply in zip(sent, replies, strict=True):
             answers[i] = reply
         marker_answer = answers[1]
         if isinstance(marker_answer, Exception):
+            marker._release_failed()
             logger.warning("Could not release queue marker %r: %s", marker.name, marker_answer)
         elif steps[1] == RELEASE and marker._released(bool(marker_answer)):
             marker._on_finished()
@@ -599,6 +610,7 @@ def release_both(lease: Lease, marker: Lease) -> bool | None:
         if steps[0] != RELEASE:
             return False
         if isinstance(answer, Exception):
+            lease._release_failed()
             if isinstance(answer, LockError):
                 raise answer
             raise backend._error("release", lease.name, answer) from answer
@@ -607,6 +619,22 @@ def release_both(lease: Lease, marker: Lease) -> bool | None:
     lease._on_finished()
     _released_signal(lease)
     return True
+
+
+@contextmanager
+def _when_free(*leases: Lease) -> Iterator[bool]:
+    """Takes the mutexes of ``leases`` without waiting: True when it holds them all,
+    False (holding none) when one is busy."""
+    taken: list[Any] = []
+    try:
+        for item in leases:
+            if not item._mutex.acquire(False):
+                break
+            taken.append(item._mutex)
+        yield len(taken) == len(leases)
+    finally:
+        for mutex in reversed(taken):
+            mutex.release()
 
 
 def _release_or_error(backend: Any, name: str, call: tuple[str, list[str], list[Any]]) -> Any:
