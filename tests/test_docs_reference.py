@@ -183,3 +183,20 @@ def test_every_test_the_docs_cite_exists() -> None:
             ):
                 missing.add((page, f"{path}::{node}"))
     assert missing == set()
+
+
+def test_every_signal_has_an_entry_with_its_arguments() -> None:
+    """operations.md's Signals section gives each signal of ``distlocks.signals`` an entry
+    ``name(arguments)``, with the arguments the module says it sends: a receiver is
+    written from that line."""
+    from django.dispatch import Signal
+
+    import distlocks.signals
+
+    section = (DOCS / "operations.md").read_text().split("\n## Signals\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    documented = dict(re.findall(r"^`(\w+)\(([^)]*)\)`$", section, re.M))
+    told = dict(re.findall(r"``(\w+)\(([^)]*)\)``", distlocks.signals.__doc__ or ""))
+    defined = {n for n, v in vars(distlocks.signals).items() if isinstance(v, Signal)}
+    assert set(told) == defined  # the module's own list is whole
+    assert documented == told
