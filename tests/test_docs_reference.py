@@ -200,3 +200,27 @@ def test_every_signal_has_an_entry_with_its_arguments() -> None:
     defined = {n for n, v in vars(distlocks.signals).items() if isinstance(v, Signal)}
     assert set(told) == defined  # the module's own list is whole
     assert documented == told
+
+
+def test_each_check_section_quotes_the_message_the_check_prints() -> None:
+    """Under ``### `distlocks.E004` `` the quoted line is the check's own message, word
+    for word: an operator searches the page for the line ``manage.py check`` printed."""
+    text = (DOCS / "checks.md").read_text()
+    quoted = {
+        check_id: " ".join(line[2:].strip() for line in quote.splitlines())
+        for check_id, quote in re.findall(
+            r"^### `distlocks\.([EW]\d{3})`\n\n((?:^> .*\n)+)", text, re.M
+        )
+    }
+    messages = {
+        name: getattr(distlocks.checks, name)
+        for name in dir(distlocks.checks)
+        if name[:1] in "EW" and name[1:].isdigit()
+    }
+    assert set(quoted) >= set(messages)
+    wrong = {
+        name: (quoted[name], message)
+        for name, message in messages.items()
+        if quoted[name] != message
+    }
+    assert wrong == {}
