@@ -24,8 +24,11 @@ from distlocks.exceptions import (
 )
 from distlocks.fencing import unfenced
 from distlocks.models import FencedModel
+from distlocks.redaction import escape_control
 
 if TYPE_CHECKING:
+    from django.utils.functional import _StrPromise as StrPromise
+
     from distlocks.lease import BaseLease
 
 # The leases the admin holds for the rows of the request being handled, by the text
@@ -127,8 +130,15 @@ class FencedModelAdmin(admin.ModelAdmin):
             and self.has_change_permission(request)  # else Django refuses it, unlocked
         ):
             return super().changelist_view(request, extra_context)
-        rows = [(str(obj.pk), obj.get_fencing_lock_name()) for obj in self._edited_rows(request)]
+        edited = self._edited_rows(request)
+        rows = [(str(obj.pk), obj.get_fencing_lock_name()) for obj in edited]
         names = [name for _, name in rows]
+        # How the page shows each row, to name the one a refusal is about: the list
+        # reloads with the stored values, so "one of these rows" alone leaves the
+        # operator guessing which edit to make again.
+        labels: dict[tuple[str, str], str] = {}
+        for obj in edited:
+            labels["pk", str(obj.pk)] = labels["name", obj.get_fencing_lock_name()] = str(obj)
         if not names:  # nothing to lock: let the formset report what is wrong
             return super().changelist_view(request, extra_context)
         try:
@@ -142,7 +152,7 @@ class FencedModelAdmin(admin.ModelAdmin):
             self.message_user(request, _("Not saved: %(reason)s") % {"reason": exc},
                               messages.ERROR)  # fmt: skip
             return HttpResponseRedirect(request.get_full_path())
-        with self._refusals(request, several=True), row_locks as leases:
+        with self._refusals(request, several=True, labels=labels), row_locks as leases:
             held = {pk: leases[name] for pk, name in rows}
             with _holding(held):
                 return super().changelist_view(request, extra_context)
@@ -158,24 +168,47 @@ class FencedModelAdmin(admin.ModelAdmin):
             return []
 
     @contextlib.contextmanager
-    def _refusals(self, request: HttpRequest, *, several: bool) -> Iterator[None]:
+    def _refusals(
+        self,
+        request: HttpRequest,
+        *,
+        several: bool,
+        labels: Mapping[tuple[str, str], str] | None = None,
+    ) -> Iterator[None]:
         """A save refused because of the locks, as a message on the page. The
-        exception ended the admin's transaction: nothing was written."""
+        exception ended the admin's transaction: nothing was written. With several
+        rows, ``labels`` (by lock name and by primary key) names the row at fault."""
+        labels = labels or {}
         try:
             yield
-        except LockNotAcquired:
-            text = (
-                _("Not saved: one of these rows is locked by another holder right now. Try again.")
-                if several
-                else _("Not saved: the row is locked by another holder right now. Try again.")
-            )
+        except LockNotAcquired as exc:
+            row = labels.get(("name", exc.name))
+            text: str | StrPromise
+            if several and row is not None:
+                text = _(
+                    "Not saved: one of these rows (“%(row)s”) is locked by another holder "
+                    "right now. Try again."
+                ) % {"row": escape_control(row)}
+            elif several:
+                text = _(
+                    "Not saved: one of these rows is locked by another holder right now. Try again."
+                )
+            else:
+                text = _("Not saved: the row is locked by another holder right now. Try again.")
             self.message_user(request, text, messages.ERROR)
-        except StaleFencingToken:
-            text = (
-                _("Not saved: a newer lock holder changed one of these rows meanwhile. Reload.")
-                if several
-                else _("Not saved: a newer lock holder changed this row meanwhile. Reload it.")
-            )
+        except StaleFencingToken as exc:
+            row = labels.get(("pk", str(exc.pk)))
+            if several and row is not None:
+                text = _(
+                    "Not saved: a newer lock holder changed one of these rows (“%(row)s”) "
+                    "meanwhile. Reload."
+                ) % {"row": escape_control(row)}
+            elif several:
+                text = _(
+                    "Not saved: a newer lock holder changed one of these rows meanwhile. Reload."
+                )
+            else:
+                text = _("Not saved: a newer lock holder changed this row meanwhile. Reload it.")
             self.message_user(request, text, messages.ERROR)
         except LockBackendUnavailable:
             self.message_user(
