@@ -45,7 +45,12 @@ def increment_file(
 def _bump(file: Path, window: float) -> None:
     value = int(file.read_text() or 0)
     time.sleep(window)
-    file.write_text(str(value + 1))
+    # Written whole and renamed over the file: two unprotected writers overlapping in
+    # place could leave "92" from "9" and "12" (a count above the true one, as one
+    # clean-clone run saw: 86 of 60); so the control case can only lose increments.
+    spare = file.with_name(f"{file.name}.{os.getpid()}")
+    spare.write_text(str(value + 1))
+    os.replace(spare, file)
 
 
 def try_to_steal(alias: str, name: str, seconds: float, result_path: str) -> None:
