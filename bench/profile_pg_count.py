@@ -24,8 +24,8 @@ no pool, no lease record), ``backend`` (``PostgresBackend.acquire`` / ``release`
 backend="pg", ttl=30, timeout=0)``, default options) or ``statements`` (the backend's
 own two statements prepared on a bare connection, sent with ``psycopg.pq``: the floor
 of what the backend sends). Uses the servers named by ``DISTLOCKS_TEST_DATABASE_URL``
-and ``DISTLOCKS_TEST_REDIS_URL`` if set (start them once with ``--serve``, so that the
-server's start-up is not counted), else starts its own. Every cycle's lock must be
+and ``DISTLOCKS_TEST_REDIS_URL`` if set (``serve`` starts them and prints them, so
+that many counted runs share one pair of servers), else starts its own. Every cycle's lock must be
 granted: a refusal stops the run (the count would then be of another path).
 """
 
