@@ -21,7 +21,14 @@ from distlocks import alock, get_backend
 from distlocks.exceptions import LockNotAcquired
 from distlocks.testing.zookeeper_server import ZooKeeperServer, zookeeper_missing
 from tests.faults.proxy import FaultProxy
-from tests.test_zookeeper import HOLDER, Waiter, wait_for, watching, zk_config
+from tests.test_zookeeper import (
+    HOLDER,
+    Waiter,
+    expire_session,
+    wait_for,
+    watching,
+    zk_config,
+)
 
 pytestmark = pytest.mark.skipif(bool(zookeeper_missing()), reason=zookeeper_missing())
 
@@ -48,15 +55,9 @@ def aliases(settings: Any, zk_server: ZooKeeperServer) -> Iterator[list[str]]:
 
 
 def expire(backend: Any, location: str) -> None:
-    """End ``backend``'s session on the server (another client takes it over and closes
-    it): its ephemeral nodes are deleted, and the client hears of it as LOST."""
-    from kazoo.client import KazooClient
-
-    session_id, password = backend._client.client_id
-    other = KazooClient(hosts=location, client_id=(session_id, password))
-    other.start(timeout=10)
-    other.stop()
-    other.close()
+    """End ``backend``'s session on the server: its ephemeral nodes are deleted, and
+    the client hears of it as LOST before this returns (see ``expire_session``)."""
+    expire_session(backend, location)
 
 
 def queued_behind(backend: Any, name: str, holder: str) -> str:

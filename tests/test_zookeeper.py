@@ -101,6 +101,48 @@ def wait_for(predicate: Any, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def expire_session(backend: Any, location: str, stall: float = 0.0) -> None:
+    """End ``backend``'s session on the server, and return once the backend heard it
+    (its ``_generation`` moved): another client takes the session over and closes it.
+
+    Taking it over cuts the backend's connection, and its client reconnects 50 ms
+    later (its connection retry). If that is before the other client's close (a
+    stall of the test's thread on a loaded machine, or ``stall``), the backend takes
+    the live session back, the server drops the other client, and its stop closes
+    nothing: the session lives on, rightly unreported. So take it over again until
+    the backend hears the loss."""
+    from kazoo.client import KazooClient
+    from kazoo.protocol.states import KazooState
+
+    client = backend._client
+    session_id, password = client.client_id
+    generation = backend._generation
+    states: list[str] = []
+    client.add_listener(states.append)
+    try:
+        for _ in range(10):
+            states.clear()
+            other = KazooClient(hosts=location, client_id=(session_id, password))
+            other.start(timeout=10)
+            time.sleep(stall)
+            other.stop()
+            other.close()
+            # Either the close went through (the backend hears LOST), or the backend
+            # reconnected to its live session (cut off, then CONNECTED again).
+            wait_for(
+                lambda: (
+                    backend._generation > generation
+                    or (KazooState.SUSPENDED in states and states[-1] == KazooState.CONNECTED)
+                ),
+                timeout=30,
+            )
+            if backend._generation > generation:
+                return
+        raise AssertionError(f"session {session_id:#x} taken back by its backend 10 times")
+    finally:
+        client.remove_listener(states.append)
+
+
 # -- the basics ------------------------------------------------------------------------
 
 
@@ -774,10 +816,25 @@ def test_force_release_without_token_hands_the_lock_to_the_next_waiter(zk: str, 
         holder.extend()
 
 
+def test_expire_session_ends_a_session_its_backend_took_back(
+    zk: str, zk_server: ZooKeeperServer, name: str
+) -> None:
+    """The tests' expiry helper, with the stall a loaded machine puts between the
+    takeover and the close: the backend reconnects first and keeps its session (a
+    single takeover then expires nothing), yet the helper ends it, and the backend
+    hears of it: its lease is lost and its node gone."""
+    backend = get_backend(zk)
+    lease = lock(name, backend=zk, ttl=4, timeout=1, auto_renew=False).acquire()
+    generation = backend._generation
+    expire_session(backend, zk_server.location, stall=0.3)
+    assert backend._generation > generation
+    wait_for(lambda: not lease.held(), timeout=20)
+    wait_for(lambda: backend.contenders(name) == [], timeout=20)
+
+
 def test_session_expiry_loses_the_lease(
     settings: Any, zk_server: ZooKeeperServer, name: str
 ) -> None:
-    from kazoo.client import KazooClient
 
     settings.DISTLOCKS_BACKENDS = {
         **settings.DISTLOCKS_BACKENDS,
@@ -788,12 +845,8 @@ def test_session_expiry_loses_the_lease(
     lease = lock(
         name, backend="zk1", ttl=1, timeout=1, on_lost=lambda gone: lost.append(gone.lost_reason)
     ).acquire()
-    session_id, password = backend._client.client_id  # type: ignore[union-attr]
-    # Close the session from another client: the server expires it, deleting the node.
-    other = KazooClient(hosts=zk_server.location, client_id=(session_id, password))
-    other.start(timeout=5)
-    other.stop()
-    other.close()
+    # The server expires its session, deleting its nodes; the backend hears it.
+    expire_session(backend, zk_server.location)
     wait_for(lambda: not lease.held(), timeout=1.0)
     # on_lost may come a moment after held() turns false (told on a notice thread).
     wait_for(lambda: bool(lost), timeout=5.0)
@@ -1095,7 +1148,6 @@ def test_a_holder_whose_session_expired_is_fenced_out(
 ) -> None:
     """The holder's session expires while it is paused; the next holder writes; the
     old holder's write, with its own token, is refused by the database."""
-    from kazoo.client import KazooClient
 
     from distlocks.exceptions import StaleFencingToken
     from tests.testapp.models import Account
@@ -1106,11 +1158,8 @@ def test_a_holder_whose_session_expired_is_fenced_out(
     }
     row = Account.objects.create(owner="ann", balance=100)
     paused = lock(f"account:{row.pk}", backend="zkf", ttl=1, timeout=1).acquire()
-    session_id, password = get_backend("zkf")._client.client_id  # type: ignore[union-attr]
-    other = KazooClient(hosts=zk_server.location, client_id=(session_id, password))
-    other.start(timeout=5)
-    other.stop()
-    other.close()
+    # The server expires its session, deleting its nodes; the backend hears it.
+    expire_session(get_backend("zkf"), zk_server.location)
     with row.fenced_lock(backend="zkf", ttl=1, timeout=5) as lease:
         assert lease.fencing_token > paused.fencing_token
         row.balance = 50
@@ -1340,7 +1389,6 @@ def test_evicting_a_writer_moves_the_write_counter_in_the_same_step(zk: str, nam
 def test_a_lost_session_loses_permits_too(
     settings: Any, zk_server: ZooKeeperServer, name: str
 ) -> None:
-    from kazoo.client import KazooClient
 
     settings.DISTLOCKS_BACKENDS = {
         **settings.DISTLOCKS_BACKENDS,
@@ -1350,11 +1398,8 @@ def test_a_lost_session_loses_permits_too(
     on_lost = lambda gone: lost.append(gone.kind)  # noqa: E731
     permit = semaphore(name, limit=2, backend="zk1", ttl=1, on_lost=on_lost).acquire()
     writer = rwlock(name, backend="zk1").write(ttl=1, on_lost=on_lost).acquire()
-    session_id, password = get_backend("zk1")._client.client_id  # type: ignore[union-attr]
-    other = KazooClient(hosts=zk_server.location, client_id=(session_id, password))
-    other.start(timeout=5)
-    other.stop()
-    other.close()
+    # The server expires its session, deleting its nodes; the backend hears it.
+    expire_session(get_backend("zk1"), zk_server.location)
     waiting.wait_for(lambda: not permit.held() and not writer.held(), 5, "the loss")
     # on_lost may come a moment after held() turns false (told on a notice thread).
     waiting.wait_for(lambda: len(lost) >= 2, 5, "both holders told")

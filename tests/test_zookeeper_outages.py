@@ -189,7 +189,7 @@ def test_releases_after_an_outage_log_one_line(
     """A release after the session expired asks the server nothing; a lost lease that
     cannot be given back (the server is down) logs one line at WARNING with the
     cause, and the traceback only at DEBUG."""
-    from kazoo.client import KazooClient
+    from tests.test_zookeeper import expire_session
 
     settings.DISTLOCKS_BACKENDS = {
         **settings.DISTLOCKS_BACKENDS,
@@ -199,11 +199,7 @@ def test_releases_after_an_outage_log_one_line(
     backend = get_backend("zkl")
     expired = lock(name, backend="zkl", ttl=4, timeout=1, auto_renew=False).acquire()
     generation = backend._generation
-    session_id, password = backend._client.client_id  # type: ignore[union-attr]
-    other = KazooClient(hosts=server.location, client_id=(session_id, password))
-    other.start(timeout=5)
-    other.stop()
-    other.close()
+    expire_session(backend, server.location)
     wait_for(lambda: backend._generation > generation)  # kazoo heard of the expiry
     wait_for(lambda: connected("zkl"))  # on a new session
     cut_off = lock(f"{name}:2", backend="zkl", ttl=1, timeout=1, auto_renew=False).acquire()
