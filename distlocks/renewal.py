@@ -416,6 +416,11 @@ class Renewer:
         except Exception:  # a bug must not kill renewal of every other lease
             logger.exception("Renewal of lock %r failed unexpectedly", lease.name)
             due = time.monotonic() + 0.5
+        except BaseException:
+            # This caller dies with it (a greenlet killed, KeyboardInterrupt): the lease
+            # is looked at again soon by another, as a batch's leases are.
+            self._schedule(lease, time.monotonic() + 0.5)
+            raise
         finally:
             lease._mutex.release()
         self._schedule(lease, due)

@@ -62,6 +62,12 @@ class GatedReleases(GatedLocMem):
         self.release_gate = threading.Event()
         self.release_gate.set()
         self.kill_batches = False
+        self.kill_extends = False
+
+    def extend(self, name: str, owner: str, ttl: float) -> bool:
+        if self.kill_extends:
+            raise Killed("the caller thread was killed in its call")
+        return super().extend(name, owner, ttl)
 
     def release(self, name: str, owner: str) -> bool:
         self.releases += 1
@@ -379,6 +385,29 @@ def test_a_batch_renewal_killed_in_extend_many_frees_its_leases(
     assert done == [[None, True]]
     assert leases[0].renewals == 1 and leases[0].held()
     assert leases[0].release() is True and leases[2].release() is True
+
+
+def test_a_lone_renewal_killed_in_extend_frees_its_lease_and_schedules_it(
+    gated: GatedReleases, name: str
+) -> None:
+    """The same for a lease renewed on its own (``extend``, not a batch): its mutex is
+    freed and it is put back on the renewer's schedule, so it is renewed again."""
+    from distlocks.renewal import renewer
+
+    lease = lock(name, backend=ALIAS, ttl=600, auto_renew=False).acquire()
+    gated.kill_extends = True
+    died: list[object] = []
+    caller = _thread(lambda: renewer(ALIAS)._renew_alone(lease), died)
+    caller.join(LIMIT)
+    assert len(died) == 1 and isinstance(died[0], Killed), died
+    gated.kill_extends = False
+    assert not lease._renewing
+    assert id(lease) in {id(entry[2]()) for entry in renewer(ALIAS)._heap}
+    done: list[object] = []
+    worker = _thread(lambda: [lease.extend(), lease.release()], done)
+    worker.join(WITHIN)
+    assert not worker.is_alive(), "the lease still has its mutex held"
+    assert done == [[None, True]]
 
 
 # -- 5. the Celery run lock and its marker, released together on Redis ------------------------
