@@ -1,3 +1,4 @@
+# ruff: noqa: F811
 """Review 8: fenced saves the review-7 attack left, on PostgreSQL, SQLite and MariaDB.
 
 * A loaded object whose primary key was changed in memory, then saved: Django's save
@@ -7,32 +8,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
-
 import pytest
 from django.db import DatabaseError
 
 from distlocks.exceptions import FencedRowDeleted, StaleFencingToken
-from tests.test_review7_fencing import _DATABASES
-from tests.testapp.models import Account, Parcel
 
-
-@pytest.fixture(params=_DATABASES)
-def using(request: pytest.FixtureRequest, django_db_blocker: Any) -> Iterator[str]:
-    """Each database in turn, with no Account or Parcel rows in it."""
-    alias = str(request.param)
-    if alias == "default":
-        request.getfixturevalue("pg_ready")
-    elif alias == "mariadb":
-        request.getfixturevalue("mariadb")
-    with django_db_blocker.unblock():
-        for model in (Parcel, Account):
-            model._base_manager.using(alias).all().delete()
-        yield alias
-        if alias == "mariadb":
-            for model in (Parcel, Account):
-                model._base_manager.using(alias).all().delete()
+# The fixture itself, each database in turn (test parameters named after it are not redefinitions).
+from tests.test_review7_fencing import using  # noqa: F401
+from tests.testapp.models import Account
 
 
 def _loaded(using: str, token: int, owner: str = "ann") -> Account:
